@@ -1,0 +1,12 @@
+"""Test setup: 8 simulated CPU devices (so sharding tests run anywhere) and float32 matmuls."""
+
+import os
+
+# Must happen before jax is imported anywhere in the test process.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+# Exact float32 matmuls on every backend, so naive-vs-fast comparisons at 1e-5 are meaningful.
+jax.config.update("jax_default_matmul_precision", "highest")

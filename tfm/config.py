@@ -1,0 +1,224 @@
+"""The one frozen model config passed to every module, validated on construction.
+
+Every field is checked in `__post_init__`, so a bad value fails with one readable message
+naming the field and the allowed values, before any parameter is created or anything compiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import jax.numpy as jnp
+
+POSITION_SCHEMES = ("none", "sinusoidal", "learned", "rope", "relative", "t5_bias", "alibi")
+SINUSOIDAL_LAYOUTS = ("paper", "concat")
+ROPE_LAYOUTS = ("interleaved", "rotate_half")
+NORM_TYPES = ("layernorm", "rmsnorm")
+NORM_PLACEMENTS = ("post", "pre")
+ACTIVATIONS = ("relu", "gelu", "swiglu")
+ATTENTION_BACKENDS = ("reference", "xla", "cudnn")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field and what is allowed."""
+
+
+def _choice(field: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{field}={value!r} is unknown; choose one of: {', '.join(allowed)}")
+
+
+def _positive(field: str, value: Any, allow_zero: bool = False) -> None:
+    ok = isinstance(value, int) and not isinstance(value, bool)
+    ok = ok and (value >= 0 if allow_zero else value > 0)
+    if not ok:
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"{field}={value!r} must be an integer {bound}")
+
+
+def _rate(field: str, value: Any) -> None:
+    if not isinstance(value, int | float) or not 0.0 <= value < 1.0:
+        raise ConfigError(f"{field}={value!r} must be a number in [0, 1)")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Hyperparameters of an encoder, a decoder-only LM, or an encoder-decoder Transformer.
+
+    Defaults are the paper's base model (Vaswani et al. 2017, Table 3) with a small vocabulary.
+    """
+
+    # Vocabulary. `vocab_size` is the decoder's (target) vocabulary; `source_vocab_size`
+    # (None = same) the encoder's. `share_embeddings` shares one table between encoder and
+    # decoder (needs equal sizes); `tie_output` reuses the decoder table as the output projection.
+    vocab_size: int = 256
+    source_vocab_size: int | None = None
+    share_embeddings: bool = True
+    tie_output: bool = True
+    scale_embeddings: bool = True  # multiply embeddings by sqrt(d_model) (paper sec. 3.4)
+    pad_id: int = 0
+
+    # Sizes.
+    d_model: int = 512
+    num_heads: int = 8
+    num_kv_heads: int | None = None  # None = num_heads (MHA); 1 = MQA; else GQA
+    head_dim: int | None = None  # None = d_model // num_heads
+    d_ff: int = 2048
+    num_encoder_layers: int = 6
+    num_decoder_layers: int = 6
+
+    # Regularisation (paper sec. 5.4: P_drop = 0.1 on sub-layer outputs and embedding sums).
+    dropout_rate: float = 0.1
+    attention_dropout_rate: float = 0.0
+
+    # Position scheme and its options.
+    position_scheme: str = "sinusoidal"
+    max_len: int = 512  # only bounds `learned` positions; other schemes work at any position
+    sinusoidal_layout: str = "paper"
+    rope_base: float = 10000.0
+    rope_layout: str = "rotate_half"
+    rope_fraction: float = 1.0  # fraction of head_dim rotated (partial rotary, GPT-NeoX)
+    relative_max_distance: int = 16  # Shaw et al. clipping distance k
+    relative_values: bool = True  # Shaw et al. also add relative embeddings to values
+    t5_num_buckets: int = 32
+    t5_max_distance: int = 128
+    t5_shared_across_layers: bool = True  # T5 computes the bias once per stack
+
+    # Block structure.
+    norm_type: str = "layernorm"
+    norm_placement: str = "post"  # post = the paper's Add & Norm; pre = pre-LN + final norm
+    norm_eps: float = 1e-6
+    activation: str = "relu"
+    use_bias: bool = True  # biases in dense layers (the paper has them; Llama-style has none)
+    local_window: int | None = None  # restricted self-attention radius r (paper Table 1)
+
+    # Implementation.
+    attention_backend: str = "reference"
+    dtype: str = "float32"  # compute dtype
+    param_dtype: str = "float32"
+    scan_layers: bool = False  # nn.scan over layers: compile time flat in depth
+    remat: bool = False  # rematerialise each block in the backward pass
+
+    def __post_init__(self) -> None:
+        _positive("vocab_size", self.vocab_size)
+        if self.source_vocab_size is not None:
+            _positive("source_vocab_size", self.source_vocab_size)
+        if self.share_embeddings and self.source_vocab_size not in (None, self.vocab_size):
+            raise ConfigError(
+                f"share_embeddings=True needs source_vocab_size == vocab_size; got "
+                f"source_vocab_size={self.source_vocab_size}, vocab_size={self.vocab_size}"
+            )
+        _positive("pad_id", self.pad_id, allow_zero=True)
+        for field in ("d_model", "num_heads", "d_ff"):
+            _positive(field, getattr(self, field))
+        _positive("num_encoder_layers", self.num_encoder_layers, allow_zero=True)
+        _positive("num_decoder_layers", self.num_decoder_layers, allow_zero=True)
+        if self.head_dim is None and self.d_model % self.num_heads:
+            raise ConfigError(
+                f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}; "
+                "pick sizes that divide or set head_dim explicitly"
+            )
+        if self.head_dim is not None:
+            _positive("head_dim", self.head_dim)
+        if self.num_kv_heads is not None:
+            _positive("num_kv_heads", self.num_kv_heads)
+            if self.num_heads % self.num_kv_heads:
+                raise ConfigError(
+                    f"num_heads={self.num_heads} is not divisible by "
+                    f"num_kv_heads={self.num_kv_heads}; each key/value head serves a whole "
+                    "group of query heads"
+                )
+        _rate("dropout_rate", self.dropout_rate)
+        _rate("attention_dropout_rate", self.attention_dropout_rate)
+        _choice("position_scheme", self.position_scheme, POSITION_SCHEMES)
+        _positive("max_len", self.max_len)
+        _choice("sinusoidal_layout", self.sinusoidal_layout, SINUSOIDAL_LAYOUTS)
+        _choice("rope_layout", self.rope_layout, ROPE_LAYOUTS)
+        if not self.rope_base > 1:
+            raise ConfigError(f"rope_base={self.rope_base!r} must be > 1")
+        if not 0.0 < self.rope_fraction <= 1.0:
+            raise ConfigError(f"rope_fraction={self.rope_fraction!r} must be in (0, 1]")
+        rotated = int(self.resolved_head_dim * self.rope_fraction)
+        if self.position_scheme == "rope" and (rotated < 2 or rotated % 2):
+            raise ConfigError(
+                f"rope_fraction={self.rope_fraction} rotates {rotated} of head_dim="
+                f"{self.resolved_head_dim} dimensions; that must be an even number >= 2"
+            )
+        if self.position_scheme == "sinusoidal" and self.d_model % 2:
+            raise ConfigError(f"d_model={self.d_model} must be even for sinusoidal positions")
+        _positive("relative_max_distance", self.relative_max_distance)
+        _positive("t5_num_buckets", self.t5_num_buckets)
+        _positive("t5_max_distance", self.t5_max_distance)
+        _choice("norm_type", self.norm_type, NORM_TYPES)
+        _choice("norm_placement", self.norm_placement, NORM_PLACEMENTS)
+        if not self.norm_eps > 0:
+            raise ConfigError(f"norm_eps={self.norm_eps!r} must be > 0")
+        _choice("activation", self.activation, ACTIVATIONS)
+        if self.local_window is not None:
+            _positive("local_window", self.local_window)
+        _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _choice("dtype", self.dtype, DTYPES)
+        _choice("param_dtype", self.param_dtype, DTYPES)
+
+    # Derived values: read these, never recompute them elsewhere.
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.d_model // self.num_heads
+
+    @property
+    def resolved_num_kv_heads(self) -> int:
+        return self.num_kv_heads if self.num_kv_heads is not None else self.num_heads
+
+    @property
+    def resolved_source_vocab_size(self) -> int:
+        return self.source_vocab_size if self.source_vocab_size is not None else self.vocab_size
+
+    @property
+    def compute_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.dtype)
+
+    @property
+    def params_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.param_dtype)
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        return from_dict({**dataclasses.asdict(self), **changes})
+
+
+def from_dict(values: Mapping[str, Any]) -> ModelConfig:
+    """Builds a ModelConfig from a mapping (e.g. an ml_collections ConfigDict), rejecting unknown keys."""
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(
+            f"model config has unknown field(s) {', '.join(unknown)}; "
+            f"known fields: {', '.join(sorted(known))}"
+        )
+    return ModelConfig(**dict(values))
+
+
+def paper_base(vocab_size: int = 37000) -> ModelConfig:
+    """The paper's base model: N=6, d_model=512, d_ff=2048, h=8, P_drop=0.1, shared embeddings
+    (Vaswani et al. 2017, Table 3; 37,000-token shared BPE vocabulary for WMT En-De)."""
+    return ModelConfig(
+        vocab_size=vocab_size,
+        share_embeddings=True,
+        tie_output=True,
+        d_model=512,
+        num_heads=8,
+        d_ff=2048,
+        num_encoder_layers=6,
+        num_decoder_layers=6,
+        dropout_rate=0.1,
+        position_scheme="sinusoidal",
+        norm_placement="post",
+        activation="relu",
+    )
+
+
+def paper_big(vocab_size: int = 37000) -> ModelConfig:
+    """The paper's big model (Table 3): d_model=1024, d_ff=4096, h=16, P_drop=0.3."""
+    return paper_base(vocab_size).replace(d_model=1024, d_ff=4096, num_heads=16, dropout_rate=0.3)
