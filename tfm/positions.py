@@ -1,0 +1,288 @@
+"""Position information for Transformers: pure functions and a registry by name.
+
+Every function takes explicit integer position ids (`positions: [batch, length]`), so packed
+sequences (positions restart per segment) and decoding at an offset work like plain `arange`.
+Nothing here holds parameters; tables (learned, T5, Shaw) are passed in by the layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tfm.config import POSITION_SCHEMES, ConfigError
+
+Array = jax.Array
+ArrayLike = jax.Array | np.ndarray  # concrete or traced ids; numpy for static inputs
+
+
+def _int_positions(positions: ArrayLike, name: str = "positions") -> Array:
+    positions = jnp.asarray(positions)
+    if not jnp.issubdtype(positions.dtype, jnp.integer):
+        raise ValueError(f"{name} must be an integer array; got dtype {positions.dtype}")
+    return positions.astype(jnp.int32)
+
+
+def _sin_cos(positions: Array, inv_freq: np.ndarray) -> tuple[Array, Array]:
+    """sin, cos of `positions[..., None] * inv_freq` in float32, ~1e-6 off at any int32 position.
+
+    positions: [...] int32; inv_freq: [F] static -> two [..., F] arrays.
+    A float32 product `pos * inv_freq` has an angle error of about |angle| * 2^-24 (plus the
+    rounding of inv_freq itself): ~0.05 rad at pos = 1e6. So we reduce exactly, in turns:
+    turns-per-position = fixed / 2^32 + residual with `fixed` a uint32; `pos * fixed` wraps
+    modulo 2^32, which is exactly the fractional turn of that part, and `pos * residual` is
+    below 0.25 turns. The angle fed to sin/cos is then in (-pi/2, 5pi/2) and off by ~1e-6 rad.
+    """
+    scaled = np.asarray(inv_freq, np.float64) / (2 * np.pi) * 2.0**32
+    whole = np.round(scaled)
+    fixed = jnp.asarray(np.mod(whole, 2.0**32).astype(np.uint32))
+    residual = jnp.asarray(((scaled - whole) / 2.0**32).astype(np.float32))
+    pos = positions[..., None]
+    phase = (pos.astype(jnp.uint32) * fixed).astype(jnp.float32) * np.float32(2.0**-32)
+    turns = phase + pos.astype(jnp.float32) * residual
+    angle = np.float32(2 * np.pi) * turns
+    return jnp.sin(angle), jnp.cos(angle)
+
+
+def sinusoidal(
+    positions: ArrayLike, dim: int, *, layout: str = "paper", max_timescale: float = 10000.0
+) -> Array:
+    """Fixed sinusoidal position encodings; positions: [..., T] int -> [..., T, dim] float32.
+
+    layout="paper" (Vaswani et al. 2017, sec. 3.5): PE(pos, 2i) = sin(pos / max_timescale^(2i/dim)),
+    PE(pos, 2i+1) = cos(same angle), interleaved.
+    layout="concat" (tensor2tensor / Flax examples): [sin | cos] halves with inverse frequency
+    max_timescale^(-i / (dim/2 - 1)), i = 0..dim/2-1. Its frequencies differ from the paper's
+    (exponent over dim/2 - 1, not dim/2), so it is NOT a permutation of the paper's table.
+    Works at any position (no table). Values are accurate to ~1e-6 even at pos = 1e6 (see _sin_cos).
+    """
+    if dim <= 0 or dim % 2:
+        raise ValueError(f"dim={dim} must be a positive even number")
+    if layout not in ("paper", "concat"):
+        raise ValueError(f"layout={layout!r} is unknown; choose one of: paper, concat")
+    half = dim // 2
+    positions = _int_positions(positions)
+    if layout == "paper":
+        inv_freq = max_timescale ** (-2.0 * np.arange(half) / dim)
+        sin, cos = _sin_cos(positions, inv_freq)
+        return jnp.stack([sin, cos], axis=-1).reshape(*positions.shape, dim)
+    inv_freq = max_timescale ** (-np.arange(half) / max(half - 1, 1))
+    return jnp.concatenate(_sin_cos(positions, inv_freq), axis=-1)
+
+
+def learned_lookup(table: Array, positions: ArrayLike) -> Array:
+    """Rows of a learned position table; table: [max_len, D], positions: [B, T] -> [B, T, D].
+
+    Concrete positions outside [0, max_len) raise ValueError; traced ones give NaN rows
+    (loud downstream), never silently clipped to the last row.
+    """
+    max_len = table.shape[0]
+    if not isinstance(positions, jax.core.Tracer):
+        concrete = np.asarray(positions)
+        bad = concrete[(concrete < 0) | (concrete >= max_len)]
+        if bad.size:
+            raise ValueError(
+                f"position {int(bad.flat[0])} is outside the learned table (max_len={max_len}); "
+                "learned positions need 0 <= position < max_len"
+            )
+    positions = _int_positions(positions)
+    # mode="fill" would wrap negative indices; send them out of range too.
+    positions = jnp.where(positions < 0, max_len, positions)
+    return jnp.take(table, positions, axis=0, mode="fill", fill_value=jnp.nan)
+
+
+def apply_rope(
+    x: Array,
+    positions: ArrayLike,
+    *,
+    base: float = 10000.0,
+    layout: str = "rotate_half",
+    fraction: float = 1.0,
+) -> Array:
+    """Rotary position embedding (Su et al. 2021); x: [B, T, N, H], positions: [B, T] -> x's shape.
+
+    The first d = round(fraction * H) dims (even) are rotated by angles pos * base^(-2i/d);
+    the rest pass through. layout="interleaved" rotates pairs (2i, 2i+1) (paper, GPT-J);
+    layout="rotate_half" rotates pairs (i, i + d/2) (GPT-NeoX, Llama). Computed in float32,
+    returned in x's dtype.
+    """
+    if layout not in ("interleaved", "rotate_half"):
+        raise ValueError(f"layout={layout!r} is unknown; choose one of: interleaved, rotate_half")
+    positions = _int_positions(positions)
+    if positions.ndim != 2:
+        raise ValueError(f"positions must be [batch, length]; got shape {positions.shape}")
+    head_dim = x.shape[-1]
+    rotated = round(fraction * head_dim)
+    if not 0.0 < fraction <= 1.0 or rotated < 2 or rotated % 2:
+        raise ValueError(
+            f"fraction={fraction} rotates {rotated} of head_dim={head_dim} dims; "
+            "that must be an even number >= 2 with 0 < fraction <= 1"
+        )
+    half = rotated // 2
+    sin, cos = _sin_cos(positions, base ** (-2.0 * np.arange(half) / rotated))
+    sin, cos = sin[:, :, None, :], cos[:, :, None, :]  # [B, T, 1, half]
+    rot, rest = x[..., :rotated].astype(jnp.float32), x[..., rotated:]
+    if layout == "rotate_half":
+        first, second = rot[..., :half], rot[..., half:]
+        out = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
+    else:
+        first, second = rot[..., 0::2], rot[..., 1::2]
+        pairs = [first * cos - second * sin, second * cos + first * sin]
+        out = jnp.stack(pairs, axis=-1).reshape(rot.shape)
+    return jnp.concatenate([out.astype(x.dtype), rest], axis=-1)
+
+
+def alibi_slopes(num_heads: int) -> np.ndarray:
+    """ALiBi head slopes (Press et al. 2022) -> [num_heads] float32.
+
+    For a power of two n: 2^(-8/n), 2^(-16/n), ..., 2^(-8). Otherwise the slopes of the closest
+    lower power of two p, then slopes 0, 2, 4, ... of the 2p-head list, up to num_heads.
+    """
+    if num_heads <= 0:
+        raise ValueError(f"num_heads={num_heads} must be > 0")
+
+    def power_of_two(n: int) -> list[float]:
+        return [2.0 ** (-8.0 * k / n) for k in range(1, n + 1)]
+
+    lower = 2 ** math.floor(math.log2(num_heads))
+    slopes = power_of_two(lower) + power_of_two(2 * lower)[0::2][: num_heads - lower]
+    return np.asarray(slopes, np.float32)
+
+
+def _offsets(query_positions: ArrayLike, key_positions: ArrayLike) -> Array:
+    """key - query; query_positions: [B, T], key_positions: [B, S] -> [B, T, S] int32."""
+    query_positions = _int_positions(query_positions, "query_positions")
+    key_positions = _int_positions(key_positions, "key_positions")
+    return key_positions[:, None, :] - query_positions[:, :, None]
+
+
+def alibi_bias(query_positions: ArrayLike, key_positions: ArrayLike, slopes: ArrayLike) -> Array:
+    """-slope * |q - k|; query: [B, T], key: [B, S], slopes: [N] -> [B, N, T, S].
+
+    Equals the paper's causal bias where k <= q, and is symmetric for encoders.
+    """
+    distance = jnp.abs(_offsets(query_positions, key_positions)).astype(jnp.float32)
+    return -jnp.asarray(slopes, jnp.float32)[None, :, None, None] * distance[:, None]
+
+
+def t5_relative_bucket(
+    relative_position: ArrayLike,
+    *,
+    bidirectional: bool,
+    num_buckets: int = 32,
+    max_distance: int = 128,
+) -> Array:
+    """T5 bucket of relative_position = key - query (Raffel et al. 2020; Mesh TensorFlow) -> int32.
+
+    Bidirectional: half the buckets per sign, key after query (positive) in the upper half.
+    Causal: only key <= query is distinguished; future keys get bucket 0. Within a half, the
+    first half of the buckets are exact distances, the rest logarithmic up to max_distance,
+    then clipped to the last bucket.
+    """
+    relative_position = _int_positions(relative_position, "relative_position")
+    bucket = jnp.zeros_like(relative_position)
+    if bidirectional:
+        num_buckets //= 2
+        bucket = jnp.where(relative_position > 0, num_buckets, 0)
+        distance = jnp.abs(relative_position)
+    else:
+        distance = jnp.maximum(-relative_position, 0)
+    max_exact = num_buckets // 2
+    # + 1e-6 as in Mesh TF: guards exact ratios (16/8 = 2) against float32 log rounding down.
+    ratio = jnp.maximum(distance, max_exact).astype(jnp.float32) / max_exact + 1e-6
+    scale = (num_buckets - max_exact) / math.log(max_distance / max_exact)
+    large = max_exact + (jnp.log(ratio) * scale).astype(jnp.int32)
+    large = jnp.minimum(large, num_buckets - 1)
+    return (bucket + jnp.where(distance < max_exact, distance, large)).astype(jnp.int32)
+
+
+def t5_bias(
+    table: Array,
+    query_positions: ArrayLike,
+    key_positions: ArrayLike,
+    *,
+    bidirectional: bool,
+    num_buckets: int = 32,
+    max_distance: int = 128,
+) -> Array:
+    """T5 relative attention bias; table: [num_buckets, N], query_positions: [B, T],
+    key_positions: [B, S] -> [B, N, T, S]."""
+    if table.shape[0] != num_buckets:
+        raise ValueError(f"table has {table.shape[0]} rows but num_buckets={num_buckets}")
+    buckets = t5_relative_bucket(
+        _offsets(query_positions, key_positions),
+        bidirectional=bidirectional,
+        num_buckets=num_buckets,
+        max_distance=max_distance,
+    )
+    return jnp.moveaxis(jnp.take(table, buckets, axis=0), -1, 1)  # [B, T, S, N] -> [B, N, T, S]
+
+
+def relative_indices(
+    query_positions: ArrayLike, key_positions: ArrayLike, max_distance: int
+) -> Array:
+    """Shaw et al. 2018 indices clip(key - query, -k, k) + k, k = max_distance;
+    query_positions: [B, T], key_positions: [B, S] -> [B, T, S] int32 in [0, 2k]."""
+    if max_distance <= 0:
+        raise ValueError(f"max_distance={max_distance} must be > 0")
+    offsets = _offsets(query_positions, key_positions)
+    return jnp.clip(offsets, -max_distance, max_distance) + max_distance
+
+
+def shaw_logit_bias(query: Array, key_table: Array, rel_idx: Array, scale: float) -> Array:
+    """scale * q_i . a^K_ij (Shaw et al. 2018, eq. 5); query: [B, T, N, H], key_table: [2k+1, H],
+    rel_idx: [B, T, S] -> [B, N, T, S].
+
+    Dots each query with all 2k+1 table rows first, then gathers: no [B, T, S, H] tensor.
+    """
+    per_row = jnp.einsum("btnh,rh->bntr", query, key_table)  # [B, N, T, 2k+1]
+    gathered = jnp.take_along_axis(per_row, rel_idx[:, None].astype(jnp.int32), axis=-1)
+    return scale * gathered
+
+
+def shaw_value_term(weights: Array, value_table: Array, rel_idx: Array) -> Array:
+    """sum_j w_ij a^V_ij (Shaw et al. 2018, eq. 3); weights: [B, N, T, S], value_table: [2k+1, H],
+    rel_idx: [B, T, S] -> [B, T, N, H].
+
+    Sums the weights per relative index first, then multiplies by the table.
+    """
+    one_hot = jax.nn.one_hot(rel_idx, value_table.shape[0], dtype=weights.dtype)  # [B, T, S, R]
+    per_row = jnp.einsum("bnts,btsr->btnr", weights, one_hot)
+    return jnp.einsum("btnr,rh->btnh", per_row, value_table)
+
+
+@dataclasses.dataclass(frozen=True)
+class PositionScheme:
+    """A position scheme by name; kind says where it enters the model."""
+
+    name: str
+    kind: str  # "none" | "embedding" | "rotary" | "bias" | "relative"
+    description: str = ""
+
+
+SCHEMES: dict[str, PositionScheme] = {
+    scheme.name: scheme
+    for scheme in (
+        PositionScheme("none", "none", "no position information (e.g. causal-only NoPE)"),
+        PositionScheme("sinusoidal", "embedding", "fixed sinusoids added to embeddings"),
+        PositionScheme("learned", "embedding", "learned table added to embeddings, < max_len"),
+        PositionScheme("rope", "rotary", "rotary embedding of queries and keys"),
+        PositionScheme("relative", "relative", "Shaw et al. clipped relative keys/values"),
+        PositionScheme("t5_bias", "bias", "T5 bucketed relative attention bias"),
+        PositionScheme("alibi", "bias", "ALiBi linear distance penalty per head"),
+    )
+}
+assert tuple(SCHEMES) == POSITION_SCHEMES, "SCHEMES must match tfm.config.POSITION_SCHEMES"
+
+
+def get_scheme(name: str) -> PositionScheme:
+    """The registered PositionScheme called `name`; unknown names raise ConfigError."""
+    if name not in SCHEMES:
+        raise ConfigError(
+            f"position_scheme={name!r} is unknown; choose one of: {', '.join(SCHEMES)}"
+        )
+    return SCHEMES[name]
