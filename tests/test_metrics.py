@@ -1,0 +1,70 @@
+import math
+import struct
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tensorboardX.proto import event_pb2
+
+from tfm.metrics import MetricWriter, progress_bar, read_metrics
+
+
+def _read_events(directory):
+    """Scalars from TensorBoard event files (TFRecord: u64 length, u32 crc, data, u32 crc)."""
+    scalars = []
+    for path in sorted(directory.glob("events.out.tfevents.*")):
+        data = path.read_bytes()
+        offset = 0
+        while offset < len(data):
+            (length,) = struct.unpack("<Q", data[offset:offset + 8])
+            event = event_pb2.Event.FromString(data[offset + 12:offset + 12 + length])
+            offset += 12 + length + 4
+            for value in event.summary.value:
+                scalars.append((event.step, value.tag, value.simple_value))
+    return scalars
+
+
+def test_jsonl_and_tensorboard_round_trip(tmp_path):
+    with MetricWriter(tmp_path, process_index=0) as writer:
+        writer.write(10, {"train/loss": jnp.float32(2.5), "train/lr": 1e-3})
+        writer.write(20, {"train/loss": np.float64(1.25), "eval/nan": float("nan")})
+        writer.write_text(0, "config", "d_model: 16")
+    records = read_metrics(tmp_path)
+    assert records[0] == {"step": 10, "train/loss": 2.5, "train/lr": 1e-3}
+    assert records[1]["step"] == 20 and records[1]["train/loss"] == 1.25
+    assert math.isnan(records[1]["eval/nan"])
+    scalars = _read_events(tmp_path / "tensorboard")
+    assert (10, "train/loss", 2.5) in scalars and (20, "train/loss", 1.25) in scalars
+    assert any(tag == "train/lr" and step == 10 and abs(v - 1e-3) < 1e-9
+               for step, tag, v in scalars)
+
+
+def test_appends_across_writers(tmp_path):
+    for step in (1, 2):
+        with MetricWriter(tmp_path, process_index=0) as writer:
+            writer.write(step, {"x": step})
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
+
+
+def test_only_process_zero_writes(tmp_path):
+    writer = MetricWriter(tmp_path / "other", process_index=1)
+    writer.write(1, {"loss": 1.0})
+    writer.close()
+    assert not (tmp_path / "other").exists()
+
+
+def test_rejects_non_scalars(tmp_path):
+    with MetricWriter(tmp_path, process_index=0) as writer:
+        with pytest.raises(ValueError, match="scalars"):
+            writer.write(1, {"loss": np.ones(3)})
+
+
+def test_progress_bar_counts_and_can_be_disabled(capsys):
+    bar = progress_bar(10, initial_step=4, enabled=False)
+    bar.update(3)  # a disabled tqdm bar does nothing at all
+    bar.close()
+    assert capsys.readouterr().err == ""
+    bar = progress_bar(10, initial_step=4, enabled=True)
+    bar.update(6)
+    bar.close()
+    assert "10/10" in capsys.readouterr().err and bar.n == 10

@@ -1,0 +1,86 @@
+"""Token cross-entropy with label smoothing, returned as weighted sums.
+
+Sums (not means) let the caller add them across micro-batches, eval batches and devices and
+divide once (`weighted_metrics`), so every token counts the same however the batches fall.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+
+
+def smoothed_target_entropy(vocab_size: int, label_smoothing: float) -> float:
+    """Entropy of the smoothed target q = (1 - eps) * onehot + eps / V: the least loss
+    any model can reach under label smoothing."""
+    eps = label_smoothing
+    if eps == 0.0:
+        return 0.0
+    on, off = 1.0 - eps + eps / vocab_size, eps / vocab_size
+    return -(on * math.log(on) + (vocab_size - 1) * off * math.log(off))
+
+
+def cross_entropy(
+    logits: jax.Array,
+    targets: jax.Array,
+    weights: jax.Array,
+    *,
+    label_smoothing: float = 0.0,
+) -> dict[str, jax.Array]:
+    """Weighted token cross-entropy sums.
+
+    logits: [batch, length, vocab] (any float dtype; log_softmax runs in float32)
+    targets: [batch, length] int; weights: [batch, length] (0 for padding, which then affects
+    nothing). Label smoothing (Szegedy et al. 2016; Vaswani et al. 2017 sec. 5.4) trains
+    against q = (1 - eps) * onehot(target) + eps / V, i.e. eps spread uniformly over ALL V
+    classes, the true one included (tensor2tensor instead spreads eps over the V - 1 others).
+
+    Returns float32 scalars:
+      loss_sum: sum_t w_t * H(q_t, p_t), the smoothed loss to optimise (= nll_sum at eps=0);
+      kl_sum: loss_sum minus its minimum, w * H(q): sum_t w_t * KL(q_t || p_t);
+      nll_sum: sum_t w_t * -log p_t(target), unsmoothed, for perplexity;
+      correct_sum: sum_t w_t * [argmax p_t == target]; weight_sum: sum_t w_t.
+    """
+    if logits.shape[:-1] != targets.shape or targets.shape != weights.shape:
+        raise ValueError(
+            f"cross_entropy needs logits [B,T,V], targets [B,T], weights [B,T]; got logits "
+            f"{logits.shape}, targets {targets.shape}, weights {weights.shape}"
+        )
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing={label_smoothing!r} must be in [0, 1)")
+    vocab_size = logits.shape[-1]
+    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    weights = weights.astype(jnp.float32)
+    nll = -jnp.take_along_axis(log_probs, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    # H(q, p) = (1 - eps) * nll + eps * mean_v(-log p_v).
+    loss = (1.0 - label_smoothing) * nll - label_smoothing * log_probs.mean(axis=-1)
+    correct = (jnp.argmax(log_probs, axis=-1) == targets).astype(jnp.float32)
+    weight_sum = weights.sum()
+    loss_sum = (weights * loss).sum()
+    return {
+        "loss_sum": loss_sum,
+        "kl_sum": loss_sum - weight_sum * smoothed_target_entropy(vocab_size, label_smoothing),
+        "nll_sum": (weights * nll).sum(),
+        "correct_sum": (weights * correct).sum(),
+        "weight_sum": weight_sum,
+    }
+
+
+def weighted_metrics(sums: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+    """Per-token means from (accumulated) `cross_entropy` sums: loss, kl, nll, perplexity
+    (exp of the mean unsmoothed nll) and accuracy; all 0 (perplexity 1) when weight_sum is 0."""
+    weight_sum = jnp.asarray(sums["weight_sum"], jnp.float32)
+    safe = jnp.where(weight_sum > 0, weight_sum, 1.0)
+
+    def mean(key: str) -> jax.Array:
+        return jnp.where(weight_sum > 0, jnp.asarray(sums[key], jnp.float32) / safe, 0.0)
+
+    nll = mean("nll_sum")
+    metrics = {"loss": mean("loss_sum"), "nll": nll, "perplexity": jnp.exp(nll)}
+    metrics["accuracy"] = mean("correct_sum")
+    if "kl_sum" in sums:
+        metrics["kl"] = mean("kl_sum")
+    return metrics
