@@ -1,0 +1,506 @@
+"""Decoding inside jit, model-agnostic: greedy, sampling (temperature, top-k, top-p), beam search.
+
+Every algorithm is written against a callback, as in Flax's wmt/lm1b examples:
+
+    tokens_to_logits(tokens: [batch, length] int32, cache)
+        -> (logits: [batch, length, vocab] float32, cache)
+
+`cache` is any pytree whose leaves all have batch on axis 0 (`tfm.cache.DecoderCache` is one), so
+beam search can expand it to batch * beam rows and reorder beams with one gather per leaf.
+
+The algorithms start from `initial_logits: [batch, vocab]` (the logits after the prompt or BOS was
+fed to a prefilled cache) and feed one token per step. The loop carries the next-token logits: a
+step picks tokens from them, then calls the model (under `lax.cond`) only if another step follows,
+so the model runs once for every token after the first and never after the last one (a cache with
+room for prompt + max_new_tokens - 1 positions is enough), and the compiled loop holds one copy of
+the step and of the model. Each row stops on its own at EOS (pad after) or at its
+`max_new_per_row` limit; the one `lax.while_loop` ends when every row is done or `max_new_tokens`
+tokens were generated. Rows that are done still go through the model (their outputs are
+discarded), because the batch moves in lockstep.
+
+Each algorithm is jitted with `tokens_to_logits` and the sizes as static arguments: pass the same
+callback object again to reuse the compiled loop, or call it inside your own `jax.jit`.
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tfm.config import ConfigError
+
+Cache = Any  # any pytree whose leaves have batch on axis 0
+TokensToLogits = Callable[[jax.Array, Cache], tuple[jax.Array, Cache]]
+
+# Top-p counts a set whose mass is within this of p as reaching p, so float32 rounding of
+# 0.5 + 0.3 does not decide whether p=0.8 keeps two tokens or three.
+TOP_P_TOLERANCE = 1e-6
+
+
+@flax.struct.dataclass
+class DecodeOutput:
+    """Greedy or sampled continuations.
+
+    tokens: [batch, max_new_tokens] int32, EOS included, pad_id after it.
+    lengths: [batch] int32, generated tokens per row (EOS included).
+    scores: [batch] float32, sum of the log-probabilities of the generated tokens (under the
+      temperature-adjusted, unfiltered distribution when sampling).
+    """
+
+    tokens: jax.Array
+    lengths: jax.Array
+    scores: jax.Array
+
+
+@flax.struct.dataclass
+class BeamOutput:
+    """Beam-search hypotheses, best first per row.
+
+    tokens: [batch, beam, max_new_tokens] int32, EOS included, pad_id after it.
+    lengths: [batch, beam] int32 (EOS included; 0 for an empty slot).
+    scores: [batch, beam] float32, log_probs / length_penalty(lengths), sorted descending
+      (-inf for an empty slot).
+    log_probs: [batch, beam] float32, raw sums of token log-probabilities.
+    """
+
+    tokens: jax.Array
+    lengths: jax.Array
+    scores: jax.Array
+    log_probs: jax.Array
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation (before tracing, so errors read cleanly)
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < minimum:
+        raise ConfigError(f"{name}={value!r} must be an integer >= {minimum}")
+
+
+def _check_sampling(temperature: float, top_k: int, top_p: float) -> None:
+    if not isinstance(temperature, numbers.Real) or not temperature > 0:
+        raise ConfigError(f"temperature={temperature!r} must be a number > 0")
+    _check_int("top_k", top_k, 0)
+    if not isinstance(top_p, numbers.Real) or not 0.0 < top_p <= 1.0:
+        raise ConfigError(f"top_p={top_p!r} must be a number in (0, 1] (1 turns top-p off)")
+
+
+def _check_common(
+    initial_logits: jax.Array,
+    max_new_tokens: int,
+    eos_id: int,
+    pad_id: int,
+    max_new_per_row: jax.Array | None,
+) -> None:
+    if np.ndim(initial_logits) != 2:
+        raise ValueError(
+            f"initial_logits must be [batch, vocab] (rank 2); got shape {np.shape(initial_logits)}"
+        )
+    batch, vocab = np.shape(initial_logits)
+    _check_int("max_new_tokens", max_new_tokens, 1)
+    _check_int("eos_id", eos_id, 0)
+    _check_int("pad_id", pad_id, 0)
+    if eos_id >= vocab:
+        raise ConfigError(f"eos_id={eos_id} must be < vocab size {vocab}")
+    if max_new_per_row is not None and np.shape(max_new_per_row) != (batch,):
+        raise ValueError(
+            f"max_new_per_row must be [batch] = ({batch},); got shape {np.shape(max_new_per_row)}"
+        )
+
+
+def _row_limits(max_new_per_row: jax.Array | None, batch: int, max_new_tokens: int) -> jax.Array:
+    """Per-row token budgets, [batch] int32 clipped to [0, max_new_tokens]."""
+    if max_new_per_row is None:
+        return jnp.full((batch,), max_new_tokens, jnp.int32)
+    return jnp.clip(jnp.asarray(max_new_per_row, jnp.int32), 0, max_new_tokens)
+
+
+# ---------------------------------------------------------------------------------------------
+# Filtering
+
+
+def filter_logits(logits: jax.Array, *, top_k: int = 0, top_p: float = 1.0) -> jax.Array:
+    """Keeps the top-k, then the top-p (nucleus, Holtzman et al. 2020) tokens; the rest get -inf.
+
+    logits: [batch, vocab]. top_k=0 and top_p=1 turn each filter off. Top-p keeps the smallest set
+    of most probable tokens whose probability (renormalised after top-k) reaches top_p, up to
+    TOP_P_TOLERANCE. Ties are broken by token id (lower id first), so exactly top_k tokens survive
+    top-k and the kept set is deterministic. Returns [batch, vocab], kept logits unchanged.
+    """
+    _check_sampling(1.0, top_k, top_p)
+    if np.ndim(logits) != 2:
+        raise ValueError(f"logits must be [batch, vocab] (rank 2); got shape {np.shape(logits)}")
+    return _filter_logits(logits, top_k=int(top_k), top_p=float(top_p))
+
+
+@functools.partial(jax.jit, static_argnames=("top_k", "top_p"))
+def _filter_logits(logits: jax.Array, *, top_k: int, top_p: float) -> jax.Array:
+    if top_k == 0 and top_p >= 1.0:
+        return logits
+    vocab = logits.shape[-1]
+    # Stable sort on the negated logits: descending, equal logits keep token-id order.
+    order = jnp.argsort(-logits, axis=-1, stable=True)  # [batch, vocab]
+    sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+    rank = jnp.arange(vocab)
+    keep_sorted = jnp.ones(logits.shape, bool)
+    if 0 < top_k < vocab:
+        keep_sorted = rank < top_k
+        sorted_logits = jnp.where(keep_sorted, sorted_logits, -jnp.inf)
+    if top_p < 1.0:
+        probs = jax.nn.softmax(sorted_logits.astype(jnp.float32), axis=-1)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs  # mass of the strictly better tokens
+        # A token is needed while the better ones have not reached top_p; the best always stays.
+        keep_sorted = keep_sorted & ((mass_before < top_p - TOP_P_TOLERANCE) | (rank == 0))
+    inverse = jnp.argsort(order, axis=-1)
+    keep = jnp.take_along_axis(jnp.broadcast_to(keep_sorted, logits.shape), inverse, axis=-1)
+    return jnp.where(keep, logits, -jnp.inf)
+
+
+# ---------------------------------------------------------------------------------------------
+# Greedy and sampling: one token per row per step
+
+
+class _SequentialState(NamedTuple):
+    step: jax.Array  # [] int32, tokens generated so far (same for every row)
+    tokens: jax.Array  # [batch, max_new_tokens]
+    last: jax.Array  # [batch], the token to feed next
+    lengths: jax.Array  # [batch]
+    scores: jax.Array  # [batch]
+    done: jax.Array  # [batch] bool
+    logits: jax.Array  # [batch, vocab] float32, for the next step
+    cache: Cache
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("tokens_to_logits", "max_new_tokens", "eos_id", "pad_id", "sampling"),
+)
+def _decode_sequential(
+    tokens_to_logits: TokensToLogits,
+    initial_logits: jax.Array,
+    cache: Cache,
+    rng: jax.Array | None,
+    max_new_per_row: jax.Array | None,
+    *,
+    max_new_tokens: int,
+    eos_id: int,
+    pad_id: int,
+    sampling: tuple[float, int, float] | None,
+) -> DecodeOutput:
+    """The loop shared by greedy (sampling=None) and sampling ((temperature, top_k, top_p))."""
+    batch = initial_logits.shape[0]
+    limits = _row_limits(max_new_per_row, batch, max_new_tokens)
+
+    def choose(logits: jax.Array, step: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """logits: [batch, vocab] -> (token [batch], its log-probability [batch])."""
+        if sampling is None:
+            token = jnp.argmax(logits, axis=-1)  # ties: lowest token id
+        else:
+            temperature, top_k, top_p = sampling
+            logits = logits / temperature
+            filtered = _filter_logits(logits, top_k=top_k, top_p=top_p)
+            token = jax.random.categorical(jax.random.fold_in(rng, step), filtered, axis=-1)
+        log_probs = jax.nn.log_softmax(logits, axis=-1)
+        return token, jnp.take_along_axis(log_probs, token[:, None], axis=-1)[:, 0]
+
+    def advance(state: _SequentialState) -> _SequentialState:
+        token, log_prob = choose(state.logits, state.step)
+        active = ~state.done
+        token = jnp.where(active, token, pad_id).astype(jnp.int32)
+        lengths = state.lengths + active.astype(jnp.int32)
+        return state._replace(
+            step=state.step + 1,
+            tokens=state.tokens.at[:, state.step].set(token),
+            last=token,
+            lengths=lengths,
+            scores=state.scores + jnp.where(active, log_prob, 0.0),
+            done=state.done | (active & (token == eos_id)) | (lengths >= limits),
+        )
+
+    def cond(state: _SequentialState) -> jax.Array:
+        return (state.step < max_new_tokens) & ~jnp.all(state.done)
+
+    def call_model(state: _SequentialState) -> tuple[jax.Array, Cache]:
+        logits, new_cache = tokens_to_logits(state.last[:, None], state.cache)
+        return logits[:, -1].astype(jnp.float32), new_cache
+
+    def body(state: _SequentialState) -> _SequentialState:
+        state = advance(state)
+        skip = lambda s: (s.logits, s.cache)
+        logits, new_cache = jax.lax.cond(cond(state), call_model, skip, state)
+        return state._replace(logits=logits, cache=new_cache)
+
+    state = _SequentialState(
+        step=jnp.zeros((), jnp.int32),
+        tokens=jnp.full((batch, max_new_tokens), pad_id, jnp.int32),
+        last=jnp.full((batch,), pad_id, jnp.int32),
+        lengths=jnp.zeros((batch,), jnp.int32),
+        scores=jnp.zeros((batch,), jnp.float32),
+        done=limits <= 0,
+        logits=initial_logits.astype(jnp.float32),
+        cache=cache,
+    )
+    state = jax.lax.while_loop(cond, body, state)
+    return DecodeOutput(tokens=state.tokens, lengths=state.lengths, scores=state.scores)
+
+
+def greedy(
+    tokens_to_logits: TokensToLogits,
+    initial_logits: jax.Array,
+    cache: Cache,
+    *,
+    max_new_tokens: int,
+    eos_id: int,
+    pad_id: int = 0,
+    max_new_per_row: jax.Array | None = None,
+) -> DecodeOutput:
+    """Greedy decoding: the most probable token at every step (ties: lowest id).
+
+    initial_logits: [batch, vocab]; cache: pytree with batch-leading leaves;
+    max_new_per_row: [batch] int budgets (clipped to max_new_tokens), None = max_new_tokens.
+    """
+    _check_common(initial_logits, max_new_tokens, eos_id, pad_id, max_new_per_row)
+    return _decode_sequential(
+        tokens_to_logits, initial_logits, cache, None, max_new_per_row,
+        max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id, sampling=None,
+    )
+
+
+def sample(
+    tokens_to_logits: TokensToLogits,
+    initial_logits: jax.Array,
+    cache: Cache,
+    rng: jax.Array,
+    *,
+    max_new_tokens: int,
+    eos_id: int,
+    pad_id: int = 0,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    max_new_per_row: jax.Array | None = None,
+) -> DecodeOutput:
+    """Ancestral sampling from softmax(logits / temperature), filtered by `filter_logits`.
+
+    initial_logits: [batch, vocab]; rng: a PRNG key (step t uses fold_in(rng, t), so the same key
+    gives the same samples); top_k=0 / top_p=1 are off; top_k=1 is greedy. Scores are
+    log-probabilities under the temperature-adjusted distribution before top-k/top-p filtering.
+    temperature, top_k and top_p are compile-time constants (a new value compiles again).
+    """
+    _check_common(initial_logits, max_new_tokens, eos_id, pad_id, max_new_per_row)
+    _check_sampling(temperature, top_k, top_p)
+    return _decode_sequential(
+        tokens_to_logits, initial_logits, cache, rng, max_new_per_row,
+        max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id,
+        sampling=(float(temperature), int(top_k), float(top_p)),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Beam search
+
+
+def length_penalty(lengths: jax.Array, alpha: float) -> jax.Array:
+    """GNMT length penalty ((5 + length) / 6) ** alpha (Wu et al. 2016, sec. 7); same shape."""
+    return ((5.0 + jnp.asarray(lengths, jnp.float32)) / 6.0) ** alpha
+
+
+class _BeamState(NamedTuple):
+    step: jax.Array  # [] int32, tokens generated so far by rows still running
+    live_seqs: jax.Array  # [batch, beam, max_new_tokens], never contain EOS
+    live_log_probs: jax.Array  # [batch, beam], sorted descending, -inf = no hypothesis
+    finished_seqs: jax.Array  # [batch, beam, max_new_tokens]
+    finished_scores: jax.Array  # [batch, beam], length-penalised, sorted descending
+    finished_log_probs: jax.Array  # [batch, beam]
+    finished_lengths: jax.Array  # [batch, beam]
+    row_steps: jax.Array  # [batch], tokens the row generated before it stopped
+    done: jax.Array  # [batch] bool
+    log_probs: jax.Array  # [batch, beam, vocab] float32, next-token log-probs of the alive beams
+    cache: Cache  # leaves [batch * beam, ...]
+
+
+def _rows(mask: jax.Array, like: jax.Array) -> jax.Array:
+    """Broadcasts a [batch] mask against an array with batch on axis 0."""
+    return mask.reshape(mask.shape + (1,) * (like.ndim - 1))
+
+
+_BEAM_STATIC = ("tokens_to_logits", "beam_size", "max_new_tokens", "eos_id", "pad_id", "alpha")
+
+
+@functools.partial(jax.jit, static_argnames=_BEAM_STATIC)
+def _beam_search(
+    tokens_to_logits: TokensToLogits,
+    initial_logits: jax.Array,
+    cache: Cache,
+    max_new_per_row: jax.Array | None,
+    *,
+    beam_size: int,
+    max_new_tokens: int,
+    eos_id: int,
+    pad_id: int,
+    alpha: float,
+) -> BeamOutput:
+    """The beam-search loop; arguments as in `beam_search`, validated there."""
+    batch, vocab = initial_logits.shape
+    beams = beam_size
+    limits = _row_limits(max_new_per_row, batch, max_new_tokens)
+    num_candidates = min(2 * beams, beams * vocab)
+    neg_inf = jnp.float32(-jnp.inf)
+
+    def advance(state: _BeamState, log_probs: jax.Array) -> _BeamState:
+        """One beam step from next-token log_probs: [batch, beam, vocab]."""
+        step = state.step
+        # Top 2 * beam continuations: each parent adds at most one EOS, so at least `beam`
+        # non-EOS candidates stay for the alive set.
+        candidates = (state.live_log_probs[:, :, None] + log_probs).reshape(batch, -1)
+        top_log_probs, top_index = jax.lax.top_k(candidates, num_candidates)  # [batch, 2k]
+        parent, token = top_index // vocab, (top_index % vocab).astype(jnp.int32)
+        top_seqs = jnp.take_along_axis(state.live_seqs, parent[:, :, None], axis=1)
+        top_seqs = jax.lax.dynamic_update_slice(top_seqs, token[:, :, None], (0, 0, step))
+        is_eos = token == eos_id
+
+        # Alive: the best `beam` candidates that did not end.
+        live_log_probs, pick = jax.lax.top_k(jnp.where(is_eos, neg_inf, top_log_probs), beams)
+        live_seqs = jnp.take_along_axis(top_seqs, pick[:, :, None], axis=1)
+        live_parent = jnp.take_along_axis(parent, pick, axis=1)
+
+        # Finished: merge the candidates that ended here into the best `beam` so far.
+        new_lengths = jnp.full(top_log_probs.shape, step + 1, jnp.int32)
+        new_log_probs = jnp.where(is_eos, top_log_probs, neg_inf)
+        new_scores = new_log_probs / length_penalty(step + 1, alpha)
+        all_scores = jnp.concatenate([state.finished_scores, new_scores], axis=1)
+        finished_scores, pick = jax.lax.top_k(all_scores, beams)
+
+        def merge(old, new):
+            both = jnp.concatenate([old, new], axis=1)
+            index = pick.reshape(pick.shape + (1,) * (both.ndim - 2))
+            return jnp.take_along_axis(both, index, axis=1)
+
+        frozen = state.done  # rows that stopped keep their state
+        keep = lambda new, old: jnp.where(_rows(frozen, new), old, new)
+        row_steps = state.row_steps + (~frozen).astype(jnp.int32)
+        live_log_probs = keep(live_log_probs, state.live_log_probs)
+        finished_scores = keep(finished_scores, state.finished_scores)
+
+        # Early stop: no alive beam can beat the worst finished one. Log-probs only fall, so the
+        # best an alive beam can reach is its current log-prob over the largest penalty of a
+        # length it could still end at (row_steps + 1 .. limit; the penalty is monotonic).
+        best_penalty = jnp.maximum(
+            length_penalty(row_steps + 1, alpha), length_penalty(limits, alpha)
+        )
+        best_alive = live_log_probs[:, 0] / best_penalty
+        worst_finished = finished_scores[:, -1]  # -inf until `beam` hypotheses finished
+        done = state.done | (row_steps >= limits) | (worst_finished >= best_alive)
+
+        # Reorder the cache so row b * beam + j holds the history of alive beam j.
+        source = jnp.where(frozen[:, None], jnp.arange(beams)[None, :], live_parent)
+        flat_index = (jnp.arange(batch)[:, None] * beams + source).reshape(-1)
+        return state._replace(
+            step=step + 1,
+            live_seqs=keep(live_seqs, state.live_seqs),
+            live_log_probs=live_log_probs,
+            finished_seqs=keep(merge(state.finished_seqs, top_seqs), state.finished_seqs),
+            finished_scores=finished_scores,
+            finished_log_probs=keep(
+                merge(state.finished_log_probs, new_log_probs), state.finished_log_probs
+            ),
+            finished_lengths=keep(
+                merge(state.finished_lengths, new_lengths), state.finished_lengths
+            ),
+            row_steps=row_steps,
+            done=done,
+            cache=jax.tree.map(lambda x: x[flat_index], state.cache),
+        )
+
+    def cond(state: _BeamState) -> jax.Array:
+        return (state.step < max_new_tokens) & ~jnp.all(state.done)
+
+    def call_model(state: _BeamState) -> tuple[jax.Array, Cache]:
+        last = jax.lax.dynamic_index_in_dim(state.live_seqs, state.step - 1, axis=2, keepdims=False)
+        logits, new_cache = tokens_to_logits(last.reshape(batch * beams, 1), state.cache)
+        log_probs = jax.nn.log_softmax(logits[:, -1].astype(jnp.float32), axis=-1)
+        return log_probs.reshape(batch, beams, vocab), new_cache
+
+    def body(state: _BeamState) -> _BeamState:
+        state = advance(state, state.log_probs)
+        log_probs, new_cache = jax.lax.cond(
+            cond(state), call_model, lambda s: (s.log_probs, s.cache), state
+        )
+        return state._replace(log_probs=log_probs, cache=new_cache)
+
+    # Only beam 0 starts alive, so the first step does not pick the same token `beam` times.
+    first_live = jnp.where(jnp.arange(beams) == 0, 0.0, neg_inf).astype(jnp.float32)
+    state = _BeamState(
+        step=jnp.zeros((), jnp.int32),
+        live_seqs=jnp.full((batch, beams, max_new_tokens), pad_id, jnp.int32),
+        live_log_probs=jnp.broadcast_to(first_live, (batch, beams)),
+        finished_seqs=jnp.full((batch, beams, max_new_tokens), pad_id, jnp.int32),
+        finished_scores=jnp.full((batch, beams), neg_inf),
+        finished_log_probs=jnp.full((batch, beams), neg_inf),
+        finished_lengths=jnp.zeros((batch, beams), jnp.int32),
+        row_steps=jnp.zeros((batch,), jnp.int32),
+        done=limits <= 0,
+        log_probs=jnp.broadcast_to(
+            jax.nn.log_softmax(initial_logits.astype(jnp.float32), axis=-1)[:, None],
+            (batch, beams, vocab),
+        ),
+        cache=jax.tree.map(lambda x: jnp.repeat(x, beams, axis=0), cache),
+    )
+    state = jax.lax.while_loop(cond, body, state)
+
+    # A row with no finished hypothesis returns its alive beams, scored at their length.
+    live_real = state.live_log_probs > neg_inf
+    live_lengths = jnp.where(live_real, state.row_steps[:, None], 0)
+    live_scores = state.live_log_probs / length_penalty(state.row_steps, alpha)[:, None]
+    use_live = state.finished_scores[:, 0] == neg_inf
+    pick = lambda live, finished: jnp.where(_rows(use_live, live), live, finished)
+    scores = pick(live_scores, state.finished_scores)
+    real = scores > neg_inf
+    tokens = pick(state.live_seqs, state.finished_seqs)
+    return BeamOutput(
+        tokens=jnp.where(real[:, :, None], tokens, pad_id),
+        lengths=jnp.where(real, pick(live_lengths, state.finished_lengths), 0),
+        scores=scores,
+        log_probs=pick(state.live_log_probs, state.finished_log_probs),
+    )
+
+
+def beam_search(
+    tokens_to_logits: TokensToLogits,
+    initial_logits: jax.Array,
+    cache: Cache,
+    *,
+    beam_size: int,
+    max_new_tokens: int,
+    eos_id: int,
+    pad_id: int = 0,
+    alpha: float = 0.6,
+    max_new_per_row: jax.Array | None = None,
+) -> BeamOutput:
+    """Beam search with the GNMT length penalty, alive/finished bookkeeping as in tensor2tensor.
+
+    initial_logits: [batch, vocab]; cache: pytree with batch-leading leaves, expanded here to
+    [batch * beam_size, ...]; max_new_per_row: [batch] int budgets (e.g. source length + 50).
+    Keeps `beam_size` alive and `beam_size` finished hypotheses per row; a row stops when no alive
+    beam can beat its worst finished one (exact: the result equals running to the budget), or at
+    its budget. Rows that finish nothing return their
+    alive beams. The Transformer paper uses beam_size=4, alpha=0.6 (Vaswani et al. 2017, sec. 6.1).
+    beam_size=1 equals greedy unless EOS is ever the runner-up token: that earlier exit is kept as
+    a finished hypothesis and may win on score.
+    """
+    _check_common(initial_logits, max_new_tokens, eos_id, pad_id, max_new_per_row)
+    _check_int("beam_size", beam_size, 1)
+    if not isinstance(alpha, numbers.Real) or not np.isfinite(alpha):
+        raise ConfigError(f"alpha={alpha!r} must be a finite number (0 = no length penalty)")
+    return _beam_search(
+        tokens_to_logits, initial_logits, cache, max_new_per_row, beam_size=beam_size,
+        max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id, alpha=float(alpha),
+    )
