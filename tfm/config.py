@@ -141,7 +141,7 @@ class ModelConfig:
             raise ConfigError(f"rope_base={self.rope_base!r} must be > 1")
         if not 0.0 < self.rope_fraction <= 1.0:
             raise ConfigError(f"rope_fraction={self.rope_fraction!r} must be in (0, 1]")
-        rotated = int(self.resolved_head_dim * self.rope_fraction)
+        rotated = round(self.resolved_head_dim * self.rope_fraction)
         if self.position_scheme == "rope" and (rotated < 2 or rotated % 2):
             raise ConfigError(
                 f"rope_fraction={self.rope_fraction} rotates {rotated} of head_dim="
@@ -160,6 +160,20 @@ class ModelConfig:
         if self.local_window is not None:
             _positive("local_window", self.local_window)
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        if self.attention_backend != "reference":
+            # Fused kernels return no attention weights and apply no dropout to them.
+            if self.attention_dropout_rate > 0:
+                raise ConfigError(
+                    f"attention_dropout_rate={self.attention_dropout_rate} needs "
+                    f"attention_backend='reference' (got {self.attention_backend!r}): fused "
+                    "kernels do not apply dropout to attention weights"
+                )
+            if self.position_scheme == "relative" and self.relative_values:
+                raise ConfigError(
+                    "position_scheme='relative' with relative_values=True needs "
+                    f"attention_backend='reference' (got {self.attention_backend!r}): the value "
+                    "term needs the attention weights; set relative_values=False to use a kernel"
+                )
         _choice("dtype", self.dtype, DTYPES)
         _choice("param_dtype", self.param_dtype, DTYPES)
 
@@ -189,7 +203,7 @@ class ModelConfig:
 
 
 def from_dict(values: Mapping[str, Any]) -> ModelConfig:
-    """Builds a ModelConfig from a mapping (e.g. an ml_collections ConfigDict), rejecting unknown keys."""
+    """A ModelConfig from a mapping (e.g. an ml_collections ConfigDict); unknown keys raise."""
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     unknown = sorted(set(values) - known)
     if unknown:

@@ -1,0 +1,214 @@
+"""Model-level invariants: causality, padding and segment isolation, cross-attention, backends,
+scan vs unrolled, bf16, and the paper-base parameter count."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tfm.config import POSITION_SCHEMES, ModelConfig, paper_base
+from tfm.models import DecoderLM, Encoder, EncoderDecoder, stack_layer_params
+
+TINY = dict(
+    vocab_size=13,
+    d_model=16,
+    num_heads=4,
+    num_kv_heads=2,
+    d_ff=32,
+    num_encoder_layers=2,
+    num_decoder_layers=2,
+    dropout_rate=0.0,
+    max_len=32,
+    relative_max_distance=3,
+    t5_num_buckets=8,
+    t5_max_distance=16,
+)
+
+
+def tiny(**changes) -> ModelConfig:
+    return ModelConfig(**{**TINY, **changes})
+
+
+def tokens_from(seed: int, shape: tuple[int, int], low: int = 3) -> jnp.ndarray:
+    return jax.random.randint(jax.random.PRNGKey(seed), shape, low, TINY["vocab_size"])
+
+
+def init(model: nn.Module, *args, **kwargs):
+    return model.init(jax.random.PRNGKey(0), *args, **kwargs)["params"]
+
+
+@pytest.mark.parametrize("scheme", POSITION_SCHEMES)
+def test_decoder_is_causal_by_gradients(scheme):
+    """d logits_i / d embedding_j is zero exactly when j > i, under every position scheme."""
+    config = tiny(position_scheme=scheme, t5_shared_across_layers=scheme != "t5_bias")
+    model = DecoderLM(config)
+    tokens = tokens_from(1, (1, 6))
+    variables = model.init(jax.random.PRNGKey(0), tokens)
+
+    def logits_sum(perturbation):
+        logits = model.apply({**variables, "perturbations": perturbation}, tokens)
+        return logits.sum(-1)[0]  # [len]
+
+    jacobian = jax.jacrev(logits_sum)(variables["perturbations"])
+    jacobian = jax.tree.leaves(jacobian)[0]  # [len(out), 1, len(in), d_model]
+    influence = np.abs(np.asarray(jacobian)).sum(axis=(1, 3))  # [out, in]
+    future = np.triu(np.ones_like(influence, bool), k=1)
+    assert np.all(influence[future] == 0.0)
+    assert np.all(influence[~future] > 0.0)
+
+
+@pytest.mark.parametrize("scheme", POSITION_SCHEMES)
+def test_encoder_real_tokens_ignore_padding(scheme):
+    config = tiny(position_scheme=scheme)
+    model = Encoder(config)
+    real = tokens_from(2, (1, 5))
+    short = jnp.pad(real, ((0, 0), (0, 2)))  # pad id 0
+    long = jnp.pad(real, ((0, 0), (0, 6)))
+    params = init(model, long)
+    out_short = model.apply({"params": params}, short)
+    out_long = model.apply({"params": params}, long)
+    np.testing.assert_allclose(out_short[:, :5], out_long[:, :5], atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "scheme", ["sinusoidal", "learned", "rope", "relative", "t5_bias", "alibi"]
+)
+def test_packed_segments_match_separate_runs(scheme):
+    """Two examples packed in one row (positions restart) give the same logits as run alone;
+    changing one segment never changes the other."""
+    config = tiny(position_scheme=scheme)
+    model = DecoderLM(config)
+    first, second = tokens_from(3, (1, 4)), tokens_from(4, (1, 5))
+    packed = jnp.concatenate([first, second], axis=1)
+    segment_ids = jnp.array([[1] * 4 + [2] * 5])
+    positions = jnp.array([list(range(4)) + list(range(5))])
+    params = init(model, packed)
+    apply = lambda tokens: model.apply(
+        {"params": params}, tokens, positions=positions, segment_ids=segment_ids
+    )
+    packed_logits = apply(packed)
+    alone_first = model.apply({"params": params}, first)
+    alone_second = model.apply({"params": params}, second)
+    np.testing.assert_allclose(packed_logits[:, :4], alone_first, atol=1e-5)
+    np.testing.assert_allclose(packed_logits[:, 4:], alone_second, atol=1e-5)
+    changed = apply(packed.at[:, 5:].set(7))
+    np.testing.assert_allclose(changed[:, :4], packed_logits[:, :4], atol=1e-6)
+    assert not np.allclose(changed[:, 5:], packed_logits[:, 5:])
+
+
+def test_decoder_sees_source_only_through_cross_attention():
+    config = tiny(position_scheme="sinusoidal")
+    model = EncoderDecoder(config)
+    source, inputs = tokens_from(5, (2, 7)), tokens_from(6, (2, 5))
+    params = init(model, source, inputs)
+    logits = model.apply({"params": params}, source, inputs)
+    other_source = model.apply({"params": params}, source.at[:, 3].set(4), inputs)
+    assert np.abs(np.asarray(other_source - logits)).max() > 1e-4
+    # With cross-attention outputs zeroed, the source can no longer reach the decoder.
+    zeroed = jax.tree_util.tree_map_with_path(
+        lambda path, x: (
+            jnp.zeros_like(x)
+            if "cross_attention" in jax.tree_util.keystr(path)
+            and "'out'" in jax.tree_util.keystr(path)
+            else x
+        ),
+        params,
+    )
+    a = model.apply({"params": zeroed}, source, inputs)
+    b = model.apply({"params": zeroed}, source.at[:, 3].set(4), inputs)
+    np.testing.assert_allclose(a, b, atol=1e-6)
+    # Source padding is masked: changing what sits behind it changes nothing.
+    padded = source.at[:, 5:].set(0)
+    c = model.apply({"params": params}, padded, inputs)
+    d = model.apply({"params": params}, jnp.pad(padded[:, :5], ((0, 0), (0, 4))), inputs)
+    np.testing.assert_allclose(c, d, atol=1e-5)
+
+
+@pytest.mark.parametrize("scheme", ["rope", "alibi", "t5_bias"])
+def test_backends_agree_in_float32(scheme):
+    model_ref = DecoderLM(tiny(position_scheme=scheme, local_window=3))
+    model_xla = DecoderLM(tiny(position_scheme=scheme, local_window=3, attention_backend="xla"))
+    tokens = tokens_from(7, (2, 8))
+    params = init(model_ref, tokens)
+    np.testing.assert_allclose(
+        model_ref.apply({"params": params}, tokens),
+        model_xla.apply({"params": params}, tokens),
+        atol=1e-5,
+    )
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        dict(position_scheme="t5_bias", t5_shared_across_layers=False, norm_placement="pre"),
+        dict(position_scheme="relative", activation="swiglu", norm_type="rmsnorm"),
+    ],
+)
+def test_scanned_and_unrolled_layers_agree(changes):
+    unrolled = EncoderDecoder(tiny(**changes))
+    scanned = EncoderDecoder(tiny(scan_layers=True, **changes))
+    source, inputs = tokens_from(8, (2, 6)), tokens_from(9, (2, 5))
+    params = nn.meta.unbox(init(unrolled, source, inputs))
+    stacked = stack_layer_params(params)
+    expected_shapes = jax.tree.map(jnp.shape, nn.meta.unbox(init(scanned, source, inputs)))
+    assert jax.tree.map(jnp.shape, stacked) == expected_shapes
+    np.testing.assert_allclose(
+        unrolled.apply({"params": params}, source, inputs),
+        scanned.apply({"params": stacked}, source, inputs),
+        atol=1e-5,
+    )
+
+
+def test_bfloat16_compute_runs_close_to_float32():
+    source, inputs = tokens_from(10, (2, 6)), tokens_from(11, (2, 5))
+    model32 = EncoderDecoder(tiny(position_scheme="rope"))
+    model16 = EncoderDecoder(tiny(position_scheme="rope", dtype="bfloat16"))
+    params = init(model32, source, inputs)
+    logits32 = model32.apply({"params": params}, source, inputs)
+    logits16 = model16.apply({"params": params}, source, inputs)
+    assert logits16.dtype == jnp.float32  # logits always come out in float32
+    assert np.all(np.isfinite(logits16))
+    np.testing.assert_allclose(logits16, logits32, atol=0.1)
+    assert not np.array_equal(logits16, logits32)  # bf16 really was used
+
+
+def test_dropout_is_active_only_when_not_deterministic():
+    model = DecoderLM(tiny(dropout_rate=0.5))
+    tokens = tokens_from(12, (1, 6))
+    params = init(model, tokens)
+    eval_a = model.apply({"params": params}, tokens)
+    eval_b = model.apply({"params": params}, tokens)
+    train = model.apply(
+        {"params": params}, tokens, deterministic=False, rngs={"dropout": jax.random.PRNGKey(1)}
+    )
+    np.testing.assert_array_equal(eval_a, eval_b)
+    assert not np.allclose(train, eval_a)
+
+
+def test_learned_positions_past_max_len_raise():
+    model = DecoderLM(tiny(position_scheme="learned", max_len=8))
+    params = init(model, tokens_from(13, (1, 8)))
+    with pytest.raises(ValueError, match="max_len"):
+        model.apply({"params": params}, tokens_from(13, (1, 9)))
+
+
+def test_paper_base_parameter_count():
+    """Vaswani et al. report 65M parameters for the base model (Table 3)."""
+    config = paper_base(vocab_size=37000)
+    model = EncoderDecoder(config)
+    shapes = jax.eval_shape(
+        model.init, jax.random.PRNGKey(0), jnp.ones((1, 4), jnp.int32), jnp.ones((1, 4), jnp.int32)
+    )
+    count = sum(np.prod(x.shape) for x in jax.tree.leaves(nn.meta.unbox(shapes["params"])))
+    d, f, n, v = 512, 2048, 6, 37000
+    attention_params = 4 * (d * d + d)
+    ffn_params = d * f + f + f * d + d
+    norm_params = 2 * d
+    expected = (
+        v * d
+        + n * (attention_params + ffn_params + 2 * norm_params)
+        + n * (2 * attention_params + ffn_params + 3 * norm_params)
+    )
+    assert count == expected
+    assert 60e6 < count < 66e6

@@ -1,0 +1,114 @@
+"""The KV cache: an explicit pytree passed into a model and returned updated, never hidden state.
+
+Layout (every leaf has batch on axis 0, so decoding algorithms can reorder beams with
+`jax.tree.map(lambda x: x[indices], cache)` without knowing the model):
+
+- `keys`, `values`: [batch, num_layers, max_len, num_kv_heads, head_dim]. Slot i of row b holds the
+  key/value of that row's token at position i (RoPE keys are stored already rotated).
+- `lengths`: [batch] int32, how many slots of each row are filled = where the next token is written.
+  Rows advance independently (prompts of different lengths, rows that stopped at EOS).
+- `cross_keys`, `cross_values`: [batch, num_layers, source_len, num_kv_heads, head_dim], the
+  encoder-decoder's cross-attention keys/values, projected once from the encoder output.
+- `source_valid`: [batch, source_len] bool, which source positions are real tokens.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from tfm.config import ModelConfig
+
+
+@struct.dataclass
+class DecoderCache:
+    keys: jax.Array  # [batch, num_layers, max_len, num_kv_heads, head_dim]
+    values: jax.Array  # [batch, num_layers, max_len, num_kv_heads, head_dim]
+    lengths: jax.Array  # [batch] int32
+    cross_keys: jax.Array | None = None  # [batch, num_layers, source_len, num_kv_heads, head_dim]
+    cross_values: jax.Array | None = None
+    source_valid: jax.Array | None = None  # [batch, source_len] bool
+
+    @property
+    def max_len(self) -> int:
+        return self.keys.shape[2]
+
+    @property
+    def batch_size(self) -> int:
+        return self.keys.shape[0]
+
+
+def init_cache(
+    config: ModelConfig,
+    batch_size: int,
+    max_len: int,
+    dtype: jnp.dtype | str | None = None,
+    source_len: int | None = None,
+) -> DecoderCache:
+    """An empty cache for the decoder of `config` (with cross-attention slots if source_len)."""
+    if batch_size < 1 or max_len < 1:
+        raise ValueError(
+            f"cache needs batch_size >= 1 and max_len >= 1; got {batch_size}, {max_len}"
+        )
+    if config.num_decoder_layers < 1:
+        raise ValueError("the model config has num_decoder_layers=0: an encoder has no KV cache")
+    dtype = jnp.dtype(dtype or config.dtype)
+    shape = (
+        batch_size,
+        config.num_decoder_layers,
+        max_len,
+        config.resolved_num_kv_heads,
+        config.resolved_head_dim,
+    )
+    cross = {}
+    if source_len is not None:
+        cross_shape = shape[:2] + (source_len,) + shape[3:]
+        cross = dict(
+            cross_keys=jnp.zeros(cross_shape, dtype),
+            cross_values=jnp.zeros(cross_shape, dtype),
+            source_valid=jnp.zeros((batch_size, source_len), bool),
+        )
+    return DecoderCache(
+        keys=jnp.zeros(shape, dtype),
+        values=jnp.zeros(shape, dtype),
+        lengths=jnp.zeros((batch_size,), jnp.int32),
+        **cross,
+    )
+
+
+def check_cache(cache: DecoderCache, config: ModelConfig, has_cross: bool) -> None:
+    """Raises a readable error when `cache` was built for another model config."""
+    expected = (
+        config.num_decoder_layers,
+        config.resolved_num_kv_heads,
+        config.resolved_head_dim,
+    )
+    got = (cache.keys.shape[1], cache.keys.shape[3], cache.keys.shape[4])
+    if cache.keys.ndim != 5 or got != expected:
+        raise ValueError(
+            "cache was built for another model config: (num_decoder_layers, num_kv_heads, "
+            f"head_dim) is {got} in the cache but {expected} in the model config; "
+            "build it with tfm.cache.init_cache(config, ...)"
+        )
+    if has_cross and cache.cross_keys is None:
+        raise ValueError(
+            "the encoder-decoder needs a cache with cross-attention slots: "
+            "init_cache(config, batch_size, max_len, source_len=...)"
+        )
+
+
+def write(
+    cache_slots: jax.Array,  # [batch, max_len, ...]
+    new: jax.Array,  # [batch, new_len, ...]
+    start: jax.Array,  # [batch] int32
+) -> jax.Array:
+    """Writes `new` into each row's slots [start, start + new_len). The caller checks bounds:
+    inside jit an out-of-range start would be clamped by dynamic_update_slice."""
+
+    def write_row(row_slots: jax.Array, row_new: jax.Array, row_start: jax.Array) -> jax.Array:
+        return jax.lax.dynamic_update_slice_in_dim(
+            row_slots, row_new.astype(row_slots.dtype), row_start, axis=0
+        )
+
+    return jax.vmap(write_row)(cache_slots, new, start)

@@ -1,0 +1,471 @@
+"""Encoder, decoder-only LM and encoder-decoder Transformer, built from one residual block.
+
+Inputs are token ids with optional explicit `positions` (per packed segment, or an offset when
+decoding) and `segment_ids` (packed examples; 0 = padding). A decoder accepts an explicit KV cache
+(tfm/cache.py) and returns the updated one:
+`(logits, cache) = model.apply(params, tokens, cache=c)`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from tfm import attention
+from tfm.cache import DecoderCache, check_cache
+from tfm.config import ModelConfig
+from tfm.layers import (
+    FeedForward,
+    MultiHeadAttention,
+    Norm,
+    PositionBias,
+    PositionEmbedding,
+    TokenEmbedding,
+)
+
+Array = jax.Array
+
+
+class Block(nn.Module):
+    """Self-attention, optional cross-attention, FFN; each wrapped in a residual with dropout.
+
+    post-LN (the paper's "Add & Norm"): x = Norm(x + Dropout(Sublayer(x)));
+    pre-LN: x = x + Dropout(Sublayer(Norm(x))), with a final norm after the stack.
+    Call signature fits nn.scan: (carry, per-layer cache, broadcast context) -> (carry, cache).
+    """
+
+    config: ModelConfig
+    has_cross: bool
+    bidirectional: bool
+
+    @nn.compact
+    def __call__(self, x: Array, layer_cache: dict | None, ctx: dict, deterministic: bool):
+        # x: [batch, len, d_model]; layer_cache: {"keys", "values"[, "cross_keys", "cross_values"]}
+        # each [batch, slots, kv_heads, head_dim]; ctx: masks, biases, positions (see Stack).
+        config = self.config
+        drop = nn.Dropout(config.dropout_rate)
+
+        def residual(x: Array, sublayer: Any, name: str) -> tuple[Array, Any]:
+            if config.norm_placement == "pre":
+                y, extra = sublayer(Norm(config, name=f"{name}_norm")(x))
+                return x + drop(y, deterministic=deterministic), extra
+            y, extra = sublayer(x)
+            return Norm(config, name=f"{name}_norm")(
+                x + drop(y, deterministic=deterministic)
+            ), extra
+
+        self_bias = ctx["self_bias"]
+        if config.position_scheme == "t5_bias" and not config.t5_shared_across_layers:
+            self_bias = PositionBias(config, self.bidirectional, name="position_bias")(
+                ctx["query_positions"], ctx["key_positions"]
+            )
+        cached_self = None if layer_cache is None else (layer_cache["keys"], layer_cache["values"])
+        self_attention = MultiHeadAttention(config, name="self_attention")
+        x, new_self = residual(
+            x,
+            lambda h: self_attention(
+                h,
+                h,
+                mask=ctx["self_mask"],
+                bias=self_bias,
+                query_positions=ctx["query_positions"],
+                key_positions=ctx["key_positions"],
+                cached_kv=cached_self,
+                write_index=ctx["write_index"],
+                deterministic=deterministic,
+            ),
+            "self_attention",
+        )
+        new_cache = None if layer_cache is None else {"keys": new_self[0], "values": new_self[1]}
+
+        if self.has_cross:
+            cached_cross = None
+            if layer_cache is not None:
+                cached_cross = (layer_cache["cross_keys"], layer_cache["cross_values"])
+            cross_attention = MultiHeadAttention(config, is_cross=True, name="cross_attention")
+            x, new_cross = residual(
+                x,
+                lambda h: cross_attention(
+                    h,
+                    ctx["encoded"],
+                    mask=ctx["cross_mask"],
+                    bias=None,
+                    query_positions=ctx["query_positions"],
+                    key_positions=ctx["source_positions"],
+                    cached_kv=cached_cross,
+                    deterministic=deterministic,
+                ),
+                "cross_attention",
+            )
+            if new_cache is not None:
+                new_cache.update(cross_keys=new_cross[0], cross_values=new_cross[1])
+
+        feed_forward = FeedForward(config, name="feed_forward")
+        x, _ = residual(x, lambda h: (feed_forward(h), None), "feed_forward")
+        return x, new_cache
+
+
+class Stack(nn.Module):
+    """`num_layers` blocks, unrolled or under nn.scan (compile time flat in depth), plus the
+    final norm of pre-LN. Layer caches are stacked on axis 1 ([batch, layers, ...])."""
+
+    config: ModelConfig
+    num_layers: int
+    has_cross: bool
+    bidirectional: bool
+
+    @nn.compact
+    def __call__(self, x: Array, caches: dict | None, ctx: dict, deterministic: bool):
+        config = self.config
+        block = Block
+        if config.remat:
+            block = nn.remat(Block, static_argnums=(4,))
+        if config.scan_layers:
+            scanned = nn.scan(
+                block,
+                variable_axes={"params": 0},
+                split_rngs={"params": True, "dropout": True},
+                in_axes=(1, nn.broadcast, nn.broadcast),
+                out_axes=1,
+                length=self.num_layers,
+                metadata_params={nn.PARTITION_NAME: "layers"},
+            )
+            x, caches = scanned(config, self.has_cross, self.bidirectional, name="layers")(
+                x, caches, ctx, deterministic
+            )
+        else:
+            new_caches = []
+            for i in range(self.num_layers):
+                layer_cache = (
+                    None if caches is None else jax.tree.map(lambda a, i=i: a[:, i], caches)
+                )
+                x, new_layer_cache = block(
+                    config, self.has_cross, self.bidirectional, name=f"layer_{i}"
+                )(x, layer_cache, ctx, deterministic)
+                new_caches.append(new_layer_cache)
+            if caches is not None:
+                caches = jax.tree.map(lambda *a: jnp.stack(a, axis=1), *new_caches)
+        if config.norm_placement == "pre":
+            x = Norm(config, name="final_norm")(x)
+        return x, caches
+
+
+def _default_positions(tokens: Array, offset: Array | None = None) -> Array:
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    return positions if offset is None else positions + offset[:, None]
+
+
+def _self_attention_context(
+    config: ModelConfig,
+    position_bias: PositionBias,
+    query_positions: Array,  # [batch, q_len]
+    key_positions: Array,  # [batch, kv_len]
+    masks: list[Array | None],
+    write_index: Array | None,
+) -> dict:
+    """Masks and shared position biases for one stack's self-attention."""
+    if config.local_window is not None:
+        masks.append(
+            attention.local_window_mask(query_positions, key_positions, config.local_window)
+        )
+    layer_bias = config.position_scheme == "t5_bias" and not config.t5_shared_across_layers
+    shared_bias = None if layer_bias else position_bias(query_positions, key_positions)
+    return dict(
+        self_mask=attention.combine_masks(*masks),
+        self_bias=shared_bias,
+        query_positions=query_positions,
+        key_positions=key_positions,
+        write_index=write_index,
+    )
+
+
+class Encoder(nn.Module):
+    """Bidirectional Transformer encoder (Vaswani et al. 2017 sec. 3.1)."""
+
+    config: ModelConfig
+    shared_embedding: nn.Module | None = None
+
+    @nn.compact
+    def __call__(
+        self,
+        tokens: Array,  # [batch, src_len]
+        *,
+        positions: Array | None = None,  # [batch, src_len]
+        segment_ids: Array | None = None,  # [batch, src_len]
+        deterministic: bool = True,
+    ) -> Array:  # [batch, src_len, d_model]
+        config = self.config
+        embedding = self.shared_embedding
+        if embedding is None:
+            embedding = TokenEmbedding(config, config.resolved_source_vocab_size, name="embed")
+        positions = _default_positions(tokens) if positions is None else positions
+        x = PositionEmbedding(config, name="position_embedding")(embedding(tokens), positions)
+        x = self.perturb("embedded", x)  # lets tests take gradients w.r.t. the input embeddings
+        x = nn.Dropout(config.dropout_rate)(x, deterministic=deterministic)
+        masks = [attention.padding_mask(attention.valid_from_ids(tokens, config.pad_id))]
+        if segment_ids is not None:
+            masks.append(attention.segment_mask(segment_ids, segment_ids))
+        ctx = _self_attention_context(
+            config,
+            PositionBias(config, True, name="position_bias"),
+            positions,
+            positions,
+            masks,
+            None,
+        )
+        x, _ = Stack(config, config.num_encoder_layers, False, True, name="stack")(
+            x, None, ctx, deterministic
+        )
+        return x
+
+
+class Decoder(nn.Module):
+    """Causal Transformer decoder; with cross-attention it is the encoder-decoder's decoder."""
+
+    config: ModelConfig
+    has_cross: bool
+    embedding: nn.Module
+
+    @nn.compact
+    def __call__(
+        self,
+        tokens: Array,  # [batch, len]
+        *,
+        positions: Array | None = None,  # [batch, len]
+        segment_ids: Array | None = None,  # [batch, len]
+        cache: DecoderCache | None = None,
+        encoded: Array | None = None,  # [batch, src_len, d_model]
+        source_valid: Array | None = None,  # [batch, src_len] bool
+        source_segment_ids: Array | None = None,  # [batch, src_len]
+        deterministic: bool = True,
+    ) -> tuple[Array, DecoderCache | None]:
+        config = self.config
+        write_index = None
+        if cache is None:
+            positions = _default_positions(tokens) if positions is None else positions
+            key_positions = positions
+            masks = [
+                attention.causal_mask(positions, positions),
+                attention.padding_mask(attention.valid_from_ids(tokens, config.pad_id)),
+            ]
+            if segment_ids is not None:
+                masks.append(attention.segment_mask(segment_ids, segment_ids))
+        else:
+            check_cache(cache, config, self.has_cross)
+            if segment_ids is not None:
+                raise ValueError("segment_ids (packing) cannot be combined with a KV cache")
+            if tokens.shape[1] > cache.max_len:
+                raise ValueError(
+                    f"{tokens.shape[1]} tokens are longer than the cache (max_len="
+                    f"{cache.max_len}); build a larger cache with init_cache"
+                )
+            write_index = cache.lengths
+            positions = (
+                _default_positions(tokens, cache.lengths) if positions is None else positions
+            )
+            key_positions = _default_positions(cache.keys[:, 0, :, 0, 0])
+            filled = attention.valid_from_lengths(cache.lengths + tokens.shape[1], cache.max_len)
+            masks = [
+                attention.causal_mask(positions, key_positions),
+                attention.padding_mask(filled),
+            ]
+
+        x = PositionEmbedding(config, name="position_embedding")(self.embedding(tokens), positions)
+        x = self.perturb("embedded", x)
+        x = nn.Dropout(config.dropout_rate)(x, deterministic=deterministic)
+        ctx = _self_attention_context(
+            config,
+            PositionBias(config, False, name="position_bias"),
+            positions,
+            key_positions,
+            masks,
+            write_index,
+        )
+        if self.has_cross:
+            if encoded is None and cache is None:
+                raise ValueError("the encoder-decoder's decoder needs `encoded` or a filled cache")
+            if encoded is not None:
+                source_valid = (
+                    attention.valid_from_lengths(
+                        jnp.full(encoded.shape[:1], encoded.shape[1]), encoded.shape[1]
+                    )
+                    if source_valid is None
+                    else source_valid
+                )
+            else:
+                source_valid = cache.source_valid
+            cross_masks = [attention.padding_mask(source_valid)]
+            if segment_ids is not None and source_segment_ids is not None:
+                cross_masks.append(attention.segment_mask(segment_ids, source_segment_ids))
+            ctx.update(
+                encoded=encoded,
+                cross_mask=attention.combine_masks(*cross_masks),
+                source_positions=_default_positions(source_valid),
+            )
+
+        caches = None
+        if cache is not None:
+            caches = {"keys": cache.keys, "values": cache.values}
+            if self.has_cross:
+                caches.update(cross_keys=cache.cross_keys, cross_values=cache.cross_values)
+        x, caches = Stack(config, config.num_decoder_layers, self.has_cross, False, name="stack")(
+            x, caches, ctx, deterministic
+        )
+        if config.tie_output:
+            logits = self.embedding.attend(x)
+        else:
+            logits = nn.DenseGeneral(
+                self.embedding.vocab_size,
+                use_bias=False,
+                dtype=config.compute_dtype,
+                param_dtype=config.params_dtype,
+                kernel_init=nn.with_logical_partitioning(
+                    nn.initializers.xavier_uniform(), ("embed", "vocab")
+                ),
+                name="output_projection",
+            )(x).astype(jnp.float32)
+        if cache is not None:
+            new = dict(
+                keys=caches["keys"],
+                values=caches["values"],
+                lengths=cache.lengths + tokens.shape[1],
+            )
+            if self.has_cross:
+                new.update(
+                    cross_keys=caches["cross_keys"],
+                    cross_values=caches["cross_values"],
+                    source_valid=source_valid,
+                )
+            cache = cache.replace(**new)
+        return logits, cache
+
+
+class DecoderLM(nn.Module):
+    """Decoder-only causal language model: `logits = model.apply(params, tokens)`, or with a cache
+    `(logits, cache) = model.apply(params, tokens, cache=cache)`."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(
+        self,
+        tokens: Array,  # [batch, len]
+        *,
+        positions: Array | None = None,  # [batch, len]
+        segment_ids: Array | None = None,  # [batch, len]
+        cache: DecoderCache | None = None,
+        deterministic: bool = True,
+    ) -> Array | tuple[Array, DecoderCache]:  # logits [batch, len, vocab] float32
+        config = self.config
+        embedding = TokenEmbedding(config, config.vocab_size, name="embed")
+        logits, new_cache = Decoder(config, False, embedding, name="decoder")(
+            tokens,
+            positions=positions,
+            segment_ids=segment_ids,
+            cache=cache,
+            deterministic=deterministic,
+        )
+        return logits if cache is None else (logits, new_cache)
+
+
+class EncoderDecoder(nn.Module):
+    """The Transformer of Vaswani et al. 2017: `model.apply(params, source, inputs)` for training;
+    `encode` once, then `decode` with a cache for generation."""
+
+    config: ModelConfig
+
+    def setup(self) -> None:
+        config = self.config
+        target_embedding = TokenEmbedding(config, config.vocab_size, name="embed")
+        if config.share_embeddings:
+            source_embedding = target_embedding
+        else:
+            source_embedding = TokenEmbedding(
+                config, config.resolved_source_vocab_size, name="source_embed"
+            )
+        self.encoder = Encoder(config, source_embedding, name="encoder")
+        self.decoder = Decoder(config, True, target_embedding, name="decoder")
+
+    def encode(
+        self,
+        source: Array,  # [batch, src_len]
+        *,
+        source_positions: Array | None = None,
+        source_segment_ids: Array | None = None,
+        deterministic: bool = True,
+    ) -> Array:  # [batch, src_len, d_model]
+        return self.encoder(
+            source,
+            positions=source_positions,
+            segment_ids=source_segment_ids,
+            deterministic=deterministic,
+        )
+
+    def decode(
+        self,
+        tokens: Array,  # [batch, len]
+        *,
+        encoded: Array | None,  # [batch, src_len, d_model]; None reads the cross cache
+        source_valid: Array | None = None,  # [batch, src_len] bool
+        positions: Array | None = None,
+        segment_ids: Array | None = None,
+        source_segment_ids: Array | None = None,
+        cache: DecoderCache | None = None,
+        deterministic: bool = True,
+    ) -> Array | tuple[Array, DecoderCache]:  # logits [batch, len, vocab] float32
+        logits, new_cache = self.decoder(
+            tokens,
+            positions=positions,
+            segment_ids=segment_ids,
+            cache=cache,
+            encoded=encoded,
+            source_valid=source_valid,
+            source_segment_ids=source_segment_ids,
+            deterministic=deterministic,
+        )
+        return logits if cache is None else (logits, new_cache)
+
+    def __call__(
+        self,
+        source: Array,  # [batch, src_len]
+        inputs: Array,  # [batch, len] decoder inputs (BOS + target[:-1])
+        *,
+        source_positions: Array | None = None,
+        source_segment_ids: Array | None = None,
+        positions: Array | None = None,
+        segment_ids: Array | None = None,
+        deterministic: bool = True,
+    ) -> Array:  # logits [batch, len, vocab] float32
+        encoded = self.encode(
+            source,
+            source_positions=source_positions,
+            source_segment_ids=source_segment_ids,
+            deterministic=deterministic,
+        )
+        source_valid = attention.valid_from_ids(source, self.config.pad_id)
+        return self.decode(
+            inputs,
+            encoded=encoded,
+            source_valid=source_valid,
+            positions=positions,
+            segment_ids=segment_ids,
+            source_segment_ids=source_segment_ids,
+            deterministic=deterministic,
+        )
+
+
+def stack_layer_params(params: Any) -> Any:
+    """Converts unrolled parameters ({"layer_0": ..., "layer_1": ...}) into the nn.scan layout
+    ({"layers": leaves stacked on axis 0}), e.g. to load an unrolled checkpoint into a scanned
+    model. Expects plain (unboxed) arrays: `flax.linen.meta.unbox(params)`."""
+    if not isinstance(params, dict):
+        return params
+    converted = {key: stack_layer_params(value) for key, value in params.items()}
+    num_layers = sum(key.startswith("layer_") and key[6:].isdigit() for key in converted)
+    if num_layers:
+        layers = [converted.pop(f"layer_{i}") for i in range(num_layers)]
+        converted["layers"] = jax.tree.map(lambda *leaves: jnp.stack(leaves), *layers)
+    return converted
