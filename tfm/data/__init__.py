@@ -1,0 +1,34 @@
+"""Data: tfds builders (no TensorFlow needed), tokenizers and grain pipelines.
+
+Entry point: `build_data(config.data, process_index, process_count) -> Data` (see build.py for the
+config fields). Batch formats and special token ids (pad 0, bos 1, eos 2) follow the API contract.
+"""
+
+from tfm.data.build import Data, DataConfig, build_data
+from tfm.data.builders import DataError
+from tfm.data.pipeline import checkpoint_restore_args, checkpoint_save_args
+from tfm.data.tokenizers import (
+    BOS_ID,
+    EOS_ID,
+    PAD_ID,
+    ByteTokenizer,
+    CharTokenizer,
+    SentencePieceTokenizer,
+    Tokenizer,
+)
+
+__all__ = [
+    "BOS_ID",
+    "EOS_ID",
+    "PAD_ID",
+    "ByteTokenizer",
+    "CharTokenizer",
+    "Data",
+    "DataConfig",
+    "DataError",
+    "SentencePieceTokenizer",
+    "Tokenizer",
+    "build_data",
+    "checkpoint_restore_args",
+    "checkpoint_save_args",
+]
