@@ -2,8 +2,11 @@
 
 import os
 
-# Must happen before jax is imported anywhere in the test process.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# Must happen before jax is imported anywhere in the test process. LLVM optimisation level 0
+# compiles CPU programs 2-4x faster; it changes code generation only, not XLA's passes.
+os.environ.setdefault(
+    "XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402

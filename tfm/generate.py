@@ -46,6 +46,7 @@ def _run(
     common = dict(
         max_new_tokens=options["max_new_tokens"],
         eos_id=options["eos_id"],
+        pad_id=options["pad_id"],
         max_new_per_row=options.get("max_new_per_row"),
     )
     if method == "greedy":
@@ -118,6 +119,7 @@ def lm_generate(
     options = dict(
         max_new_tokens=max_new_tokens,
         eos_id=eos_id,
+        pad_id=config.pad_id,
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
@@ -188,11 +190,13 @@ def translate(
     source = np.asarray(source)
     if source.ndim != 2:
         raise ValueError(f"source must be [batch, len]; got shape {source.shape}")
-    max_new_tokens = max_new_tokens or source.shape[1] + extra_len
+    if max_new_tokens is None:
+        max_new_tokens = source.shape[1] + extra_len
     _check_request(config, method, max_new_tokens + 1, beam_size)
     options = dict(
         max_new_tokens=max_new_tokens,
         eos_id=eos_id,
+        pad_id=config.pad_id,
         bos_id=bos_id,
         extra_len=extra_len,
         temperature=temperature,
@@ -247,16 +251,19 @@ def generate_text(
 ) -> list[tuple[str, float]]:
     """Text in, (text, score) out. kind='lm' continues each text; kind='seq2seq' translates it."""
     if kind == "lm":
-        prompts, lengths = pad_batch([[BOS_ID, *tokenizer.encode(t)] for t in texts])
+        prompts, lengths = pad_batch(
+            [[BOS_ID, *tokenizer.encode(t)] for t in texts], config.pad_id
+        )
         output = lm_generate(params, config, prompts, lengths, **options)
     elif kind == "seq2seq":
         encode = (source_tokenizer or tokenizer).encode
-        source, _ = pad_batch([[*encode(t), EOS_ID] for t in texts])
+        source, _ = pad_batch([[*encode(t), EOS_ID] for t in texts], config.pad_id)
         output = translate(params, config, source, **options)
     else:
         raise ValueError(f"kind={kind!r} is unknown; choose one of: lm, seq2seq")
     tokens, scores = best_sequences(output)
+    eos_id = options.get("eos_id", EOS_ID)
     return [
-        (tokenizer.decode(strip_special(row)), float(s))
+        (tokenizer.decode(strip_special(row, eos_id, config.pad_id)), float(s))
         for row, s in zip(tokens, scores, strict=True)
     ]

@@ -137,7 +137,6 @@ class Stack(nn.Module):
                 x, caches, ctx, deterministic
             )
         else:
-            new_caches = []
             for i in range(self.num_layers):
                 layer_cache = (
                     None if caches is None else jax.tree.map(lambda a, i=i: a[:, i], caches)
@@ -145,9 +144,10 @@ class Stack(nn.Module):
                 x, new_layer_cache = block(
                     config, self.has_cross, self.bidirectional, name=f"layer_{i}"
                 )(x, layer_cache, ctx, deterministic)
-                new_caches.append(new_layer_cache)
-            if caches is not None:
-                caches = jax.tree.map(lambda *a: jnp.stack(a, axis=1), *new_caches)
+                if caches is not None:  # an in-place update, not a re-stack of every layer
+                    caches = jax.tree.map(
+                        lambda a, new, i=i: a.at[:, i].set(new), caches, new_layer_cache
+                    )
         if config.norm_placement == "pre":
             x = Norm(config, name="final_norm")(x)
         return x, caches

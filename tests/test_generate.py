@@ -1,0 +1,372 @@
+"""Generation at model level (tfm/generate.py): the cached decoders against naive recomputation.
+
+Models are tiny and randomly initialised with numpy (no compiled init), with an untied output
+projection larger than the default init so greedy paths change with context (tied random
+embeddings mostly repeat the input token), and a zero output column for pad: pad always scores 0
+and is never the argmax. (A generated pad would be masked as a key by the full forward pass but
+not by the cache.)
+Token ids: pad 0, bos 1, eos 2.
+"""
+
+import functools
+
+import flax.linen as nn
+import jax
+import numpy as np
+import pytest
+
+from tfm.cache import init_cache
+from tfm.config import ModelConfig
+from tfm.data.tokenizers import ByteTokenizer
+from tfm.generate import generate_text, lm_generate, strip_special, translate
+from tfm.models import DecoderLM, EncoderDecoder
+
+PAD, BOS, EOS = 0, 1, 2
+TINY = dict(
+    vocab_size=24,
+    d_model=16,
+    num_heads=4,
+    num_kv_heads=2,
+    d_ff=32,
+    num_encoder_layers=1,
+    num_decoder_layers=2,
+    dropout_rate=0.0,
+    tie_output=False,
+    max_len=16,
+    relative_max_distance=3,
+    t5_num_buckets=8,
+    t5_max_distance=16,
+)
+# Prompts of different lengths, right-padded with pad.
+PROMPTS = np.array([[1, 5, 6, 0, 0], [1, 7, 8, 9, 10], [1, 4, 0, 0, 0], [1, 0, 0, 0, 0]], np.int32)
+PROMPT_LENGTHS = np.array([3, 5, 2, 1], np.int32)
+MAX_NEW = 6
+SOURCE = np.array([[5, 6, 7, 2, 0, 0], [8, 9, 10, 11, 12, 2], [4, 2, 0, 0, 0, 0]], np.int32)
+EXTRA_LEN = 2  # translate's output budget per row: source length + EXTRA_LEN
+
+
+def config_for(scheme: str, **changes) -> ModelConfig:
+    return ModelConfig(**{**TINY, "position_scheme": scheme, **changes})
+
+
+# With this seed every scheme's greedy paths vary, and a first token read at the padded last
+# column instead of each row's own prompt end would differ on some row.
+SEED = 2
+
+
+def random_params(model: nn.Module, *inputs: np.ndarray, seed: int = SEED) -> dict:
+    """N(0, 1/fan_in) kernels, N(0, 1) embeddings, position tables and output projection (its
+    pad column zero), N(0, 0.01) biases, unit norm scales."""
+    abstract = nn.meta.unbox(jax.eval_shape(model.init, jax.random.PRNGKey(0), *inputs)["params"])
+    rng = np.random.default_rng(seed)
+
+    def fill(path, leaf):
+        name = path[-1].key
+        if name == "scale":
+            return np.ones(leaf.shape, np.float32)
+        std = 1.0 / np.sqrt(leaf.shape[0]) if name == "kernel" else 1.0
+        std = 0.1 if name == "bias" else std
+        if path[-2].key == "output_projection":
+            std = 1.0
+        value = rng.normal(0.0, std, leaf.shape).astype(np.float32)
+        if path[-2].key == "output_projection":
+            value[:, PAD] = 0.0
+        return value
+
+    return jax.tree_util.tree_map_with_path(fill, abstract)
+
+
+@functools.cache
+def lm_setup(scheme: str) -> tuple[ModelConfig, dict]:
+    config = config_for(scheme)
+    return config, random_params(DecoderLM(config), PROMPTS)
+
+
+@functools.cache
+def seq2seq_setup(scheme: str) -> tuple[ModelConfig, dict]:
+    config = config_for(scheme)
+    return config, random_params(EncoderDecoder(config), SOURCE, SOURCE)
+
+
+@functools.cache
+def full_forward(config: ModelConfig, seq2seq: bool):
+    """The model without a cache, jitted once per config: logits [batch, len, vocab]."""
+    if seq2seq:
+        model = EncoderDecoder(config)
+        return jax.jit(lambda p, source, inputs: model.apply({"params": p}, source, inputs))
+    model = DecoderLM(config)
+    return jax.jit(lambda p, tokens: model.apply({"params": p}, tokens))
+
+
+def naive_greedy(forward, prefix, prefix_lengths, limits, eos_id):
+    """Greedy by full recomputation: every step reruns the model on each row's whole sequence
+    and takes the argmax at its last position. Sequences live in a fixed right-padded buffer
+    (one compilation); positions past a row's end cannot influence it (causal mask).
+
+    forward: tokens [batch, len] -> logits; prefix: [batch, width]; limits: [batch] budgets.
+    Returns per row the generated tokens and the top-2 tokens of every step.
+    """
+    batch = len(prefix)
+    buffer = np.zeros((batch, prefix.shape[1] + max(limits)), np.int32)
+    buffer[:, : prefix.shape[1]] = prefix
+    ends = np.array(prefix_lengths)
+    outputs = [[] for _ in range(batch)]
+    top2 = [[] for _ in range(batch)]
+    done = [limit <= 0 for limit in limits]
+    while not all(done):
+        logits = np.asarray(forward(buffer))
+        for row in range(batch):
+            if done[row]:
+                continue
+            row_logits = logits[row, ends[row] - 1]
+            token = int(np.argmax(row_logits))
+            top2[row].append(set(np.argsort(-row_logits, kind="stable")[:2].tolist()))
+            outputs[row].append(token)
+            buffer[row, ends[row]] = token
+            ends[row] += 1
+            done[row] = token == eos_id or len(outputs[row]) >= limits[row]
+    return outputs, top2
+
+
+def naive_lm_greedy(config, params, eos_id=EOS, max_new=MAX_NEW):
+    forward = full_forward(config, False)
+    return naive_greedy(
+        lambda tokens: forward(params, tokens),
+        PROMPTS,
+        PROMPT_LENGTHS,
+        [max_new] * len(PROMPTS),
+        eos_id,
+    )
+
+
+def assert_rows(output, expected: list[list[int]]) -> None:
+    """A DecodeOutput's tokens/lengths hold exactly `expected` per row, pad after."""
+    tokens, lengths = np.asarray(output.tokens), np.asarray(output.lengths)
+    for row, want in enumerate(expected):
+        assert PAD not in want, "the test model emitted pad; its comparison would be unfair"
+        assert lengths[row] == len(want), (row, lengths[row], want)
+        np.testing.assert_array_equal(tokens[row, : len(want)], want, err_msg=f"row {row}")
+        assert np.all(tokens[row, len(want) :] == PAD), tokens[row]
+
+
+# ---------------------------------------------------------------------------------------------
+# Greedy with the cache equals greedy by recomputation
+
+
+@pytest.mark.parametrize("scheme", ["rope", "alibi", "learned", "t5_bias", "relative"])
+def test_lm_greedy_with_cache_equals_recomputation(scheme):
+    config, params = lm_setup(scheme)
+    output = lm_generate(params, config, PROMPTS, PROMPT_LENGTHS, max_new_tokens=MAX_NEW)
+    expected, _ = naive_lm_greedy(config, params)
+    assert len({tuple(row) for row in expected}) > 1, "rows should differ to make this a test"
+    assert_rows(output, expected)
+
+
+@pytest.mark.parametrize("scheme", ["sinusoidal", "t5_bias"])
+def test_translate_greedy_with_cache_equals_recomputation(scheme):
+    config, params = seq2seq_setup(scheme)
+    output = translate(params, config, SOURCE, method="greedy", extra_len=EXTRA_LEN)
+    forward = full_forward(config, True)
+    source_lengths = (SOURCE != PAD).sum(axis=1)
+    expected, _ = naive_greedy(
+        lambda inputs: forward(params, SOURCE, inputs),
+        np.full((len(SOURCE), 1), BOS, np.int32),
+        np.ones(len(SOURCE), np.int32),
+        list(source_lengths + EXTRA_LEN),
+        EOS,
+    )
+    assert len({tuple(row) for row in expected}) > 1
+    assert_rows(output, expected)
+
+
+# ---------------------------------------------------------------------------------------------
+# Beam 1, top-k 1 and seeds
+
+
+@functools.cache
+def eos_never_runner_up() -> int:
+    """An ordinary token that is never among the top 2 on the greedy paths of lm_setup("rope"),
+    so beam_size=1 must follow greedy exactly (see tfm.decoding.beam_search)."""
+    config, params = lm_setup("rope")
+    _, top2 = naive_lm_greedy(config, params, eos_id=-1)
+    seen = set().union(*(step for row in top2 for step in row))
+    unused = [t for t in range(3, config.vocab_size) if t not in seen]
+    assert unused, "every token was a runner-up somewhere; the test needs one that was not"
+    return unused[0]
+
+
+def test_beam_size_1_equals_greedy():
+    config, params = lm_setup("rope")
+    eos_id = eos_never_runner_up()
+    kwargs = dict(max_new_tokens=MAX_NEW, eos_id=eos_id)
+    greedy = lm_generate(params, config, PROMPTS, PROMPT_LENGTHS, method="greedy", **kwargs)
+    beam = lm_generate(
+        params, config, PROMPTS, PROMPT_LENGTHS, method="beam", beam_size=1, **kwargs
+    )
+    expected, _ = naive_lm_greedy(config, params, eos_id=eos_id)
+    assert_rows(greedy, expected)
+    np.testing.assert_array_equal(beam.tokens[:, 0], greedy.tokens)
+    np.testing.assert_array_equal(beam.lengths[:, 0], greedy.lengths)
+    np.testing.assert_allclose(beam.log_probs[:, 0], greedy.scores, rtol=1e-5)
+
+
+def test_top_k_1_sampling_equals_greedy_and_seeds_repeat():
+    config, params = lm_setup("rope")
+    eos_id = eos_never_runner_up()
+    kwargs = dict(max_new_tokens=MAX_NEW, eos_id=eos_id)
+    greedy = lm_generate(params, config, PROMPTS, PROMPT_LENGTHS, method="greedy", **kwargs)
+    top1 = lm_generate(
+        params, config, PROMPTS, PROMPT_LENGTHS, method="sample", top_k=1,
+        rng=jax.random.PRNGKey(3), **kwargs,
+    )
+    np.testing.assert_array_equal(top1.tokens, greedy.tokens)
+    np.testing.assert_allclose(top1.scores, greedy.scores, rtol=1e-5)
+
+    def draw(seed):
+        return lm_generate(
+            params, config, PROMPTS, PROMPT_LENGTHS, method="sample", temperature=2.0,
+            rng=jax.random.PRNGKey(seed), **kwargs,
+        ).tokens
+
+    first, again, other = draw(0), draw(0), draw(1)
+    np.testing.assert_array_equal(first, again)
+    assert not np.array_equal(first, other), "another seed should give other samples"
+
+
+# ---------------------------------------------------------------------------------------------
+# Stopping and lengths
+
+
+def test_rows_stop_independently_at_eos():
+    config, params = lm_setup("rope")
+    # Greedy does not depend on eos_id until it stops, so a run whose EOS never appears shows
+    # each row's full path; making one of its tokens EOS must cut every row at its own first
+    # occurrence and leave the tokens before it unchanged.
+    long_eos = eos_never_runner_up()
+    full = lm_generate(
+        params, config, PROMPTS, PROMPT_LENGTHS, max_new_tokens=MAX_NEW, eos_id=long_eos
+    )
+    paths = np.asarray(full.tokens)
+    np.testing.assert_array_equal(full.lengths, MAX_NEW)
+    eos_id = int(paths[0, 1])
+    stopped = lm_generate(
+        params, config, PROMPTS, PROMPT_LENGTHS, max_new_tokens=MAX_NEW, eos_id=eos_id
+    )
+    expected = []
+    for path in paths.tolist():
+        cut = path.index(eos_id) + 1 if eos_id in path else MAX_NEW
+        expected.append(path[:cut])
+    assert len({len(row) for row in expected}) > 1, "rows should stop at different steps"
+    assert_rows(stopped, expected)
+
+
+def test_translate_output_is_at_most_source_length_plus_extra_len():
+    config, params = seq2seq_setup("sinusoidal")
+    source_lengths = (SOURCE != PAD).sum(axis=1)
+    extra_len = EXTRA_LEN  # as in the test above, so greedy reuses its compilation
+    for method in ("greedy", "beam"):
+        output = translate(params, config, SOURCE, method=method, extra_len=extra_len)
+        tokens, lengths = np.asarray(output.tokens), np.asarray(output.lengths)
+        if method == "beam":
+            tokens, lengths = tokens[:, 0], lengths[:, 0]
+        assert tokens.shape[1] == SOURCE.shape[1] + extra_len
+        for row, length in enumerate(lengths):
+            content = tokens[row, :length].tolist()
+            assert np.all(tokens[row, length:] == PAD)
+            if EOS in content:  # stopped early: EOS is its last token
+                assert content.index(EOS) == length - 1
+            else:  # ran to its budget
+                assert length == source_lengths[row] + extra_len, (method, row, length)
+            assert length <= source_lengths[row] + extra_len
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input
+
+
+def test_prompt_longer_than_cache_is_rejected():
+    config, params = lm_setup("rope")
+    cache = init_cache(config, batch_size=len(PROMPTS), max_len=4)
+    with pytest.raises(ValueError, match=r"longer than the cache \(max_len=4\)"):
+        DecoderLM(config).apply({"params": params}, PROMPTS, cache=cache)
+
+
+def test_cache_from_another_config_is_rejected():
+    config, params = lm_setup("rope")
+    cache = init_cache(config.replace(num_decoder_layers=3), len(PROMPTS), max_len=8)
+    with pytest.raises(ValueError, match="cache was built for another model config"):
+        DecoderLM(config).apply({"params": params}, PROMPTS, cache=cache)
+    config, params = seq2seq_setup("sinusoidal")
+    no_cross = init_cache(config, batch_size=len(PROMPTS), max_len=8)
+    with pytest.raises(ValueError, match="cross-attention slots"):
+        EncoderDecoder(config).apply(
+            {"params": params}, PROMPTS, encoded=None, cache=no_cross,
+            method=EncoderDecoder.decode,
+        )
+
+
+def test_learned_positions_past_max_len_are_rejected():
+    config, params = lm_setup("learned")
+    too_many = config.max_len - PROMPTS.shape[1] + 1
+    with pytest.raises(ValueError, match=f"past max_len={config.max_len}"):
+        lm_generate(params, config, PROMPTS, PROMPT_LENGTHS, max_new_tokens=too_many)
+    with pytest.raises(ValueError, match=f"past max_len={config.max_len}"):
+        # Rejected from the config and sizes alone, before the (LM) params are used.
+        translate(params, config, SOURCE, extra_len=config.max_len)
+
+
+def test_bad_requests_are_rejected():
+    config, params = lm_setup("rope")
+    with pytest.raises(ValueError, match="beam_size=0 must be >= 1"):
+        lm_generate(params, config, PROMPTS, PROMPT_LENGTHS, max_new_tokens=2, method="beam",
+                    beam_size=0)
+    with pytest.raises(ValueError, match="beam_size=0 must be >= 1"):
+        translate(params, config, SOURCE, beam_size=0)
+    with pytest.raises(ValueError, match="method='topk' is unknown"):
+        lm_generate(params, config, PROMPTS, PROMPT_LENGTHS, max_new_tokens=2, method="topk")
+    with pytest.raises(ValueError, match="prompt_lengths must be in"):
+        lm_generate(params, config, PROMPTS, np.array([3, 6, 2, 1]), max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"prompt_lengths \[batch\]; got \(4, 5\) and \(3,\)"):
+        lm_generate(params, config, PROMPTS, np.array([3, 5, 2]), max_new_tokens=2)
+    with pytest.raises(ValueError, match="max_new_tokens=0 must be an integer >= 1"):
+        lm_generate(params, config, PROMPTS, PROMPT_LENGTHS, max_new_tokens=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Text in, text out
+
+
+@pytest.mark.parametrize("kind", ["lm", "seq2seq"])
+def test_generate_text_with_byte_tokenizer(kind):
+    tokenizer = ByteTokenizer()
+    config = config_for("rope", vocab_size=tokenizer.vocab_size, max_len=64)
+    texts = ["héllo", "a"]
+    if kind == "lm":
+        params = random_params(DecoderLM(config), PROMPTS)
+        options = dict(max_new_tokens=4)
+    else:
+        params = random_params(EncoderDecoder(config), SOURCE, SOURCE)
+        options = dict(extra_len=2)
+    first = generate_text(params, config, texts, tokenizer, kind=kind, method="greedy", **options)
+    again = generate_text(params, config, texts, tokenizer, kind=kind, method="greedy", **options)
+    assert first == again
+    assert len(first) == len(texts)
+    assert all(isinstance(text, str) and isinstance(score, float) for text, score in first)
+
+    # The strings are the decoded greedy tokens of the same request made with ids.
+    if kind == "lm":
+        ids = [[BOS, *tokenizer.encode(t)] for t in texts]
+        prompts = np.zeros((2, max(map(len, ids))), np.int32)
+        for row, row_ids in enumerate(ids):
+            prompts[row, : len(row_ids)] = row_ids
+        output = lm_generate(params, config, prompts, [len(i) for i in ids], **options)
+    else:
+        ids = [[*tokenizer.encode(t), EOS] for t in texts]
+        source = np.zeros((2, max(map(len, ids))), np.int32)
+        for row, row_ids in enumerate(ids):
+            source[row, : len(row_ids)] = row_ids
+        output = translate(params, config, source, method="greedy", **options)
+    for (text, score), tokens, want_score in zip(first, output.tokens, output.scores, strict=True):
+        assert text == tokenizer.decode(strip_special(np.asarray(tokens)))
+        assert score == pytest.approx(float(want_score))
+    assert tokenizer.decode(tokenizer.encode(texts[0])) == texts[0]
