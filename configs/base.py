@@ -1,0 +1,84 @@
+"""The shared skeleton of every experiment config: all sections with their defaults.
+
+Every field exists here, so any of them can be overridden from the command line
+(`--config.model.num_kv_heads=2`); optional fields are typed placeholders, not bare None.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+import ml_collections
+from ml_collections import config_dict
+
+from tfm.config import ModelConfig
+from tfm.data.build import DataConfig
+from tfm.optim import DEFAULTS as OPTIMIZER_DEFAULTS
+from tfm.train import EVAL_DEFAULTS, GENERATE_DEFAULTS, TRAIN_DEFAULTS
+
+_OPTIONAL_TYPES = {"int": int, "float": float, "str": str, "tuple": tuple, "bool": bool}
+
+
+def _placeholder(annotation: str) -> typing.Any:
+    """A typed None for an `X | None` annotation, so the field stays overridable."""
+    base = annotation.replace(" ", "").split("|")[0].split("[")[0]
+    return config_dict.placeholder(_OPTIONAL_TYPES.get(base, object))
+
+
+def _dataclass_section(cls: type) -> ml_collections.ConfigDict:
+    section = ml_collections.ConfigDict()
+    for field in dataclasses.fields(cls):
+        value = field.default
+        section[field.name] = _placeholder(str(field.type)) if value is None else value
+    return section
+
+
+def _dict_section(defaults: dict, types: dict | None = None) -> ml_collections.ConfigDict:
+    types = types or {}
+    section = ml_collections.ConfigDict()
+    for key, value in defaults.items():
+        section[key] = config_dict.placeholder(types.get(key, object)) if value is None else value
+    return section
+
+
+def base_config() -> ml_collections.ConfigDict:
+    config = ml_collections.ConfigDict()
+    config.model = _dataclass_section(ModelConfig)
+    config.model.vocab_size = config_dict.placeholder(int)  # filled in from the tokenizer
+    config.data = _dataclass_section(DataConfig)
+    config.optimizer = _dict_section(
+        OPTIMIZER_DEFAULTS,
+        dict(schedule=str, learning_rate=float, total_steps=int, b1=float, b2=float, eps=float),
+    )
+    config.train = _dict_section(TRAIN_DEFAULTS, dict(keep_best_metric=str))
+    config.eval = _dict_section(
+        EVAL_DEFAULTS, dict(splits=tuple, generation_metric=str, method=str)
+    )
+    config.generate = _dict_section(GENERATE_DEFAULTS)
+    config.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+    config.logical_axis_rules = ()  # (("embed", None), ...) overrides tfm.sharding's defaults
+    config.distributed = ml_collections.ConfigDict(
+        dict(enabled="auto", coordinator_address="", num_processes=0, process_id=-1)
+    )
+    return config
+
+
+def apply_variants(config: ml_collections.ConfigDict, arg: str | None, variants: dict) -> None:
+    """Applies `arg`, a comma-separated list of variant names (`rope,runlocal`), to `config`.
+
+    `variants` maps a name to a function that edits the config; every position scheme is also
+    a variant (sets model.position_scheme). Unknown names raise, listing what is allowed.
+    """
+    from tfm.config import POSITION_SCHEMES
+
+    for name in filter(None, (arg or "").split(",")):
+        if name in POSITION_SCHEMES:
+            config.model.position_scheme = name
+        elif name in variants:
+            variants[name](config)
+        else:
+            allowed = sorted(variants) + list(POSITION_SCHEMES)
+            raise ValueError(
+                f"config variant {name!r} is unknown; choose from: {', '.join(allowed)}"
+            )

@@ -1,0 +1,51 @@
+"""Character-level decoder-only LM on a text file (tinyshakespeare by default).
+
+    ./launch.sh train configs/char_lm.py
+    ./launch.sh train configs/char_lm.py:runlocal              # a 1-minute smoke run
+    ./launch.sh train configs/char_lm.py:rope --config.data.path=/my/corpus.txt
+    ./launch.sh generate configs/char_lm.py --prompt "ROMEO:" --config.generate.method=sample
+
+Variants: a position scheme, `bf16` (bfloat16 compute), `runlocal`. The text is split into
+paragraphs; the last 10% (deterministic) is the validation split. Expected result: README
+("Character-level LM").
+"""
+
+from configs.base import apply_variants, base_config
+
+
+def get_config(arg: str | None = None):
+    config = base_config()
+    config.data.kind = "text"
+    config.data.path = "../shared/data/tinyshakespeare.txt"
+    config.data.tokenizer = "char"
+    config.data.seq_len = 128
+    config.data.batch_size = 32
+    config.data.eval_seq_len = 128
+    config.data.eval_batch_size = 64
+
+    config.model.update(
+        d_model=128, num_heads=4, d_ff=512, num_encoder_layers=0, num_decoder_layers=4,
+        dropout_rate=0.1, position_scheme="rope", norm_placement="pre", activation="gelu",
+        max_len=1024,
+    )
+    config.optimizer.update(name="adamw", schedule="cosine", learning_rate=2e-3,
+                            warmup_steps=50, total_steps=600, weight_decay=0.1,
+                            grad_clip_norm=1.0)
+    config.train.update(num_steps=600, log_every=50, eval_every=200, checkpoint_every=200,
+                        keep_best_metric="eval_loss")
+    config.eval.max_batches = 20
+    config.generate.update(method="sample", max_new_tokens=200, temperature=0.8, top_k=20)
+
+    def runlocal(c):
+        c.model.update(d_model=64, d_ff=256, num_decoder_layers=2)
+        c.data.seq_len = 64
+        c.data.eval_seq_len = 64
+        c.optimizer.update(total_steps=100, warmup_steps=10)
+        c.train.update(num_steps=100, log_every=25, eval_every=100, checkpoint_every=100)
+        c.eval.max_batches = 4
+
+    def bf16(c):
+        c.model.dtype = "bfloat16"
+
+    apply_variants(config, arg, {"runlocal": runlocal, "bf16": bf16})
+    return config

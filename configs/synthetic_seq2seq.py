@@ -1,0 +1,52 @@
+"""Encoder-decoder on a synthetic task (reverse by default): the README quick start.
+
+    ./launch.sh train configs/synthetic_seq2seq.py
+    ./launch.sh generate configs/synthetic_seq2seq.py --prompt 3141592
+
+Variants (comma-separated after the colon): a task (copy, reverse, sort, addition), a position
+scheme (none, sinusoidal, learned, rope, relative, t5_bias, alibi), `runlocal` (a few steps).
+Trains on lengths 1-12; "validation" holds unseen examples of those lengths, "test" lengths
+13-24 (length generalisation). Expected result: see README ("Quick start").
+"""
+
+from configs.base import apply_variants, base_config
+from tfm.data.synthetic import TASKS
+
+
+def get_config(arg: str | None = None):
+    config = base_config()
+    config.data.kind = "synthetic"
+    config.data.mode = "seq2seq"
+    config.data.task = "reverse"
+    config.data.train_lengths = (1, 12)
+    config.data.eval_lengths = (13, 24)
+    config.data.num_train_examples = 50_000
+    config.data.num_eval_examples = 512
+    config.data.seq_len = 32
+    config.data.batch_size = 64
+    config.data.eval_batch_size = 128
+    config.data.packing = False
+
+    config.model.update(
+        d_model=64, num_heads=4, d_ff=256, num_encoder_layers=2, num_decoder_layers=2,
+        dropout_rate=0.0, position_scheme="sinusoidal", norm_placement="pre",
+    )
+    config.optimizer.update(name="adamw", schedule="cosine", learning_rate=3e-3,
+                            warmup_steps=100, total_steps=1000, grad_clip_norm=1.0)
+    config.train.update(num_steps=1000, log_every=100, eval_every=500, checkpoint_every=500,
+                        keep_best_metric="eval_exact_match", best_mode="max")
+    config.eval.max_generation_examples = 512
+
+    def runlocal(c):
+        c.data.num_train_examples = 2_000
+        c.data.num_eval_examples = 64
+        c.optimizer.total_steps = 60
+        c.optimizer.warmup_steps = 10
+        c.train.update(num_steps=60, log_every=20, eval_every=60, checkpoint_every=60)
+        c.eval.max_generation_examples = 64
+
+    variants = {"runlocal": runlocal}
+    for task in TASKS:
+        variants[task] = lambda c, task=task: setattr(c.data, "task", task)
+    apply_variants(config, arg, variants)
+    return config

@@ -1,0 +1,73 @@
+"""The paper's Transformer for translation: German -> English on Multi30k by default.
+
+    ./launch.sh train configs/translate.py              # paper base model (65M with 37k vocab)
+    ./launch.sh train configs/translate.py:small        # a model sized for Multi30k on a CPU
+    ./launch.sh train configs/translate.py:runlocal     # a minute-long smoke run
+    ./launch.sh train configs/translate.py:wmt          # WMT14 En-De via the tfds catalog
+    ./launch.sh average configs/translate.py --last_k 5 --output workdirs/translate_avg
+    ./launch.sh generate configs/translate.py --prompt "Ein Mann fährt Fahrrad."
+
+Paper settings: base model (N=6, d_model 512, d_ff 2048, h 8, dropout 0.1, shared embeddings),
+Adam(0.9, 0.98, 1e-9) with the warmup-4000 inverse-sqrt schedule, label smoothing 0.1, beam 4,
+alpha 0.6, max output = input + 50 (Vaswani et al. 2017 sec. 5-6). Evaluation reports
+validation loss and sacreBLEU of beam-search translations.
+"""
+
+from configs.base import apply_variants, base_config
+
+
+def get_config(arg: str | None = None):
+    config = base_config()
+    config.data.kind = "parallel"
+    config.data.source_path = "../shared/data/multi30k/train.de.gz"
+    config.data.target_path = "../shared/data/multi30k/train.en.gz"
+    config.data.eval_source_path = "../shared/data/multi30k/val.de.gz"
+    config.data.eval_target_path = "../shared/data/multi30k/val.en.gz"
+    config.data.tokenizer = "sentencepiece"
+    config.data.vocab_size = 8000
+    config.data.shared_vocab = True
+    config.data.seq_len = 64
+    config.data.batch_size = 64
+    config.data.packing = True
+
+    config.model.update(
+        d_model=512, num_heads=8, d_ff=2048, num_encoder_layers=6, num_decoder_layers=6,
+        dropout_rate=0.1, position_scheme="sinusoidal", norm_placement="post",
+        activation="relu", share_embeddings=True, tie_output=True,
+    )
+    config.optimizer.update(name="adam_paper", warmup_steps=4000)
+    config.train.update(num_steps=100_000, label_smoothing=0.1, log_every=100,
+                        eval_every=5000, checkpoint_every=1000, max_to_keep=5,
+                        keep_best_metric="eval_bleu", best_mode="max")
+    config.eval.update(generation_metric="bleu", method="beam", beam_size=4, alpha=0.6,
+                       extra_len=50, max_generation_examples=0)
+    config.generate.update(method="beam", beam_size=4, alpha=0.6)
+
+    def small(c):
+        c.model.update(d_model=256, num_heads=4, d_ff=1024, num_encoder_layers=3,
+                       num_decoder_layers=3, dropout_rate=0.1)
+        c.optimizer.update(warmup_steps=1000)
+        c.train.update(num_steps=10_000, eval_every=2000, checkpoint_every=1000)
+
+    def runlocal(c):
+        small(c)
+        c.model.update(d_model=64, d_ff=128, num_encoder_layers=1, num_decoder_layers=1)
+        c.data.vocab_size = 1000
+        c.data.batch_size = 16
+        c.optimizer.update(warmup_steps=20)
+        c.train.update(num_steps=40, log_every=10, eval_every=40, checkpoint_every=40)
+        c.eval.update(max_batches=2, max_generation_examples=16, beam_size=2)
+
+    def wmt(c):
+        c.data.kind = "tfds"
+        c.data.name = "wmt14_translate/de-en"
+        c.data.features = {"source": "en", "target": "de"}
+        c.data.download = True
+        for field in ("source_path", "target_path", "eval_source_path", "eval_target_path"):
+            c.data[field] = None
+        c.data.vocab_size = 37000
+        c.data.batch_size = 256
+        c.train.update(num_steps=100_000, eval_every=10_000)
+
+    apply_variants(config, arg, {"small": small, "runlocal": runlocal, "wmt": wmt})
+    return config

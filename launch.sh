@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# The one entry point for experiments. See README.md.
+set -euo pipefail
+
+usage() {
+  cat <<'EOF'
+usage: ./launch.sh COMMAND CONFIG[:ARG] [--workdir DIR] [--config.FIELD=VALUE ...] [options]
+
+commands:
+  train     train CONFIG, resuming from DIR's latest checkpoint if there is one
+  eval      metrics on the eval splits from DIR's latest checkpoint (--step N for another)
+  generate  text in, text out from a checkpoint: --prompt "TEXT" (repeatable) or stdin lines
+  average   average the last K checkpoints (--last_k 5) into a new workdir (--output DIR)
+
+CONFIG is a file in configs/; ARG picks a variant (configs/char_lm.py:runlocal).
+Override any field: --config.model.position_scheme=rope --config.train.num_steps=500
+Default workdir: workdirs/<config>[_<arg>]. Relative paths (CONFIG, DIR, data paths in
+configs) are relative to the repository root, wherever launch.sh is called from.
+
+multi-process (local test of a multi-host run; on clusters see README "Scaling"):
+  --num_processes N          start N local processes joined by jax.distributed
+  --devices_per_process D    simulated CPU devices per process (default 1)
+
+examples:
+  ./launch.sh train configs/synthetic_seq2seq.py
+  ./launch.sh generate configs/synthetic_seq2seq.py --prompt "3 1 4 1 5"
+  ./launch.sh train configs/char_lm.py:runlocal --config.model.position_scheme=alibi
+EOF
+}
+
+if [[ $# -eq 1 && ( $1 == -h || $1 == --help || $1 == help ) ]]; then usage; exit 0; fi
+if [[ $# -lt 2 ]]; then
+  echo "launch.sh: expected a COMMAND and a CONFIG" >&2; usage >&2; exit 2
+fi
+command=$1; config=$2; shift 2
+if [[ $config == -h || $config == --help ]]; then usage; exit 0; fi
+case "$command" in
+  train|eval|generate|average) ;;
+  *) echo "launch.sh: unknown command '$command'; choose one of: train, eval, generate, average" >&2
+     exit 2 ;;
+esac
+# Relative paths (CONFIG, --workdir, --output, data paths inside configs) are relative to the
+# repository root, wherever launch.sh is called from.
+cd "$(dirname "$0")"
+config_file=${config%%:*}
+if [[ ! -f $config_file ]]; then
+  echo "launch.sh: config file '$config_file' not found (expected e.g. configs/char_lm.py[:ARG])" >&2
+  exit 2
+fi
+
+needs_value() {  # needs_value NUM_ARGS_LEFT OPTION
+  if [[ $1 -lt 2 ]]; then echo "launch.sh: $2 needs a value" >&2; usage >&2; exit 2; fi
+}
+
+num_processes=1; devices_per_process=1; args=()
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --num_processes) needs_value $# "$1"; num_processes=$2; shift 2 ;;
+    --num_processes=*) num_processes=${1#*=}; shift ;;
+    --devices_per_process) needs_value $# "$1"; devices_per_process=$2; shift 2 ;;
+    --devices_per_process=*) devices_per_process=${1#*=}; shift ;;
+    --workdir|--prompt|--step|--last_k|--output) needs_value $# "$1"; args+=("$1=$2"); shift 2 ;;
+    *) args+=("$1"); shift ;;
+  esac
+done
+for n in "$num_processes" "$devices_per_process"; do
+  if ! [[ $n =~ ^[1-9][0-9]*$ ]]; then
+    echo "launch.sh: --num_processes and --devices_per_process take a whole number >= 1; got '$n'" >&2
+    exit 2
+  fi
+done
+
+python=${PYTHON:-python}
+# Other XLA flags pass through; the device count is this script's to set.
+inherited_xla_flags=$(sed 's/--xla_force_host_platform_device_count=[0-9]*//g' <<<"${XLA_FLAGS:-}")
+if [[ $num_processes -eq 1 ]]; then
+  export XLA_FLAGS="--xla_force_host_platform_device_count=$devices_per_process $inherited_xla_flags"
+  exec "$python" -m tfm.main "$command" --config="$config" "${args[@]}"
+fi
+
+# N local processes as one multi-host run: process 0 is the coordinator.
+port=$("$python" -c 'import socket; s=socket.socket(); s.bind(("localhost", 0)); print(s.getsockname()[1])')
+pids=()
+for ((i = 0; i < num_processes; i++)); do
+  TFM_COORDINATOR="localhost:$port" TFM_NUM_PROCESSES=$num_processes TFM_PROCESS_ID=$i \
+    XLA_FLAGS="--xla_force_host_platform_device_count=$devices_per_process $inherited_xla_flags" \
+    JAX_PLATFORMS=${JAX_PLATFORMS:-cpu} \
+    "$python" -m tfm.main "$command" --config="$config" "${args[@]}" &
+  pids+=($!)
+done
+trap 'kill -TERM "${pids[@]}" 2>/dev/null' INT TERM
+status=0
+for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
+exit $status

@@ -1,0 +1,204 @@
+"""./launch.sh (and tfm/main.py behind it): usage errors, and train -> generate -> average ->
+eval end to end on a tiny configs/synthetic_lm.py model, each command a fresh process as a user
+would run it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from tfm import checkpoint, metrics
+
+REPO = Path(__file__).resolve().parents[1]
+LAUNCH = REPO / "launch.sh"
+
+
+def launch(*args: str, cwd: Path | None = None, env: dict | None = None,
+           timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", str(LAUNCH), *args], cwd=cwd or REPO, env={**os.environ, **(env or {})},
+        capture_output=True, text=True, timeout=timeout,
+    )
+
+
+# ------------------------------------------------------------------- usage errors (bash only)
+
+
+def test_no_arguments_prints_usage():
+    result = launch()
+    assert result.returncode == 2
+    assert "expected a COMMAND and a CONFIG" in result.stderr
+    assert "usage: ./launch.sh COMMAND CONFIG" in result.stderr
+
+
+@pytest.mark.parametrize("args", [("--help",), ("-h",), ("train", "--help")])
+def test_help_exits_zero(args):
+    result = launch(*args)
+    assert result.returncode == 0
+    assert "usage: ./launch.sh" in result.stdout
+    for command in ("train", "eval", "generate", "average"):
+        assert f"\n  {command} " in result.stdout
+
+
+def test_unknown_command_is_named():
+    result = launch("fit", "configs/char_lm.py")
+    assert result.returncode == 2
+    assert "unknown command 'fit'" in result.stderr
+    assert "train, eval, generate, average" in result.stderr
+
+
+def test_missing_config_file_is_named(tmp_path):
+    result = launch("train", "configs/no_such_config.py:runlocal")
+    assert result.returncode == 2
+    assert "config file 'configs/no_such_config.py' not found" in result.stderr
+    elsewhere = launch("train", "configs/no_such_config.py", cwd=tmp_path)
+    assert elsewhere.returncode == 2 and "no_such_config.py" in elsewhere.stderr
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("--workdir",), "--workdir needs a value"),
+        (("--num_processes=0",), "got '0'"),
+        (("--devices_per_process", "two"), "got 'two'"),
+    ],
+)
+def test_bad_launcher_options(args, message):
+    result = launch("train", "configs/synthetic_lm.py", *args)
+    assert result.returncode == 2
+    assert message in result.stderr
+
+
+# ------------------------------------------------------- flag errors (python: loads the config)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("--config.foo=1", "--config.foo: the config has no field 'foo'"),
+    ],
+)
+def test_unknown_override_is_one_clean_line(override, message, tmp_path):
+    # Called from another directory: CONFIG is still found relative to the repository root.
+    result = launch("train", "configs/synthetic_lm.py", override, cwd=tmp_path)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 2  # the error and a usage hint
+
+
+@pytest.mark.parametrize(
+    "path, expected",
+    [
+        ("model.d_modle", "--config.model.d_modle: the config has no field 'd_modle'; "
+                          'Did you mean "d_model" instead of "d_modle"?'),
+        ("modle.d_model", "--config.modle.d_model: the config has no field 'modle'"),
+        ("model.d_model.x", "--config.model.d_model.x: Attribute"),
+    ],
+)
+def test_override_error_line(path, expected):
+    """The one line tfm.main prints for ml_collections' own exceptions (in process)."""
+    from ml_collections import config_dict
+    from ml_collections.config_flags import config_path
+
+    from tfm import main
+
+    config = config_dict.ConfigDict({"model": {"d_model": 32}})
+    with pytest.raises((KeyError, AttributeError)) as error:
+        config_path.get_type(path, config)
+    argv = ["tfm.main", "train", "--config=x.py", "--config.train.num_steps=3",
+            f"--config.{path}=1"]
+    assert main._flag_error_line(error.value, argv).startswith(expected)
+
+
+def test_bad_config_value_is_one_clean_line():
+    """Errors in values (found by tfm.train.validate_config before any data is read) print
+    one line naming the field and exit 1."""
+    result = launch("train", "configs/synthetic_lm.py", "--config.model.num_heads=3")
+    assert result.returncode == 1
+    assert "ConfigError: d_model=64 is not divisible by num_heads=3" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_unknown_variant_is_one_clean_line():
+    result = launch("train", "configs/synthetic_lm.py:rotary")
+    assert result.returncode == 2
+    assert "config variant 'rotary' is unknown; choose from:" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+# ---------------------------------------------------------------------------------- end to end
+
+TINY_CONFIG = """
+from configs import synthetic_lm
+
+
+def get_config(arg=None):
+    config = synthetic_lm.get_config("copy,runlocal")
+    config.model.update(d_model=32, num_heads=2, d_ff=64, num_decoder_layers=1)
+    config.data.update(data_dir={data_dir!r}, batch_size=16, seq_len=16, train_lengths=(1, 6),
+                       eval_lengths=(7, 8), num_train_examples=512, num_eval_examples=16)
+    config.optimizer.update(total_steps=24, warmup_steps=4)
+    config.train.update(num_steps=30, log_every=4, eval_every=0, checkpoint_every=8,
+                        max_to_keep=3, keep_best_metric=None, progress_bar=False)
+    config.eval.update(splits=("validation",), max_generation_examples=8)
+    config.generate.max_new_tokens = 8
+    return config
+"""
+
+
+def test_synthetic_lm_train_generate_average_eval(tmp_path):
+    """The synthetic_lm family learns (loss falls) when trained through ./launch.sh; then
+    generate, average (the mean of the last 2 checkpoints) and eval of the average."""
+    config = tmp_path / "tiny.py"
+    config.write_text(TINY_CONFIG.format(data_dir=str(tmp_path / "data")))
+    workdir, averaged = tmp_path / "run", tmp_path / "averaged"
+    # Later processes load what earlier ones compiled (the eval step, here).
+    env = {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax_cache"),
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+
+    trained = launch("train", str(config), "--workdir", str(workdir),
+                     "--config.train.num_steps=24", env=env)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    final = json.loads(trained.stdout[trained.stdout.index("{"):])
+    assert final["step"] == 24 and final["workdir"] == str(workdir)  # the override applied
+    losses = [r["train_loss"] for r in metrics.read_metrics(workdir) if "train_loss" in r]
+    assert len(losses) == 6 and all(np.isfinite(losses))
+    assert np.mean(losses[-2:]) < 0.8 * np.mean(losses[:2]), losses
+    assert 0 <= final["eval_exact_match"] <= 100 and np.isfinite(final["eval_loss"])
+    with checkpoint.Checkpointer(workdir / "checkpoints") as checkpointer:
+        assert checkpointer.all_steps() == [8, 16, 24]
+
+    generated = launch("generate", str(config), "--workdir", str(workdir),
+                       "--prompt", "123", "--prompt", "4051", env=env)
+    assert generated.returncode == 0, generated.stderr[-3000:]
+    lines = generated.stdout.strip().splitlines()
+    assert [line.split("\t")[0] for line in lines] == ["123", "4051"]
+    assert all(line.split("\t")[1] == "->" for line in lines)
+
+    average = launch("average", str(config), "--workdir", str(workdir), "--last_k", "2",
+                     "--output", str(averaged), env=env)
+    assert average.returncode == 0, average.stderr[-3000:]
+    assert "(step 24)" in average.stdout
+    with checkpoint.Checkpointer(workdir / "checkpoints") as source:
+        params = [source.restore(step)["params"] for step in (16, 24)]
+    with checkpoint.Checkpointer(averaged / "checkpoints") as target:
+        assert target.all_steps() == [24]
+        mean = target.restore(24)["params"]
+        assert target.saved_config(24)["averaged_steps"] == [16, 24]
+    expected = jax.tree.map(lambda a, b: (np.asarray(a) + np.asarray(b)) / 2, *params)
+    assert jax.tree.structure(mean) == jax.tree.structure(expected)
+    for got, want in zip(jax.tree.leaves(mean), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6)
+
+    evaluated = launch("eval", str(config), "--workdir", str(averaged), env=env)
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    results = json.loads(evaluated.stdout[evaluated.stdout.index("{"):])
+    assert results["step"] == 24
+    assert np.isfinite(results["eval_loss"]) and 0 <= results["eval_exact_match"] <= 100

@@ -1,0 +1,508 @@
+"""The training system end to end (tfm/train.py): tiny runs of the config families, exact resume,
+SIGTERM, the NaN guard, incompatible or corrupt checkpoints, label smoothing through the real
+loop, and config validation before anything compiles. (configs/synthetic_lm.py learns end to end
+through ./launch.sh in tests/test_launch.py.)
+
+Runs share work: one reference run of a tiny synthetic seq2seq model (module fixture) serves the
+resume, signal, NaN, checkpoint and label-smoothing tests, and jax's persistent compilation cache
+(module fixture) lets every later run of the same model skip XLA compilation, since each
+`train_and_evaluate` call jits its steps afresh.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import gzip
+import math
+import os
+import random
+import shutil
+import signal
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+from jax.experimental.compilation_cache import compilation_cache
+
+from configs import char_lm, synthetic_lm, synthetic_seq2seq, translate
+from tfm import checkpoint, metrics, train
+from tfm.config import ConfigError
+
+NUM_STEPS = 16  # the reference run
+LABEL_SMOOTHING = 0.1
+
+
+# ------------------------------------------------------------------------------------ helpers
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compilation_cache_dir(tmp_path_factory):
+    """jax's persistent compilation cache for this module's runs, restored afterwards."""
+    previous = (
+        jax.config.jax_compilation_cache_dir,
+        jax.config.jax_persistent_cache_min_compile_time_secs,
+    )
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("jax_cache")))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    yield
+    jax.config.update("jax_compilation_cache_dir", previous[0])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", previous[1])
+    compilation_cache.reset_cache()
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """Prepared datasets and trained tokenizers, shared by the module's runs."""
+    return tmp_path_factory.mktemp("data")
+
+
+@contextlib.contextmanager
+def count_compilations() -> Iterator[list[str]]:
+    """Collects jax's lowering and XLA compilation events inside the block (tracing alone, e.g.
+    jax.eval_shape, compiles nothing)."""
+    events: list[str] = []
+
+    def listener(name: str, duration: float, **kwargs) -> None:
+        if name in ("/jax/core/compile/backend_compile_duration",
+                    "/jax/core/compile/jaxpr_to_mlir_module_duration"):
+            events.append(name)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield events
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def tiny_model(config: ml_collections.ConfigDict, encoder_layers: int = 1) -> None:
+    config.model.update(
+        d_model=32, num_heads=2, d_ff=64, num_encoder_layers=encoder_layers, num_decoder_layers=1
+    )
+
+
+def seq2seq_config(data_dir, **train_overrides) -> ml_collections.ConfigDict:
+    """The reference experiment: synthetic reverse, encoder-decoder, dropout and smoothing on
+    (so resuming must reproduce the dropout RNG), evaluated and checkpointed every 8 steps."""
+    config = synthetic_seq2seq.get_config("runlocal")
+    tiny_model(config)
+    config.model.dropout_rate = 0.1
+    config.data.update(
+        data_dir=str(data_dir),
+        batch_size=16,
+        seq_len=12,
+        train_lengths=(1, 6),
+        eval_lengths=(7, 9),
+        num_train_examples=512,
+        num_eval_examples=16,
+    )
+    config.optimizer.update(total_steps=NUM_STEPS, warmup_steps=4)
+    config.train.update(
+        num_steps=NUM_STEPS,
+        log_every=1,
+        eval_every=8,
+        checkpoint_every=8,
+        max_to_keep=1,
+        label_smoothing=LABEL_SMOOTHING,
+        keep_best_metric="eval_loss",
+        best_mode="min",
+        progress_bar=False,
+    )
+    config.eval.update(splits=("validation",), max_generation_examples=8)
+    config.train.update(**train_overrides)
+    return config
+
+
+def train_losses(workdir) -> dict[int, float]:
+    return {r["step"]: r["train_loss"] for r in metrics.read_metrics(workdir) if "train_loss" in r}
+
+
+def saved_state(workdir, step: int):
+    """The state saved at `step`, as numpy arrays (restored as written, no config check)."""
+    with checkpoint.Checkpointer(workdir / "checkpoints", async_save=False) as checkpointer:
+        return jax.tree.map(np.asarray, checkpointer.restore(step))
+
+
+def assert_trees_equal(a, b) -> None:
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+def assert_loss_falls(losses: list[float], factor: float) -> None:
+    """The mean of the last quarter of logged losses is below `factor` x the first quarter's."""
+    quarter = max(1, len(losses) // 4)
+    early, late = np.mean(losses[:quarter]), np.mean(losses[-quarter:])
+    assert all(math.isfinite(x) for x in losses), losses
+    assert late < factor * early, f"loss did not fall: {early:.3f} -> {late:.3f} ({losses})"
+
+
+def patch_train_batches(monkeypatch, on_batch) -> None:
+    """Calls on_batch(index, batch) -> batch for every training batch the loop shards
+    (eval batches, which carry example_weights, pass untouched)."""
+    original = train.sharding.shard_batch
+    count = [0]
+
+    def shard_batch(host_batch, *args, **kwargs):
+        if "example_weights" not in host_batch:
+            count[0] += 1
+            host_batch = on_batch(count[0], dict(host_batch))
+        return original(host_batch, *args, **kwargs)
+
+    monkeypatch.setattr(train.sharding, "shard_batch", shard_batch)
+
+
+# ------------------------------------------------------------------- the reference seq2seq run
+
+
+@pytest.fixture(scope="module")
+def reference(data_dir, tmp_path_factory):
+    """NUM_STEPS steps in one go: (config, workdir, returned metrics)."""
+    workdir = tmp_path_factory.mktemp("reference")
+    config = seq2seq_config(data_dir)
+    result = train.train_and_evaluate(config, workdir)
+    return config, workdir, result
+
+
+def test_seq2seq_learns_and_keeps_last_and_best(reference):
+    config, workdir, result = reference
+    losses = train_losses(workdir)
+    assert sorted(losses) == list(range(1, NUM_STEPS + 1))  # log_every=1
+    assert_loss_falls(list(losses.values()), factor=0.85)  # (smoothed: its floor is higher)
+    assert result["step"] == NUM_STEPS and "stopped_by" not in result
+    records = metrics.read_metrics(workdir)
+    eval_losses = {r["step"]: r["eval_loss"] for r in records if "eval_loss" in r}
+    assert sorted(eval_losses) == [8, 16]
+    assert result["eval_loss"] == eval_losses[NUM_STEPS]
+    assert 0.0 <= result["eval_exact_match"] <= 100.0
+    # max_to_keep=1 plus the best step by eval_loss (min) among the evaluated checkpoints.
+    best = min(eval_losses, key=eval_losses.get)
+    with checkpoint.Checkpointer(workdir / "checkpoints") as checkpointer:
+        assert set(checkpointer.all_steps()) == {best, NUM_STEPS}
+        assert checkpointer.saved_config()["model"]["d_model"] == 32
+    state = saved_state(workdir, NUM_STEPS)
+    assert set(state) == {"step", "params", "opt_state", "rng"} and int(state["step"]) == NUM_STEPS
+    assert (workdir / "checkpoints" / str(NUM_STEPS) / "data").is_dir()  # the data position
+    assert (workdir / "config.json").exists()
+
+
+def test_label_smoothing_in_the_loop_matches_hand_computation(reference, data_dir, tmp_path):
+    """One more step after the reference run: the train_loss the loop logs is the smoothed
+    cross-entropy with the configured epsilon, computed here by hand from the saved params, the
+    next batch of the restored data iterator and the dropout key derived from (seed, step);
+    train_nll is the unsmoothed loss of the same logits. (Not at step 1: near-uniform initial
+    predictions make the smoothed and unsmoothed losses almost equal.)"""
+    _, reference_dir, _ = reference
+    workdir = tmp_path / "run"
+    shutil.copytree(reference_dir, workdir)
+    config = seq2seq_config(data_dir, num_steps=NUM_STEPS + 1, eval_every=0)
+    experiment = train.setup(config, workdir)
+    assert experiment.train_options["label_smoothing"] == LABEL_SMOOTHING
+    abstract, _ = train.state_shardings(experiment)
+    iterator = experiment.data.train_iterator()
+    with checkpoint.Checkpointer(workdir / "checkpoints") as checkpointer:
+        state = checkpointer.restore(NUM_STEPS, abstract_state=abstract, data_iterator=iterator)
+    batch = {k: jnp.asarray(v) for k, v in next(iterator).items()}
+    logits_fn = jax.jit(
+        functools.partial(
+            train.compute_logits, experiment.model, task=experiment.task, deterministic=False
+        )
+    )
+    logits = logits_fn(state.params, batch, dropout_rng=jax.random.fold_in(state.rng, NUM_STEPS))
+    logits = np.asarray(logits, np.float64)
+    log_probs = logits - logits.max(-1, keepdims=True)
+    log_probs -= np.log(np.exp(log_probs).sum(-1, keepdims=True))
+    vocab = logits.shape[-1]
+    targets, weights = np.asarray(batch["targets"]), np.asarray(batch["weights"], np.float64)
+    smoothed = (1 - LABEL_SMOOTHING) * np.eye(vocab)[targets] + LABEL_SMOOTHING / vocab
+    loss = -(smoothed * log_probs).sum(-1)
+    nll = -np.take_along_axis(log_probs, targets[..., None], -1)[..., 0]
+    expected_loss = (weights * loss).sum() / weights.sum()
+    expected_nll = (weights * nll).sum() / weights.sum()
+    assert expected_loss - expected_nll > 0.01  # smoothing visibly changes this loss
+
+    train.train_and_evaluate(config, workdir)
+    logged = metrics.read_metrics(workdir)
+    step = next(r for r in logged if r["step"] == NUM_STEPS + 1 and "train_loss" in r)
+    assert step["train_loss"] == pytest.approx(expected_loss, rel=1e-5)
+    assert step["train_nll"] == pytest.approx(expected_nll, rel=1e-5)
+    assert step["train_tokens"] == weights.sum()  # real tokens only, padding excluded
+    assert weights.sum() < weights.size  # (the batch has padding)
+
+
+def test_resume_after_a_final_save_and_a_sigterm_is_exact(reference, data_dir, tmp_path,
+                                                         monkeypatch):
+    """5 steps (num_steps=5: the final save at a step that is no checkpoint multiple), a
+    restart that SIGTERM stops at step 11 (a forced save), and a last restart to N give the
+    same losses and the same final state, bit for bit, as N steps in one run."""
+    config, reference_dir, reference_result = reference
+    workdir = tmp_path / "run"
+    first = train.train_and_evaluate(seq2seq_config(data_dir, num_steps=5), workdir)
+    assert first["step"] == 5 and "stopped_by" not in first
+    with checkpoint.Checkpointer(workdir / "checkpoints") as checkpointer:
+        assert checkpointer.latest_step() == 5
+
+    handler_before = signal.getsignal(signal.SIGTERM)
+
+    def terminate_at_step_11(index, batch):  # index counts this run's batches: 6, 7, ...
+        if index == 11 - 5:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return batch
+
+    with monkeypatch.context() as patch:
+        patch_train_batches(patch, terminate_at_step_11)
+        stopped = train.train_and_evaluate(config, workdir)
+    assert stopped["stopped_by"] == "SIGTERM" and stopped["step"] == 11
+    assert signal.getsignal(signal.SIGTERM) == handler_before  # the handler is restored
+    with checkpoint.Checkpointer(workdir / "checkpoints") as checkpointer:
+        assert checkpointer.latest_step() == 11
+    assert int(saved_state(workdir, 11)["step"]) == 11
+
+    last = train.train_and_evaluate(config, workdir)
+    assert last["step"] == NUM_STEPS and "stopped_by" not in last
+    expected, resumed = train_losses(reference_dir), train_losses(workdir)
+    assert sorted(resumed) == list(range(1, NUM_STEPS + 1))  # no step lost or logged twice
+    assert resumed == expected  # exact float equality, every step
+    assert last["eval_loss"] == reference_result["eval_loss"]
+    assert_trees_equal(saved_state(workdir, NUM_STEPS), saved_state(reference_dir, NUM_STEPS))
+
+
+def test_stop_request_handles_sigint():
+    """SIGINT (Ctrl-C) takes the same path as SIGTERM: a flag the loop reads between steps."""
+    before = signal.getsignal(signal.SIGINT)
+    with train._StopRequest() as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.signal_name == "SIGINT"
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_nonfinite_loss_stops_without_overwriting(reference, data_dir, tmp_path, monkeypatch):
+    """NaN weights from step N + 2 on poison the loss and the params; logging is rare, so the
+    first check is the save at step N + 4, which must raise instead of saving."""
+    _, reference_dir, _ = reference
+    workdir = tmp_path / "run"
+    shutil.copytree(reference_dir, workdir)
+    before = saved_state(workdir, NUM_STEPS)
+
+    def poison(index, batch):
+        if index >= 2:
+            batch["weights"] = batch["weights"] * np.float32("nan")
+        return batch
+
+    patch_train_batches(monkeypatch, poison)
+    config = seq2seq_config(
+        data_dir, num_steps=NUM_STEPS + 8, log_every=100, checkpoint_every=4, eval_every=0
+    )
+    with pytest.raises(train.TrainingError) as error:
+        train.train_and_evaluate(config, workdir)
+    message = str(error.value)
+    assert "non-finite" in message and f"steps {NUM_STEPS + 1}-{NUM_STEPS + 4}" in message
+    assert f"last good checkpoint is step {NUM_STEPS}" in message
+    with checkpoint.Checkpointer(workdir / "checkpoints") as checkpointer:
+        assert checkpointer.latest_step() == NUM_STEPS
+    assert_trees_equal(saved_state(workdir, NUM_STEPS), before)
+
+
+def test_incompatible_model_config_names_the_field(reference, data_dir, tmp_path):
+    _, reference_dir, _ = reference
+    workdir = tmp_path / "run"
+    shutil.copytree(reference_dir, workdir)
+    config = seq2seq_config(data_dir, num_steps=NUM_STEPS + 8)
+    config.model.d_model = 48
+    with count_compilations() as compiled, pytest.raises(ValueError) as error:
+        train.train_and_evaluate(config, workdir)
+    assert "model.d_model: saved 32, current 48" in str(error.value)
+    assert str(workdir / "checkpoints") in str(error.value)
+    assert not compiled
+
+
+def test_incompatible_optimizer_state_names_the_field(reference, data_dir, tmp_path):
+    """Dropping gradient clipping changes the optimizer-state tree: the error says so."""
+    _, reference_dir, _ = reference
+    workdir = tmp_path / "run"
+    shutil.copytree(reference_dir, workdir)
+    config = seq2seq_config(data_dir, num_steps=NUM_STEPS + 8)
+    config.optimizer.grad_clip_norm = 0.0
+    with pytest.raises(train.TrainingError, match=r"optimizer.grad_clip_norm: saved 1.0, current"):
+        train.train_and_evaluate(config, workdir)
+
+
+# After a failed read, orbax's restore closes its event loop while tensorstore callbacks are
+# still in flight; they report "Event loop is closed" as unraisable exceptions (harmless).
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("damage", ["garble_arrays", "remove_state"])
+def test_corrupt_checkpoint_names_the_path(reference, data_dir, tmp_path, damage):
+    _, reference_dir, _ = reference
+    workdir = tmp_path / "run"
+    shutil.copytree(reference_dir, workdir)
+    step_dir = workdir / "checkpoints" / str(NUM_STEPS)
+    if damage == "garble_arrays":
+        for path in (step_dir / "state").rglob("*"):
+            if path.is_file() and path.parent.name == "d":
+                path.write_bytes(b"not an array")
+    else:
+        shutil.rmtree(step_dir / "state")
+    with pytest.raises(checkpoint.CheckpointError, match=str(step_dir)):
+        train.train_and_evaluate(seq2seq_config(data_dir, num_steps=NUM_STEPS + 8), workdir)
+
+
+def test_eval_from_checkpoint_reproduces_training_eval(reference):
+    """`./launch.sh eval` (in process) gives the metrics logged at the last training step.
+    (`generate` runs end to end in tests/test_launch.py.)"""
+    config, workdir, result = reference
+    evaluated = train.evaluate_checkpoint(config, workdir)
+    assert evaluated["step"] == NUM_STEPS
+    assert evaluated["eval_loss"] == pytest.approx(result["eval_loss"], rel=1e-6)
+    assert evaluated["eval_exact_match"] == result["eval_exact_match"]
+
+
+# -------------------------------------------------------------------- the other config families
+
+
+def write_text_corpus(path, num_paragraphs: int = 240) -> None:
+    lines = ["the cat sat on the mat.", "a dog ran in the fog.", "the sun is hot.",
+             "we like tea and cake.", "it is a red hat."]
+    rng = random.Random(0)
+    paragraphs = ["\n".join(rng.choice(lines) for _ in range(2)) for _ in range(num_paragraphs)]
+    path.write_text("\n\n".join(paragraphs) + "\n")
+
+
+def test_char_lm_learns(data_dir, tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    write_text_corpus(corpus)
+    config = char_lm.get_config("runlocal")
+    tiny_model(config, encoder_layers=0)
+    config.data.update(data_dir=str(data_dir), path=str(corpus), seq_len=32, eval_seq_len=32,
+                       batch_size=16, eval_batch_size=16)
+    config.optimizer.update(total_steps=24, warmup_steps=4, learning_rate=3e-3)
+    config.train.update(num_steps=24, log_every=3, eval_every=0, checkpoint_every=24,
+                        progress_bar=False)
+    config.eval.max_batches = 2
+    result = train.train_and_evaluate(config, tmp_path / "run")
+    assert_loss_falls(list(train_losses(tmp_path / "run").values()), factor=0.8)
+    vocab_size = len(set(corpus.read_text())) + 4
+    assert result["eval_loss"] < 0.9 * math.log(vocab_size)
+    assert "eval_bleu" not in result and "eval_exact_match" not in result
+
+
+def write_parallel_corpus(directory, num_train: int = 320, num_eval: int = 16) -> dict[str, str]:
+    """German -> English word-for-word sentences (a learnable task); plain and gzipped files."""
+    subjects = [("der hund", "the dog"), ("die katze", "the cat"), ("der mann", "the man"),
+                ("die frau", "the woman"), ("das kind", "the child")]
+    verbs = [("sieht", "sees"), ("mag", "likes"), ("ruft", "calls")]
+    objects = [("den ball", "the ball"), ("das haus", "the house"), ("den baum", "the tree"),
+               ("das auto", "the car")]
+    rng = random.Random(0)
+
+    def pairs(count):
+        chosen = [(rng.choice(subjects), rng.choice(verbs), rng.choice(objects))
+                  for _ in range(count)]
+        return ([f"{s[0]} {v[0]} {o[0]}." for s, v, o in chosen],
+                [f"{s[1]} {v[1]} {o[1]}." for s, v, o in chosen])
+
+    paths = {}
+    for split, count in (("train", num_train), ("val", num_eval)):
+        source, target = pairs(count)
+        for field, lang, lines in (("source", "de", source), ("target", "en", target)):
+            path = directory / f"{split}.{lang}.gz"
+            with gzip.open(path, "wt") as file:
+                file.write("\n".join(lines) + "\n")
+            prefix = "" if split == "train" else "eval_"
+            paths[f"{prefix}{field}_path"] = str(path)
+    return paths
+
+
+def test_translate_learns(data_dir, tmp_path):
+    config = translate.get_config("runlocal")
+    tiny_model(config)
+    config.data.update(data_dir=str(data_dir), vocab_size=64, seq_len=24, batch_size=16,
+                       **write_parallel_corpus(tmp_path))
+    config.optimizer.update(warmup_steps=10)
+    config.train.update(num_steps=24, log_every=3, eval_every=0, checkpoint_every=24,
+                        progress_bar=False)
+    config.eval.update(max_generation_examples=4, extra_len=8)
+    result = train.train_and_evaluate(config, tmp_path / "run")
+    assert_loss_falls(list(train_losses(tmp_path / "run").values()), factor=0.8)
+    assert 0.0 <= result["eval_bleu"] <= 100.0
+    assert math.isfinite(result["eval_loss"])
+
+
+# --------------------------------------------------------------------------- config validation
+
+
+def _set(config: ml_collections.ConfigDict, path: str, value) -> None:
+    *parents, leaf = path.split(".")
+    for name in parents:
+        config = config[name]
+    with config.unlocked():
+        config[leaf] = value
+
+
+@pytest.mark.parametrize(
+    "path, value, match",
+    [
+        ("foo", ml_collections.ConfigDict({"x": 1}), "unknown config section.*foo"),
+        ("model.foo", 1, "foo"),
+        ("data.foo", 1, "data.foo"),
+        ("optimizer.foo", 1, "optimizer.foo"),
+        ("train.foo", 1, "train.foo"),
+        ("eval.foo", 1, "eval.foo"),
+        ("generate.foo", 1, "generate.foo"),
+        ("model.num_heads", 3, "num_heads=3"),
+        ("model.position_scheme", "rotary", "position_scheme='rotary' is unknown; choose one of"),
+        ("train.num_steps", 0, "train.num_steps=0"),
+        ("train.label_smoothing", 1.0, "train.label_smoothing=1.0"),
+        ("train.max_to_keep", 0, "train.max_to_keep=0"),
+        ("optimizer.name", "sgd", "optimizer.name='sgd'"),
+        ("data.kind", "csv", "data.kind='csv'"),
+        ("eval.generation_metric", "rouge", "eval.generation_metric='rouge'"),
+        ("eval.method", "nucleus", "eval.method='nucleus'"),
+        ("generate.method", "beam_search", "generate.method='beam_search'"),
+        ("generate.temperature", 0.0, "generate.temperature=0.0"),
+        ("train.keep_best_metric", "eval_bleu", "train.keep_best_metric='eval_bleu'"),
+    ],
+)
+def test_config_errors_name_the_field_before_compiling(data_dir, tmp_path, path, value, match):
+    config = seq2seq_config(data_dir)
+    _set(config, path, value)
+    with count_compilations() as compiled, pytest.raises(ConfigError, match=match):
+        train.setup(config, tmp_path)
+    assert not compiled
+
+
+def test_valid_config_sets_up_without_compiling(data_dir, tmp_path):
+    with count_compilations() as compiled:
+        experiment = train.setup(seq2seq_config(data_dir), tmp_path)
+    assert not compiled
+    assert experiment.task == "seq2seq"
+    assert experiment.model_config.vocab_size == experiment.data.vocab_size
+
+
+SCHEMES = ("none", "sinusoidal", "learned", "rope", "relative", "t5_bias", "alibi")
+
+
+@pytest.mark.parametrize(
+    "module, variants",
+    [
+        (synthetic_seq2seq, ("copy", "reverse", "sort", "addition", "runlocal", "sort,alibi")),
+        (synthetic_lm, ("copy", "reverse", "sort", "addition", "runlocal", "reverse,t5_bias")),
+        (char_lm, ("runlocal", "bf16", "alibi,runlocal")),
+        (translate, ("small", "runlocal", "wmt", "relative,small")),
+    ],
+)
+def test_every_config_variant_is_valid(module, variants):
+    """Each config file, plain and with each variant (and every position scheme), passes the
+    validation `setup` runs before building anything."""
+    for arg in (None, *variants, *SCHEMES):
+        config = module.get_config(arg)
+        train.validate_config(config)
+        if arg in SCHEMES:
+            assert config.model.position_scheme == arg
+
+
+def test_unknown_variant_lists_the_choices():
+    with pytest.raises(ValueError, match="config variant 'rotary' is unknown; choose from: "):
+        synthetic_lm.get_config("rotary")

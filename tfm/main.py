@@ -1,0 +1,148 @@
+"""The command line behind ./launch.sh: `python -m tfm.main COMMAND --config=FILE[:ARG] [...]`.
+
+Commands: train (resumes from the workdir's latest checkpoint), eval (metrics of a checkpoint),
+generate (text in, text out), average (mean of the last K checkpoints into a new workdir).
+Any config field can be overridden: --config.model.position_scheme=rope.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+COMMANDS = ("train", "eval", "generate", "average")
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Experiment config: configs/FILE.py[:ARG]; override fields with --config.x=y"
+)
+_WORKDIR = flags.DEFINE_string(
+    "workdir", None, "Run directory (checkpoints, metrics); default workdirs/<config>[_<arg>]"
+)
+_PROMPTS = flags.DEFINE_multi_string("prompt", [], "generate: an input text (repeatable)")
+_STEP = flags.DEFINE_integer("step", None, "eval/generate: checkpoint step (default: latest)")
+_LAST_K = flags.DEFINE_integer("last_k", 5, "average: how many of the newest checkpoints")
+_OUTPUT = flags.DEFINE_string("output", None, "average: the new workdir for the averaged model")
+
+
+def default_workdir(config_arg: str) -> Path:
+    path, _, variant = config_arg.partition(":")
+    name = Path(path).stem + (f"_{variant.replace(',', '_')}" if variant else "")
+    return Path("workdirs") / name
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) != 2 or argv[1] not in COMMANDS:
+        raise app.UsageError(
+            f"expected one command, one of: {', '.join(COMMANDS)}; got {argv[1:] or 'none'}"
+        )
+    if _CONFIG.value is None:
+        raise app.UsageError("--config=configs/FILE.py[:ARG] is required")
+    command = argv[1]
+    config_arg = flags.FLAGS["config"].config_filename
+    config_file = config_arg.split(":", 1)[0]
+    if not Path(config_file).is_file():  # config_flags defers this error to the first use
+        raise app.UsageError(f"config file {config_file!r} not found (e.g. configs/char_lm.py)")
+    logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+    workdir = Path(_WORKDIR.value) if _WORKDIR.value else default_workdir(config_arg)
+
+    if command == "average" and not _OUTPUT.value:
+        raise app.UsageError("average needs --output=NEW_WORKDIR")
+
+    # Heavy imports after flag parsing, so usage errors are instant.
+    from tfm import train
+    from tfm.checkpoint import CheckpointError
+    from tfm.config import ConfigError
+    from tfm.data.builders import DataError
+
+    expected = (ConfigError, DataError, CheckpointError, train.TrainingError, FileNotFoundError,
+                FileExistsError)
+    try:
+        _run(command, _CONFIG.value, workdir, config_arg)
+    except expected as error:  # a bad value or file, not a bug: one line, no traceback
+        sys.stderr.write(f"tfm.main {command}: {type(error).__name__}: {error}\n")
+        sys.exit(1)
+
+
+def _run(command: str, config: Any, workdir: Path, config_arg: str) -> None:
+    from tfm import checkpoint, train
+
+    if command == "train":
+        final = train.train_and_evaluate(config, workdir)
+        print(json.dumps({"workdir": str(workdir), **final}, indent=1, default=str))
+    elif command == "eval":
+        results = train.evaluate_checkpoint(config, workdir, _STEP.value)
+        print(json.dumps(results, indent=1))
+    elif command == "generate":
+        prompts = _PROMPTS.value or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+        if not prompts:
+            raise app.UsageError("generate needs --prompt=TEXT (repeatable) or lines on stdin")
+        outputs = train.generate_from_checkpoint(config, workdir, prompts, _STEP.value)
+        for prompt, output in zip(prompts, outputs, strict=True):
+            print(f"{prompt}\t->\t{output}")
+    else:
+        experiment = train.setup(config, workdir)
+        abstract, _ = train.state_shardings(experiment)
+        step = checkpoint.write_averaged_checkpoint(
+            workdir / "checkpoints", Path(_OUTPUT.value) / "checkpoints", abstract,
+            last_k=_LAST_K.value,
+        )
+        print(f"averaged the last {_LAST_K.value} checkpoints of {workdir} into "
+              f"{_OUTPUT.value} (step {step}); evaluate with: ./launch.sh eval {config_arg} "
+              f"--workdir {_OUTPUT.value}")
+
+
+def _config_overrides(argv: list[str]) -> list[str]:
+    """The field paths of the --config.a.b=value overrides in `argv` ("a.b")."""
+    names = [arg.split("=", 1)[0].lstrip("-") for arg in argv]
+    return [name.split(".", 1)[1] for name in names if name.startswith("config.")]
+
+
+def _flag_error_line(error: Exception, argv: list[str]) -> str:
+    """One readable line for a command-line error (no traceback)."""
+    if isinstance(error, flags.Error):
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        # A failing config file comes with its traceback inside the message: keep the ends.
+        return lines[0] if len(lines) == 1 else f"{lines[0]} {lines[-1]}"
+    # ml_collections raises KeyError/AttributeError for an override of a missing field; the
+    # message starts with the quoted name and may add "Did you mean ...?".
+    message = error
+    while isinstance(message, BaseException) and message.args:  # AttributeError(KeyError(str))
+        message = message.args[0]
+    lines = str(message).splitlines() or [""]
+    paths = _config_overrides(argv)
+    if not lines[0].startswith(("'", '"')):  # e.g. indexing into a number: model.d_model.x
+        culprit = next((path for path in paths if path in lines[0]), None)
+        return f"--config.{culprit}: {' '.join(lines)}" if culprit else " ".join(lines)
+    missing = lines[0].strip("\"' ")
+    hint = " ".join(line.strip() for line in lines[1:])
+    culprit = next((path for path in paths if missing in path.split(".")), None)
+    where = f"--config.{culprit}: " if culprit else ""
+    return (
+        f"{where}the config has no field {missing!r}{'; ' + hint if hint else ''} "
+        "(every field is listed in configs/base.py and the config file)"
+    )
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl flag parsing that reports bad flags and unknown --config.x overrides in one line
+    (exit status 2) instead of a traceback."""
+    try:
+        return flags.FLAGS(argv)
+    except (flags.Error, KeyError, AttributeError) as error:
+        sys.stderr.write(f"tfm.main: {_flag_error_line(error, argv)}\n")
+        sys.stderr.write("usage: ./launch.sh COMMAND CONFIG[:ARG] [--config.FIELD=VALUE ...]; "
+                         "./launch.sh --help for more\n")
+        sys.exit(2)
+
+
+def run() -> None:
+    app.run(main, flags_parser=parse_flags)
+
+
+if __name__ == "__main__":
+    run()
