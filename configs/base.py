@@ -82,3 +82,32 @@ def apply_variants(config: ml_collections.ConfigDict, arg: str | None, variants:
             raise ValueError(
                 f"config variant {name!r} is unknown; choose from: {', '.join(allowed)}"
             )
+
+
+def synthetic_config(mode: str, seq_len: int) -> ml_collections.ConfigDict:
+    """The data section shared by the synthetic-task configs: train on lengths 1-12 ("validation"
+    holds unseen examples of those lengths), test on 13-24 (length generalisation)."""
+    config = base_config()
+    config.data.update(
+        kind="synthetic", mode=mode, task="reverse", train_lengths=(1, 12), eval_lengths=(13, 24),
+        num_train_examples=50_000, num_eval_examples=512, seq_len=seq_len, batch_size=64,
+        eval_batch_size=128, packing=False,
+    )
+    return config
+
+
+def synthetic_variants() -> dict:
+    """Variants of the synthetic-task configs: one per task, and `runlocal` (60 steps)."""
+    from tfm.data.synthetic import TASKS
+
+    def runlocal(c):
+        c.data.num_train_examples = 2_000
+        c.data.num_eval_examples = 64
+        c.optimizer.update(total_steps=60, warmup_steps=10)
+        c.train.update(num_steps=60, log_every=20, eval_every=60, checkpoint_every=60)
+        c.eval.max_generation_examples = 64
+
+    variants = {"runlocal": runlocal}
+    for task in TASKS:
+        variants[task] = lambda c, task=task: setattr(c.data, "task", task)
+    return variants
