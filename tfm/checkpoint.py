@@ -40,9 +40,13 @@ def _flatten(tree: Any, prefix: str) -> dict[str, Any]:
     return {prefix: tree}
 
 
+class ConfigMismatchError(ValueError):
+    """A checkpoint was saved with another model config; the message lists each differing field."""
+
+
 def check_model_config(saved: Mapping[str, Any], current: Mapping[str, Any], where: str) -> None:
-    """Raises ValueError listing every field under "model" whose saved and current values differ
-    (other sections, e.g. the learning rate, may change between runs)."""
+    """Raises ConfigMismatchError (a ValueError) listing every field under "model" whose saved
+    and current values differ (other sections, e.g. the learning rate, may change between runs)."""
     old = _flatten(saved.get("model", {}), "model")
     new = _flatten(current.get("model", {}), "model")
     missing = "<absent>"
@@ -52,7 +56,7 @@ def check_model_config(saved: Mapping[str, Any], current: Mapping[str, Any], whe
         if old.get(key, missing) != new.get(key, missing)
     ]
     if diffs:
-        raise ValueError(
+        raise ConfigMismatchError(
             f"checkpoint {where} was saved with a different model config; differing fields:\n"
             + "\n".join(diffs)
         )

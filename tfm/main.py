@@ -55,12 +55,12 @@ def main(argv: list[str]) -> None:
 
     # Heavy imports after flag parsing, so usage errors are instant.
     from tfm import train
-    from tfm.checkpoint import CheckpointError
+    from tfm.checkpoint import CheckpointError, ConfigMismatchError
     from tfm.config import ConfigError
     from tfm.data.builders import DataError
 
-    expected = (ConfigError, DataError, CheckpointError, train.TrainingError, FileNotFoundError,
-                FileExistsError)
+    expected = (ConfigError, DataError, CheckpointError, ConfigMismatchError, train.TrainingError,
+                FileNotFoundError, FileExistsError)
     try:
         _run(command, _CONFIG.value, workdir, config_arg)
     except expected as error:  # a bad value or file, not a bug: one line, no traceback
