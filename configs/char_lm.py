@@ -6,8 +6,9 @@
     ./launch.sh generate configs/char_lm.py --prompt "ROMEO:" --config.generate.method=sample
 
 Variants: a position scheme, `bf16` (bfloat16 compute), `runlocal`. The text is split into
-paragraphs; the last 10% (deterministic) is the validation split. Expected result: README
-("Character-level LM").
+paragraphs; the last 10% (deterministic) is the validation split. Expected result (measured
+on a shared 2-core CPU, 33 min): eval_loss 1.985 / 1.832 / 1.798 nats per character at steps
+200 / 400 / 600.
 """
 
 from configs.base import apply_variants, base_config

@@ -10,7 +10,8 @@
 Paper settings: base model (N=6, d_model 512, d_ff 2048, h 8, dropout 0.1, shared embeddings),
 Adam(0.9, 0.98, 1e-9) with the warmup-4000 inverse-sqrt schedule, label smoothing 0.1, beam 4,
 alpha 0.6, max output = input + 50 (Vaswani et al. 2017 sec. 5-6). Evaluation reports
-validation loss and sacreBLEU of beam-search translations.
+validation loss and sacreBLEU of beam-search translations. Expected result: not measured yet
+(the base model needs an accelerator; `runlocal` is a smoke test and learns only a little).
 """
 
 from configs.base import apply_variants, base_config
