@@ -6,24 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tiny_model import TINY
 
 from tfm.config import POSITION_SCHEMES, ModelConfig, paper_base
 from tfm.models import DecoderLM, Encoder, EncoderDecoder, stack_layer_params
-
-TINY = dict(
-    vocab_size=13,
-    d_model=16,
-    num_heads=4,
-    num_kv_heads=2,
-    d_ff=32,
-    num_encoder_layers=2,
-    num_decoder_layers=2,
-    dropout_rate=0.0,
-    max_len=32,
-    relative_max_distance=3,
-    t5_num_buckets=8,
-    t5_max_distance=16,
-)
 
 
 def tiny(**changes) -> ModelConfig:
