@@ -14,7 +14,8 @@ import numpy as np
 
 from tfm.config import ATTENTION_BACKENDS, ConfigError
 
-# Finite, so a fully masked row softmaxes to a uniform average instead of NaN (as jax.nn does).
+# Finite, so a fully masked row never produces NaN; its weights are then set to zero, so it
+# reads no key at all (not a uniform average over masked, possibly future, keys).
 _MASKED_LOGIT = -0.7 * float(np.finfo(np.float32).max)
 _CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 _CUDNN_MAX_HEAD_DIM = 256  # Hopper and later; jax itself refuses > 128 on older GPUs.
@@ -88,6 +89,8 @@ def dot_product_attention(
     return_weights: bool = False,
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
+    causal: bool = False,
+    kv_heads_first: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """softmax(Q K^T * scale + bias) V, Vaswani et al. 2017 eq. (1), with grouped-query heads.
 
@@ -97,7 +100,12 @@ def dot_product_attention(
     bias (additive float), mask (bool, True = attend): broadcastable to
       [batch, num_heads, q_len, kv_len].
     scale defaults to 1 / sqrt(head_dim). The softmax runs in float32; the output has query's dtype.
+    A query whose keys are all masked gets a zero output (and zero gradient).
     dropout_rate > 0 drops attention weights (inverted dropout, needs dropout_rng).
+    causal=True promises that query i never attends to key j > i (self-attention without a
+    cache; the mask must still say so): the reference backend then skips the key blocks after
+    each block of CAUSAL_BLOCK queries. kv_heads_first: key and value come as
+    [batch, num_kv_heads, kv_len, head_dim] (the KV cache's layout) instead.
     Returns out [batch, q_len, num_heads, head_dim], plus the (post-dropout) weights
     [batch, num_heads, q_len, kv_len] float32 when return_weights.
     """
@@ -109,7 +117,10 @@ def dot_product_attention(
     if key.shape != value.shape:
         raise ValueError(f"key and value shapes must match, got {key.shape} and {value.shape}")
     batch, q_len, num_heads, head_dim = query.shape
-    _, kv_len, num_kv_heads, _ = key.shape
+    if kv_heads_first:
+        _, num_kv_heads, kv_len, _ = key.shape
+    else:
+        _, kv_len, num_kv_heads, _ = key.shape
     if key.shape[0] != batch or key.shape[3] != head_dim:
         raise ValueError(f"query {query.shape} and key {key.shape} must share batch and head_dim")
     if num_heads % num_kv_heads:
@@ -135,6 +146,8 @@ def dot_product_attention(
     scale = 1.0 / np.sqrt(head_dim) if scale is None else scale
 
     if backend in ("xla", "cudnn"):
+        if kv_heads_first:
+            key, value = key.transpose(0, 2, 1, 3), value.transpose(0, 2, 1, 3)
         if backend == "cudnn":
             # jax folds the mask into a bias in the query dtype, and cuDNN wants full
             # [q_len, kv_len] bias dims. A bias gradient needs bias shape [1, num_heads, ...].
@@ -142,29 +155,104 @@ def dot_product_attention(
                 mask = jnp.broadcast_to(mask, mask.shape[:2] + (q_len, kv_len))
             if bias is not None:
                 bias = bias.astype(query.dtype)
-        return jax.nn.dot_product_attention(
+        out = jax.nn.dot_product_attention(
             query, key, value, bias=bias, mask=mask, scale=scale, implementation=backend
         )
+        if mask is None:
+            return out
+        attends = jnp.any(mask, axis=-1).transpose(0, 2, 1)[..., None]  # [batch, q_len, 1|h, 1]
+        return jnp.where(attends, out, jnp.zeros((), out.dtype))
 
+    # Head-major layout for the two batched matmuls: [batch, kv_heads, groups, len, head_dim].
     groups = num_heads // num_kv_heads
-    grouped_query = query.reshape(batch, q_len, num_kv_heads, groups, head_dim)
+    grouped_query = query.reshape(batch, q_len, num_kv_heads, groups, head_dim).transpose(
+        0, 2, 3, 1, 4
+    )
+    key_major = key if kv_heads_first else key.transpose(0, 2, 1, 3)
+    value_major = value if kv_heads_first else value.transpose(0, 2, 1, 3)
+    blocks = _causal_blocks(q_len, kv_len) if causal and not return_weights else [(0, q_len)]
+    outs, all_weights = [], []
+    for start, stop in blocks:
+        # Causal: queries [start, stop) see no key at or past `stop`.
+        kv_stop = stop if len(blocks) > 1 else kv_len
+        out_block, weights = _attend_block(
+            grouped_query[:, :, :, start:stop],
+            key_major[:, :, :kv_stop],
+            value_major[:, :, :kv_stop],
+            None if bias is None else _rows_cols(bias, start, stop, kv_stop),
+            None if mask is None else _rows_cols(mask, start, stop, kv_stop),
+            scale,
+            dropout_rate,
+            dropout_rng if dropout_rng is None or start == 0 else jax.random.fold_in(
+                dropout_rng, start
+            ),
+        )
+        outs.append(out_block)
+        all_weights.append(weights)
+    out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=3)
+    # [batch, kv_heads, groups, q_len, head_dim] -> [batch, q_len, num_heads, head_dim]
+    out = out.transpose(0, 3, 1, 2, 4).reshape(query.shape).astype(query.dtype)
+    if return_weights:
+        return out, all_weights[0].reshape(expected)
+    return out
+
+
+# Causal attention skips key blocks after the query block once q_len reaches this size.
+CAUSAL_BLOCK = 128
+
+
+def _causal_blocks(q_len: int, kv_len: int) -> list[tuple[int, int]]:
+    """Query blocks [start, stop) for causal self-attention without a cache (q_len == kv_len)."""
+    if q_len != kv_len or q_len < 2 * CAUSAL_BLOCK:
+        return [(0, q_len)]
+    return [(start, min(start + CAUSAL_BLOCK, q_len)) for start in range(0, q_len, CAUSAL_BLOCK)]
+
+
+def _rows_cols(array: jax.Array, start: int, stop: int, kv_stop: int) -> jax.Array:
+    """Slices query rows [start, stop) and key columns [0, kv_stop) of a broadcastable
+    [batch, heads, q_len, kv_len] mask or bias (size-1 dims stay)."""
+    rows = slice(start, stop) if array.shape[2] > 1 else slice(None)
+    cols = slice(0, kv_stop) if array.shape[3] > 1 else slice(None)
+    return array[:, :, rows, cols]
+
+
+def _attend_block(
+    grouped_query: jax.Array,  # [batch, kv_heads, groups, q_len, head_dim]
+    key: jax.Array,  # [batch, kv_heads, kv_len, head_dim]
+    value: jax.Array,  # [batch, kv_heads, kv_len, head_dim]
+    bias: jax.Array | None,  # broadcastable to [batch, num_heads, q_len, kv_len]
+    mask: jax.Array | None,  # likewise, bool
+    scale: float,
+    dropout_rate: float,
+    dropout_rng: jax.Array | None,
+) -> tuple[jax.Array, jax.Array]:
+    """One block of queries against keys; returns (out [batch, kv_heads, groups, q_len,
+    head_dim] float32, weights [batch, kv_heads, groups, q_len, kv_len] float32)."""
+    num_kv_heads, groups = grouped_query.shape[1:3]
+
+    def grouped(array: jax.Array) -> jax.Array:  # [b|1, heads|1, q, k] -> [b|1, kv|1, g|1, q, k]
+        if array.shape[1] == 1:
+            return array[:, :, None]
+        return array.reshape(array.shape[0], num_kv_heads, groups, *array.shape[2:])
+
     logits = jnp.einsum(
-        "btkgh,bskh->bkgts", grouped_query, key, preferred_element_type=jnp.float32
-    ).reshape(expected) * jnp.float32(scale)
+        "bkgth,bksh->bkgts", grouped_query, key, preferred_element_type=jnp.float32
+    ) * jnp.float32(scale)
     if bias is not None:
-        logits = logits + bias.astype(jnp.float32)
-    if mask is not None:
-        logits = jnp.where(mask, logits, _MASKED_LOGIT)
-    weights = jax.nn.softmax(logits, axis=-1)
+        logits = logits + grouped(bias).astype(jnp.float32)
+    weights = jax.nn.softmax(
+        logits if mask is None else jnp.where(grouped(mask), logits, _MASKED_LOGIT), axis=-1
+    )
+    if mask is not None:  # a query with no visible key reads nothing
+        weights = jnp.where(jnp.any(grouped(mask), axis=-1, keepdims=True), weights, 0.0)
     if dropout_rate > 0:
         keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, weights.shape)
         weights = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)
-    grouped_weights = weights.reshape(batch, num_kv_heads, groups, q_len, kv_len)
     out = jnp.einsum(
-        "bkgts,bskh->btkgh", grouped_weights.astype(value.dtype), value,
+        "bkgts,bksh->bkgth", weights.astype(value.dtype), value,
         preferred_element_type=jnp.float32,
-    ).reshape(query.shape).astype(query.dtype)
-    return (out, weights) if return_weights else out
+    )
+    return out, weights
 
 
 def causal_mask(query_positions: jax.Array, key_positions: jax.Array) -> jax.Array:

@@ -3,11 +3,13 @@
 Layout (every leaf has batch on axis 0, so decoding algorithms can reorder beams with
 `jax.tree.map(lambda x: x[indices], cache)` without knowing the model):
 
-- `keys`, `values`: [batch, num_layers, max_len, num_kv_heads, head_dim]. Slot i of row b holds the
-  key/value of that row's token at position i (RoPE keys are stored already rotated).
+- `keys`, `values`: [batch, num_layers, num_kv_heads, max_len, head_dim]. Slot i of row b holds the
+  key/value of that row's token at position i (RoPE keys are stored already rotated). Heads come
+  before slots: the layout the decode step's attention matmul reads, so no step transposes it.
+  Each layer writes its new tokens in place (`write_layer`); no step copies the whole cache.
 - `lengths`: [batch] int32, how many slots of each row are filled = where the next token is written.
   Rows advance independently (prompts of different lengths, rows that stopped at EOS).
-- `cross_keys`, `cross_values`: [batch, num_layers, source_len, num_kv_heads, head_dim], the
+- `cross_keys`, `cross_values`: [batch, num_layers, num_kv_heads, source_len, head_dim], the
   encoder-decoder's cross-attention keys/values, projected once from the encoder output.
 - `source_valid`: [batch, source_len] bool, which source positions are real tokens.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from tfm.config import ModelConfig
@@ -23,16 +26,16 @@ from tfm.config import ModelConfig
 
 @struct.dataclass
 class DecoderCache:
-    keys: jax.Array  # [batch, num_layers, max_len, num_kv_heads, head_dim]
-    values: jax.Array  # [batch, num_layers, max_len, num_kv_heads, head_dim]
+    keys: jax.Array  # [batch, num_layers, num_kv_heads, max_len, head_dim]
+    values: jax.Array  # [batch, num_layers, num_kv_heads, max_len, head_dim]
     lengths: jax.Array  # [batch] int32
-    cross_keys: jax.Array | None = None  # [batch, num_layers, source_len, num_kv_heads, head_dim]
+    cross_keys: jax.Array | None = None  # [batch, num_layers, num_kv_heads, source_len, head_dim]
     cross_values: jax.Array | None = None
     source_valid: jax.Array | None = None  # [batch, source_len] bool
 
     @property
     def max_len(self) -> int:
-        return self.keys.shape[2]
+        return self.keys.shape[3]
 
     @property
     def batch_size(self) -> int:
@@ -57,13 +60,13 @@ def init_cache(
     shape = (
         batch_size,
         config.num_decoder_layers,
-        max_len,
         config.resolved_num_kv_heads,
+        max_len,
         config.resolved_head_dim,
     )
     cross = {}
     if source_len is not None:
-        cross_shape = shape[:2] + (source_len,) + shape[3:]
+        cross_shape = shape[:3] + (source_len,) + shape[4:]
         cross = dict(
             cross_keys=jnp.zeros(cross_shape, dtype),
             cross_values=jnp.zeros(cross_shape, dtype),
@@ -84,7 +87,7 @@ def check_cache(cache: DecoderCache, config: ModelConfig, has_cross: bool) -> No
         config.resolved_num_kv_heads,
         config.resolved_head_dim,
     )
-    got = (cache.keys.shape[1], cache.keys.shape[3], cache.keys.shape[4])
+    got = (cache.keys.shape[1], cache.keys.shape[2], cache.keys.shape[4])
     if cache.keys.ndim != 5 or got != expected:
         raise ValueError(
             "cache was built for another model config: (num_decoder_layers, num_kv_heads, "
@@ -98,17 +101,41 @@ def check_cache(cache: DecoderCache, config: ModelConfig, has_cross: bool) -> No
         )
 
 
-def write(
-    cache_slots: jax.Array,  # [batch, max_len, ...]
-    new: jax.Array,  # [batch, new_len, ...]
-    start: jax.Array,  # [batch] int32
-) -> jax.Array:
-    """Writes `new` into each row's slots [start, start + new_len). The caller checks bounds:
-    inside jit an out-of-range start would be clamped by dynamic_update_slice."""
-
-    def write_row(row_slots: jax.Array, row_new: jax.Array, row_start: jax.Array) -> jax.Array:
-        return jax.lax.dynamic_update_slice_in_dim(
-            row_slots, row_new.astype(row_slots.dtype), row_start, axis=0
+def check_room(cache: DecoderCache, new_len: int) -> None:
+    """Raises when a row's `new_len` more tokens would not fit, if the lengths are known now
+    (outside jit). Under jit the model returns NaN logits for such rows instead."""
+    if isinstance(cache.lengths, jax.core.Tracer):
+        return
+    lengths = np.asarray(cache.lengths)
+    if lengths.size and int(lengths.max()) + new_len > cache.max_len:
+        rows = np.flatnonzero(lengths + new_len > cache.max_len).tolist()
+        raise ValueError(
+            f"{new_len} new token(s) do not fit the cache: rows {rows} already hold "
+            f"{lengths[rows].tolist()} of max_len={cache.max_len} slots; build a larger cache "
+            "with init_cache"
         )
 
-    return jax.vmap(write_row)(cache_slots, new, start)
+
+def write_layer(
+    slots: jax.Array,  # [batch, num_layers, num_kv_heads, max_len, head_dim]
+    new: jax.Array,  # [batch, num_kv_heads, new_len, head_dim]
+    layer: jax.Array | int,
+    start: jax.Array,  # [batch] int32
+) -> jax.Array:
+    """Writes `new` into layer `layer`, slots [start, start + new_len) of each row, in place
+    (under jit, when `slots` is not used afterwards). The caller checks bounds: inside jit an
+    out-of-range start would be clamped by dynamic_update_slice."""
+
+    def write_row(row_slots: jax.Array, row_new: jax.Array, row_start: jax.Array) -> jax.Array:
+        index = (jnp.asarray(layer, jnp.int32), jnp.int32(0), row_start, jnp.int32(0))
+        return jax.lax.dynamic_update_slice(row_slots, row_new[None].astype(row_slots.dtype), index)
+
+    return jax.vmap(write_row)(slots, new, start.astype(jnp.int32))
+
+
+def read_layer(
+    slots: jax.Array,  # [batch, num_layers, num_kv_heads, max_len, head_dim]
+    layer: jax.Array | int,
+) -> jax.Array:  # [batch, num_kv_heads, max_len, head_dim]
+    """One layer's slots."""
+    return jax.lax.dynamic_index_in_dim(slots, layer, axis=1, keepdims=False)

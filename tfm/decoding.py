@@ -9,13 +9,13 @@ Every algorithm is written against a callback, as in Flax's wmt/lm1b examples:
 beam search can expand it to batch * beam rows and reorder beams with one gather per leaf.
 
 The algorithms start from `initial_logits: [batch, vocab]` (the logits after the prompt or BOS was
-fed to a prefilled cache) and feed one token per step. The loop carries the next-token logits: a
-step picks tokens from them, then calls the model (under `lax.cond`) only if another step follows,
-so the model runs once for every token after the first and never after the last one (a cache with
-room for prompt + max_new_tokens - 1 positions is enough), and the compiled loop holds one copy of
-the step and of the model. Each row stops on its own at EOS (pad after) or at its
-`max_new_per_row` limit; the one `lax.while_loop` ends when every row is done or `max_new_tokens`
-tokens were generated. Rows that are done still go through the model (their outputs are
+fed to a prefilled cache) and feed one token per step. The first token is picked from
+initial_logits before the loop; each loop step runs the model on the last token and picks the next
+one, so the model runs once for every token after the first and never after the last one (a cache
+with room for prompt + max_new_tokens - 1 positions is enough), with no per-step branch, and the
+compiled loop holds one copy of the step and of the model. Each row stops on its own at EOS (pad
+after) or at its `max_new_per_row` limit; the one `lax.while_loop` ends when every row is done or
+`max_new_tokens` tokens were generated. Rows that are done still go through the model (their outputs are
 discarded), because the batch moves in lockstep.
 
 Each algorithm is jitted with `tokens_to_logits` and the sizes as static arguments: pass the same
@@ -175,7 +175,6 @@ class _SequentialState(NamedTuple):
     lengths: jax.Array  # [batch]
     scores: jax.Array  # [batch]
     done: jax.Array  # [batch] bool
-    logits: jax.Array  # [batch, vocab] float32, for the next step
     cache: Cache
 
 
@@ -211,8 +210,9 @@ def _decode_sequential(
         log_probs = jax.nn.log_softmax(logits, axis=-1)
         return token, jnp.take_along_axis(log_probs, token[:, None], axis=-1)[:, 0]
 
-    def advance(state: _SequentialState) -> _SequentialState:
-        token, log_prob = choose(state.logits, state.step)
+    def advance(state: _SequentialState, logits: jax.Array) -> _SequentialState:
+        """Picks each active row's next token from logits: [batch, vocab] float32."""
+        token, log_prob = choose(logits, state.step)
         active = ~state.done
         token = jnp.where(active, token, pad_id).astype(jnp.int32)
         lengths = state.lengths + active.astype(jnp.int32)
@@ -228,15 +228,9 @@ def _decode_sequential(
     def cond(state: _SequentialState) -> jax.Array:
         return (state.step < max_new_tokens) & ~jnp.all(state.done)
 
-    def call_model(state: _SequentialState) -> tuple[jax.Array, Cache]:
-        logits, new_cache = tokens_to_logits(state.last[:, None], state.cache)
-        return logits[:, -1].astype(jnp.float32), new_cache
-
     def body(state: _SequentialState) -> _SequentialState:
-        state = advance(state)
-        skip = lambda s: (s.logits, s.cache)
-        logits, new_cache = jax.lax.cond(cond(state), call_model, skip, state)
-        return state._replace(logits=logits, cache=new_cache)
+        logits, cache = tokens_to_logits(state.last[:, None], state.cache)
+        return advance(state._replace(cache=cache), logits[:, -1].astype(jnp.float32))
 
     state = _SequentialState(
         step=jnp.zeros((), jnp.int32),
@@ -245,9 +239,12 @@ def _decode_sequential(
         lengths=jnp.zeros((batch,), jnp.int32),
         scores=jnp.zeros((batch,), jnp.float32),
         done=limits <= 0,
-        logits=initial_logits.astype(jnp.float32),
         cache=cache,
     )
+    # The first token comes from initial_logits; each loop step runs the model on the last
+    # token, then picks the next one. So the model runs once per token after the first and
+    # never after the last, with no per-step branch.
+    state = advance(state, initial_logits.astype(jnp.float32))
     state = jax.lax.while_loop(cond, body, state)
     return DecodeOutput(tokens=state.tokens, lengths=state.lengths, scores=state.scores)
 
@@ -323,7 +320,6 @@ class _BeamState(NamedTuple):
     finished_lengths: jax.Array  # [batch, beam]
     row_steps: jax.Array  # [batch], tokens the row generated before it stopped
     done: jax.Array  # [batch] bool
-    log_probs: jax.Array  # [batch, beam, vocab] float32, next-token log-probs of the alive beams
     cache: Cache  # leaves [batch * beam, ...]
 
 
@@ -423,18 +419,11 @@ def _beam_search(
     def cond(state: _BeamState) -> jax.Array:
         return (state.step < max_new_tokens) & ~jnp.all(state.done)
 
-    def call_model(state: _BeamState) -> tuple[jax.Array, Cache]:
-        last = jax.lax.dynamic_index_in_dim(state.live_seqs, state.step - 1, axis=2, keepdims=False)
-        logits, new_cache = tokens_to_logits(last.reshape(batch * beams, 1), state.cache)
-        log_probs = jax.nn.log_softmax(logits[:, -1].astype(jnp.float32), axis=-1)
-        return log_probs.reshape(batch, beams, vocab), new_cache
-
     def body(state: _BeamState) -> _BeamState:
-        state = advance(state, state.log_probs)
-        log_probs, new_cache = jax.lax.cond(
-            cond(state), call_model, lambda s: (s.log_probs, s.cache), state
-        )
-        return state._replace(log_probs=log_probs, cache=new_cache)
+        last = jax.lax.dynamic_index_in_dim(state.live_seqs, state.step - 1, axis=2, keepdims=False)
+        logits, cache = tokens_to_logits(last.reshape(batch * beams, 1), state.cache)
+        log_probs = jax.nn.log_softmax(logits[:, -1].astype(jnp.float32), axis=-1)
+        return advance(state._replace(cache=cache), log_probs.reshape(batch, beams, vocab))
 
     # Only beam 0 starts alive, so the first step does not pick the same token `beam` times.
     first_live = jnp.where(jnp.arange(beams) == 0, 0.0, neg_inf).astype(jnp.float32)
@@ -448,12 +437,12 @@ def _beam_search(
         finished_lengths=jnp.zeros((batch, beams), jnp.int32),
         row_steps=jnp.zeros((batch,), jnp.int32),
         done=limits <= 0,
-        log_probs=jnp.broadcast_to(
-            jax.nn.log_softmax(initial_logits.astype(jnp.float32), axis=-1)[:, None],
-            (batch, beams, vocab),
-        ),
         cache=jax.tree.map(lambda x: jnp.repeat(x, beams, axis=0), cache),
     )
+    # The first step expands the initial logits; each loop step runs the model on the alive
+    # beams' last tokens, then advances (no per-step branch).
+    initial_log_probs = jax.nn.log_softmax(initial_logits.astype(jnp.float32), axis=-1)
+    state = advance(state, jnp.broadcast_to(initial_log_probs[:, None], (batch, beams, vocab)))
     state = jax.lax.while_loop(cond, body, state)
 
     # A row with no finished hypothesis returns its alive beams, scored at their length.

@@ -6,13 +6,15 @@ buckets) so sharding is a matter of rules (tfm/sharding.py), not code.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from tfm import attention, cache, positions
+from tfm import attention, cache, ops, positions
 from tfm.config import ModelConfig
 
 Array = jax.Array
@@ -27,43 +29,69 @@ def _zeros(names: tuple[str | None, ...]) -> Any:
 
 
 class Projection(nn.Module):
-    """y = x . kernel (+ bias), contracting the last `num_contracted` axes of x.
+    """y = x . kernel (+ bias), contracting the last len(in_features) axes of x.
 
-    kernel: [*contracted dims, *features] with logical axis `names`; Glorot-uniform over those
-    fans. Matmuls accumulate in float32 (faster than a bf16 output on CPU, and more exact).
+    kernel: [*in_features, *features] with logical axis `names`; Glorot-uniform over those
+    fans. The matmul is `tfm.ops.linear`: compute-dtype operands in both passes, float32
+    accumulation. `kernel` and `bias` are attributes, so a layer can fuse several projections
+    of one input into one matmul (`project_together`).
     """
 
     config: ModelConfig
+    in_features: tuple[int, ...]
     features: tuple[int, ...]
     names: tuple[str | None, ...]
-    num_contracted: int = 1
 
-    @nn.compact
-    def __call__(self, x: Array) -> Array:  # x: [..., *contracted] -> [..., *features]
-        config, n_in, n_out = self.config, self.num_contracted, len(self.features)
+    def setup(self) -> None:
+        config, n_in, n_out = self.config, len(self.in_features), len(self.features)
         init = nn.initializers.xavier_uniform(
             in_axis=tuple(range(n_in)), out_axis=tuple(range(n_in, n_in + n_out))
         )
-        shape = (*x.shape[x.ndim - n_in :], *self.features)
-        kernel = self.param("kernel", _kernel(self.names, init), shape, config.params_dtype)
-        contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
-        y = jax.lax.dot_general(
-            x.astype(config.compute_dtype),
-            jnp.asarray(kernel, config.compute_dtype),
-            (contract, ((), ())),
-            preferred_element_type=jnp.float32,
-        )
+        shape = (*self.in_features, *self.features)
+        self.kernel = self.param("kernel", _kernel(self.names, init), shape, config.params_dtype)
+        self.bias = None
         if config.use_bias:
-            bias = self.param("bias", _zeros(self.names[n_in:]), self.features, config.params_dtype)
-            y = y + jnp.asarray(bias, jnp.float32)
-        return y.astype(config.compute_dtype)
+            self.bias = self.param(
+                "bias", _zeros(self.names[n_in:]), self.features, config.params_dtype
+            )
+
+    def __call__(self, x: Array) -> Array:  # x: [..., *in_features] -> [..., *features]
+        return project_together(self.config, x, [self])[0]
 
 
-def _dense(config: ModelConfig, features: Any, axis: Any, names: tuple, name: str) -> nn.Module:
-    """A Projection onto `features` (int or tuple) contracting `axis` (-1 or (-2, -1))."""
-    features = (features,) if isinstance(features, int) else tuple(features)
-    num_contracted = 1 if isinstance(axis, int) else len(axis)
-    return Projection(config, features, names, num_contracted, name=name)
+def project_together(config: ModelConfig, x: Array, projections: list[Projection]) -> list[Array]:
+    """Applies projections that share x's input axes as ONE matmul over their concatenated
+    kernels (e.g. query, key and value), then splits: one wide matmul runs faster on CPU
+    than three narrow ones, and the parameters stay separate (same checkpoint layout).
+
+    x: [..., *in_features] -> [[..., *features_i] for each projection], in compute dtype.
+    """
+    num_in = len(projections[0].in_features)
+    widths = [math.prod(p.features) for p in projections]
+    kernels = [p.kernel.reshape(*p.in_features, math.prod(p.features)) for p in projections]
+    kernel = kernels[0] if len(kernels) == 1 else jnp.concatenate(kernels, axis=-1)
+    has_bias = projections[0].bias is not None
+    y = ops.linear(
+        x,
+        kernel,
+        num_contracted=num_in,
+        compute_dtype=config.compute_dtype,
+        out_dtype=jnp.float32 if has_bias else config.compute_dtype,
+    )
+    if has_bias:
+        bias = jnp.concatenate([p.bias.reshape(-1) for p in projections])
+        y = (y + bias.astype(jnp.float32)).astype(config.compute_dtype)
+    outputs = jnp.split(y, np.cumsum(widths)[:-1].tolist(), axis=-1) if len(widths) > 1 else [y]
+    return [
+        out.reshape(*out.shape[:-1], *p.features)
+        for out, p in zip(outputs, projections, strict=True)
+    ]
+
+
+def _dense(config: ModelConfig, in_features: Any, features: Any, names: tuple, name: str):
+    """A Projection from `in_features` (int or tuple) onto `features` (int or tuple)."""
+    as_tuple = lambda f: (f,) if isinstance(f, int) else tuple(f)
+    return Projection(config, as_tuple(in_features), as_tuple(features), names, name=name)
 
 
 class Norm(nn.Module):
@@ -110,8 +138,10 @@ class TokenEmbedding(nn.Module):
         return x
 
     def attend(self, x: Array) -> Array:  # x: [batch, len, d_model] -> [batch, len, vocab]
-        table = jnp.asarray(self.table, self.config.compute_dtype)
-        return jnp.einsum("btd,vd->btv", x, table, preferred_element_type=jnp.float32)
+        config = self.config
+        return ops.linear(
+            x, self.table.T, compute_dtype=config.compute_dtype, out_dtype=jnp.float32
+        )
 
 
 class PositionEmbedding(nn.Module):
@@ -183,6 +213,11 @@ class MultiHeadAttention(nn.Module):
 
     Self-attention applies RoPE or Shaw relative embeddings when configured; cross-attention uses
     no position information (queries from the decoder, keys/values from the encoder output).
+    Query, key and value projections of one input run as one matmul (`project_together`).
+
+    With a KV cache (`cache_slots`, every layer's slots, see tfm/cache.py) the new keys and values
+    are written into this layer's slots in place, and attention reads the slots in their
+    head-major layout; the updated slots are returned.
     """
 
     config: ModelConfig
@@ -192,45 +227,55 @@ class MultiHeadAttention(nn.Module):
     def __call__(
         self,
         inputs_q: Array,  # [batch, q_len, d_model]
-        inputs_kv: Array | None,  # [batch, kv_len, d_model], or None to read cached_kv
+        inputs_kv: Array | None,  # [batch, kv_len, d_model], or None to read the cross cache
         *,
         mask: Array | None,  # [batch, 1, q_len, kv_len] bool
         bias: Array | None,  # [batch | 1, heads, q_len, kv_len]
         query_positions: Array,  # [batch, q_len]
         key_positions: Array,  # [batch, kv_len] positions of every key attended to
-        cached_kv: tuple[Array, Array] | None = None,  # 2 x [batch, cache_len, kv_heads, head_dim]
+        cache_slots: tuple[Array, Array] | None = None,  # 2 x [batch, layers, kv_heads, slots, hd]
+        layer: Array | int = 0,  # which layer's slots are this module's
         write_index: Array | None = None,  # [batch] slot where new self-attention keys go
+        causal: bool = False,  # self-attention without a cache: query i sees no key after i
         deterministic: bool = True,
     ) -> tuple[Array, tuple[Array, Array] | None]:
         config = self.config
         num_heads, num_kv_heads = config.num_heads, config.resolved_num_kv_heads
-        head_dim = config.resolved_head_dim
-        query = _dense(config, (num_heads, head_dim), -1, ("embed", "heads", "head_dim"), "query")(
-            inputs_q
+        head_dim, d_model = config.resolved_head_dim, config.d_model
+        kv_names = ("embed", "kv_heads", "head_dim")
+        query_proj = _dense(
+            config, d_model, (num_heads, head_dim), kv_names[:1] + ("heads", "head_dim"), "query"
         )
-
-        if inputs_kv is not None:
-            kv_names = ("embed", "kv_heads", "head_dim")
-            key = _dense(config, (num_kv_heads, head_dim), -1, kv_names, "key")(inputs_kv)
-            value = _dense(config, (num_kv_heads, head_dim), -1, kv_names, "value")(inputs_kv)
-        rope = config.position_scheme == "rope" and not self.is_cross
-        if rope:
+        key_proj = _dense(config, d_model, (num_kv_heads, head_dim), kv_names, "key")
+        value_proj = _dense(config, d_model, (num_kv_heads, head_dim), kv_names, "value")
+        if inputs_kv is inputs_q:
+            query, key, value = project_together(
+                config, inputs_q, [query_proj, key_proj, value_proj]
+            )
+        else:
+            query = query_proj(inputs_q)
+            if inputs_kv is not None:
+                key, value = project_together(config, inputs_kv, [key_proj, value_proj])
+        if config.position_scheme == "rope" and not self.is_cross:
             rope_args = dict(
                 base=config.rope_base, layout=config.rope_layout, fraction=config.rope_fraction
             )
             query = positions.apply_rope(query, query_positions, **rope_args)
-            if inputs_kv is not None:
-                key = positions.apply_rope(key, query_positions, **rope_args)
+            key = positions.apply_rope(key, query_positions, **rope_args)
 
-        new_cache = None
-        if self.is_cross:
-            if inputs_kv is None:
-                key, value = cached_kv
-            new_cache = (key, value) if cached_kv is not None else None
-        elif cached_kv is not None:
-            key = cache.write(cached_kv[0], key, write_index)
-            value = cache.write(cached_kv[1], value, write_index)
-            new_cache = (key, value)
+        kv_heads_first, new_slots = False, None
+        if cache_slots is not None:
+            if inputs_kv is not None:  # new keys/values into this layer's slots
+                start = write_index if not self.is_cross else jnp.zeros_like(query_positions[:, 0])
+                new_slots = tuple(
+                    cache.write_layer(slots, new.swapaxes(1, 2), layer, start)
+                    for slots, new in zip(cache_slots, (key, value), strict=True)
+                )
+            else:
+                new_slots = cache_slots
+            if not self.is_cross or inputs_kv is None:
+                key, value = (cache.read_layer(slots, layer) for slots in new_slots)
+                kv_heads_first = True
 
         relative = config.position_scheme == "relative" and not self.is_cross
         scale = head_dim**-0.5
@@ -251,8 +296,8 @@ class MultiHeadAttention(nn.Module):
         want_weights = relative and config.relative_values
         result = attention.dot_product_attention(
             query,
-            key,
-            value,
+            key.astype(query.dtype),
+            value.astype(query.dtype),
             bias=bias,
             mask=mask,
             scale=scale,
@@ -260,6 +305,8 @@ class MultiHeadAttention(nn.Module):
             return_weights=want_weights,
             dropout_rate=dropout_rate,
             dropout_rng=dropout_rng,
+            causal=causal,
+            kv_heads_first=kv_heads_first,
         )
         if want_weights:
             out, weights = result
@@ -269,8 +316,10 @@ class MultiHeadAttention(nn.Module):
             out = out + positions.shaw_value_term(weights, value_table, rel_idx).astype(out.dtype)
         else:
             out = result
-        out = _dense(config, config.d_model, (-2, -1), ("heads", "head_dim", "embed"), "out")(out)
-        return out, new_cache
+        out_proj = _dense(
+            config, (num_heads, head_dim), d_model, ("heads", "head_dim", "embed"), "out"
+        )
+        return out_proj(out), new_slots
 
 
 class FeedForward(nn.Module):
@@ -282,12 +331,15 @@ class FeedForward(nn.Module):
     @nn.compact
     def __call__(self, x: Array) -> Array:  # x: [batch, len, d_model]
         config = self.config
-        hidden = _dense(config, config.d_ff, -1, ("embed", "mlp"), "wi")(x)
-        if config.activation == "relu":
-            hidden = nn.relu(hidden)
-        elif config.activation == "gelu":
-            hidden = nn.gelu(hidden, approximate=False)
-        else:  # swiglu
-            gate = _dense(config, config.d_ff, -1, ("embed", "mlp"), "wi_gate")(x)
+        wi = _dense(config, config.d_model, config.d_ff, ("embed", "mlp"), "wi")
+        if config.activation == "swiglu":
+            wi_gate = _dense(config, config.d_model, config.d_ff, ("embed", "mlp"), "wi_gate")
+            hidden, gate = project_together(config, x, [wi, wi_gate])
             hidden = nn.silu(gate) * hidden
-        return _dense(config, config.d_model, -1, ("mlp", "embed"), "wo")(hidden)
+        else:
+            hidden = wi(x)
+            if config.activation == "relu":
+                hidden = nn.relu(hidden)
+            else:
+                hidden = nn.gelu(hidden, approximate=False)
+        return _dense(config, config.d_ff, config.d_model, ("mlp", "embed"), "wo")(hidden)

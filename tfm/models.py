@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from tfm import attention
-from tfm.cache import DecoderCache, check_cache
+from tfm.cache import DecoderCache, check_cache, check_room
 from tfm.config import ModelConfig
 from tfm.layers import (
     FeedForward,
@@ -34,7 +34,9 @@ class Block(nn.Module):
 
     post-LN (the paper's "Add & Norm"): x = Norm(x + Dropout(Sublayer(x)));
     pre-LN: x = x + Dropout(Sublayer(Norm(x))), with a final norm after the stack.
-    Call signature fits nn.scan: (carry, per-layer cache, broadcast context) -> (carry, cache).
+    Call signature fits nn.scan: ((x, caches), layer index, broadcast context) -> ((x, caches),
+    None). `caches` holds every layer's KV slots (tfm/cache.py layout); this block reads and
+    writes its own layer's slots in place.
     """
 
     config: ModelConfig
@@ -42,9 +44,11 @@ class Block(nn.Module):
     bidirectional: bool
 
     @nn.compact
-    def __call__(self, x: Array, layer_cache: dict | None, ctx: dict, deterministic: bool):
-        # x: [batch, len, d_model]; layer_cache: {"keys", "values"[, "cross_keys", "cross_values"]}
-        # each [batch, slots, kv_heads, head_dim]; ctx: masks, biases, positions (see Stack).
+    def __call__(self, carry: tuple, layer: Array | int, ctx: dict, deterministic: bool):
+        # carry: (x [batch, len, d_model], caches {"keys", "values"[, "cross_keys",
+        # "cross_values"]} each [batch, layers, kv_heads, slots, head_dim], or None);
+        # ctx: masks, biases, positions (see Stack).
+        x, caches = carry
         config = self.config
         drop = nn.Dropout(config.dropout_rate)
 
@@ -62,7 +66,7 @@ class Block(nn.Module):
             self_bias = PositionBias(config, self.bidirectional, name="position_bias")(
                 ctx["query_positions"], ctx["key_positions"]
             )
-        cached_self = None if layer_cache is None else (layer_cache["keys"], layer_cache["values"])
+        self_slots = None if caches is None else (caches["keys"], caches["values"])
         self_attention = MultiHeadAttention(config, name="self_attention")
         x, new_self = residual(
             x,
@@ -73,18 +77,21 @@ class Block(nn.Module):
                 bias=self_bias,
                 query_positions=ctx["query_positions"],
                 key_positions=ctx["key_positions"],
-                cached_kv=cached_self,
+                cache_slots=self_slots,
+                layer=layer,
                 write_index=ctx["write_index"],
+                causal=ctx["causal"],
                 deterministic=deterministic,
             ),
             "self_attention",
         )
-        new_cache = None if layer_cache is None else {"keys": new_self[0], "values": new_self[1]}
+        if caches is not None:
+            caches = {**caches, "keys": new_self[0], "values": new_self[1]}
 
         if self.has_cross:
-            cached_cross = None
-            if layer_cache is not None:
-                cached_cross = (layer_cache["cross_keys"], layer_cache["cross_values"])
+            cross_slots = None
+            if caches is not None:
+                cross_slots = (caches["cross_keys"], caches["cross_values"])
             cross_attention = MultiHeadAttention(config, is_cross=True, name="cross_attention")
             x, new_cross = residual(
                 x,
@@ -95,22 +102,24 @@ class Block(nn.Module):
                     bias=None,
                     query_positions=ctx["query_positions"],
                     key_positions=ctx["source_positions"],
-                    cached_kv=cached_cross,
+                    cache_slots=cross_slots,
+                    layer=layer,
                     deterministic=deterministic,
                 ),
                 "cross_attention",
             )
-            if new_cache is not None:
-                new_cache.update(cross_keys=new_cross[0], cross_values=new_cross[1])
+            if caches is not None:
+                caches = {**caches, "cross_keys": new_cross[0], "cross_values": new_cross[1]}
 
         feed_forward = FeedForward(config, name="feed_forward")
         x, _ = residual(x, lambda h: (feed_forward(h), None), "feed_forward")
-        return x, new_cache
+        return (x, caches), None
 
 
 class Stack(nn.Module):
     """`num_layers` blocks, unrolled or under nn.scan (compile time flat in depth), plus the
-    final norm of pre-LN. Layer caches are stacked on axis 1 ([batch, layers, ...])."""
+    final norm of pre-LN. The KV slots of all layers travel through the stack as one carry
+    ([batch, layers, ...]) that each block updates in place."""
 
     config: ModelConfig
     num_layers: int
@@ -128,26 +137,19 @@ class Stack(nn.Module):
                 block,
                 variable_axes={"params": 0},
                 split_rngs={"params": True, "dropout": True},
-                in_axes=(1, nn.broadcast, nn.broadcast),
-                out_axes=1,
+                in_axes=(0, nn.broadcast, nn.broadcast),
                 length=self.num_layers,
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )
-            x, caches = scanned(config, self.has_cross, self.bidirectional, name="layers")(
-                x, caches, ctx, deterministic
+            layers = jnp.arange(self.num_layers, dtype=jnp.int32)
+            (x, caches), _ = scanned(config, self.has_cross, self.bidirectional, name="layers")(
+                (x, caches), layers, ctx, deterministic
             )
         else:
             for i in range(self.num_layers):
-                layer_cache = (
-                    None if caches is None else jax.tree.map(lambda a, i=i: a[:, i], caches)
-                )
-                x, new_layer_cache = block(
+                (x, caches), _ = block(
                     config, self.has_cross, self.bidirectional, name=f"layer_{i}"
-                )(x, layer_cache, ctx, deterministic)
-                if caches is not None:  # an in-place update, not a re-stack of every layer
-                    caches = jax.tree.map(
-                        lambda a, new, i=i: a.at[:, i].set(new), caches, new_layer_cache
-                    )
+                )((x, caches), i, ctx, deterministic)
         if config.norm_placement == "pre":
             x = Norm(config, name="final_norm")(x)
         return x, caches
@@ -165,8 +167,10 @@ def _self_attention_context(
     key_positions: Array,  # [batch, kv_len]
     masks: list[Array | None],
     write_index: Array | None,
+    causal: bool,
 ) -> dict:
-    """Masks and shared position biases for one stack's self-attention."""
+    """Masks and shared position biases for one stack's self-attention. `causal`: no cache
+    and causal masking, so query i sees no key after i (attention may skip those blocks)."""
     if config.local_window is not None:
         masks.append(
             attention.local_window_mask(query_positions, key_positions, config.local_window)
@@ -179,6 +183,7 @@ def _self_attention_context(
         query_positions=query_positions,
         key_positions=key_positions,
         write_index=write_index,
+        causal=causal,
     )
 
 
@@ -215,6 +220,7 @@ class Encoder(nn.Module):
             positions,
             masks,
             None,
+            False,
         )
         x, _ = Stack(config, config.num_encoder_layers, False, True, name="stack")(
             x, None, ctx, deterministic
@@ -262,11 +268,12 @@ class Decoder(nn.Module):
                     f"{tokens.shape[1]} tokens are longer than the cache (max_len="
                     f"{cache.max_len}); build a larger cache with init_cache"
                 )
+            check_room(cache, tokens.shape[1])
             write_index = cache.lengths
             positions = (
                 _default_positions(tokens, cache.lengths) if positions is None else positions
             )
-            key_positions = _default_positions(cache.keys[:, 0, :, 0, 0])
+            key_positions = _default_positions(cache.keys[:, 0, 0, :, 0])
             filled = attention.valid_from_lengths(cache.lengths + tokens.shape[1], cache.max_len)
             masks = [
                 attention.causal_mask(positions, key_positions),
@@ -283,6 +290,7 @@ class Decoder(nn.Module):
             key_positions,
             masks,
             write_index,
+            cache is None,
         )
         if self.has_cross:
             if encoded is None and cache is None:
@@ -328,6 +336,10 @@ class Decoder(nn.Module):
                 name="output_projection",
             )(x).astype(jnp.float32)
         if cache is not None:
+            # A row whose new tokens did not fit (only possible under jit, where lengths are
+            # not known in advance) gets NaN logits rather than silently wrong ones.
+            overflow = cache.lengths + tokens.shape[1] > cache.max_len  # [batch]
+            logits = jnp.where(overflow[:, None, None], jnp.nan, logits)
             new = dict(
                 keys=caches["keys"],
                 values=caches["values"],
