@@ -14,9 +14,9 @@ initial_logits before the loop; each loop step runs the model on the last token 
 one, so the model runs once for every token after the first and never after the last one (a cache
 with room for prompt + max_new_tokens - 1 positions is enough), with no per-step branch, and the
 compiled loop holds one copy of the step and of the model. Each row stops on its own at EOS (pad
-after) or at its `max_new_per_row` limit; the one `lax.while_loop` ends when every row is done or
-`max_new_tokens` tokens were generated. Rows that are done still go through the model (their outputs are
-discarded), because the batch moves in lockstep.
+after) or at its `max_new_per_row` limit; the one `lax.while_loop` ends when every row is done
+or `max_new_tokens` tokens were generated. Rows that are done still go through the model (their
+outputs are discarded), because the batch moves in lockstep.
 
 Each algorithm is jitted with `tokens_to_logits` and the sizes as static arguments: pass the same
 callback object again to reuse the compiled loop, or call it inside your own `jax.jit`.
