@@ -90,7 +90,7 @@ def dot_product_attention(
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
     causal: bool = False,
-    kv_heads_first: bool = False,
+    cache_layout: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """softmax(Q K^T * scale + bias) V, Vaswani et al. 2017 eq. (1), with grouped-query heads.
 
@@ -104,8 +104,9 @@ def dot_product_attention(
     dropout_rate > 0 drops attention weights (inverted dropout, needs dropout_rng).
     causal=True promises that query i never attends to key j > i (self-attention without a
     cache; the mask must still say so): the reference backend then skips the key blocks after
-    each block of CAUSAL_BLOCK queries. kv_heads_first: key and value come as
-    [batch, num_kv_heads, kv_len, head_dim] (the KV cache's layout) instead.
+    each block of CAUSAL_BLOCK queries. cache_layout=True: key comes as [batch, num_kv_heads,
+    head_dim, kv_len] and value as [batch, num_kv_heads, kv_len, head_dim] (tfm/cache.py's
+    layout, which the matmuls read without transposing).
     Returns out [batch, q_len, num_heads, head_dim], plus the (post-dropout) weights
     [batch, num_heads, q_len, kv_len] float32 when return_weights.
     """
@@ -114,15 +115,21 @@ def dot_product_attention(
         if array.ndim != 4:
             raise ValueError(f"{name} must be rank 4 [batch, length, heads, head_dim], "
                              f"got shape {tuple(array.shape)}")
-    if key.shape != value.shape:
-        raise ValueError(f"key and value shapes must match, got {key.shape} and {value.shape}")
     batch, q_len, num_heads, head_dim = query.shape
-    if kv_heads_first:
-        _, num_kv_heads, kv_len, _ = key.shape
+    if cache_layout:
+        num_kv_heads, kv_len = key.shape[1], key.shape[3]
+        heads = (batch, num_kv_heads)
+        expected_kv = (*heads, head_dim, kv_len), (*heads, kv_len, head_dim)
+        if (tuple(key.shape), tuple(value.shape)) != expected_kv:
+            raise ValueError(f"with cache_layout, query {tuple(query.shape)} needs key and value "
+                             f"shaped {expected_kv}; got {tuple(key.shape)}, {tuple(value.shape)}")
     else:
+        if key.shape != value.shape:
+            raise ValueError(f"key and value shapes must match, got {key.shape} and {value.shape}")
         _, kv_len, num_kv_heads, _ = key.shape
-    if key.shape[0] != batch or key.shape[3] != head_dim:
-        raise ValueError(f"query {query.shape} and key {key.shape} must share batch and head_dim")
+        if key.shape[0] != batch or key.shape[3] != head_dim:
+            raise ValueError(f"query {query.shape} and key {key.shape} must share batch and "
+                             "head_dim")
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
     if not query.dtype == key.dtype == value.dtype:
@@ -146,8 +153,8 @@ def dot_product_attention(
     scale = 1.0 / np.sqrt(head_dim) if scale is None else scale
 
     if backend in ("xla", "cudnn"):
-        if kv_heads_first:
-            key, value = key.transpose(0, 2, 1, 3), value.transpose(0, 2, 1, 3)
+        if cache_layout:
+            key, value = key.transpose(0, 3, 1, 2), value.transpose(0, 2, 1, 3)
         if backend == "cudnn":
             # jax folds the mask into a bias in the query dtype, and cuDNN wants full
             # [q_len, kv_len] bias dims. A bias gradient needs bias shape [1, num_heads, ...].
@@ -168,8 +175,8 @@ def dot_product_attention(
     grouped_query = query.reshape(batch, q_len, num_kv_heads, groups, head_dim).transpose(
         0, 2, 3, 1, 4
     )
-    key_major = key if kv_heads_first else key.transpose(0, 2, 1, 3)
-    value_major = value if kv_heads_first else value.transpose(0, 2, 1, 3)
+    key_major = key if cache_layout else key.transpose(0, 2, 1, 3)
+    value_major = value if cache_layout else value.transpose(0, 2, 1, 3)
     blocks = _causal_blocks(q_len, kv_len) if causal and not return_weights else [(0, q_len)]
     outs, all_weights = [], []
     for start, stop in blocks:
@@ -177,7 +184,7 @@ def dot_product_attention(
         kv_stop = stop if len(blocks) > 1 else kv_len
         out_block, weights = _attend_block(
             grouped_query[:, :, :, start:stop],
-            key_major[:, :, :kv_stop],
+            key_major[..., :kv_stop] if cache_layout else key_major[:, :, :kv_stop],
             value_major[:, :, :kv_stop],
             None if bias is None else _rows_cols(bias, start, stop, kv_stop),
             None if mask is None else _rows_cols(mask, start, stop, kv_stop),
@@ -186,6 +193,7 @@ def dot_product_attention(
             dropout_rng if dropout_rng is None or start == 0 else jax.random.fold_in(
                 dropout_rng, start
             ),
+            cache_layout,
         )
         outs.append(out_block)
         all_weights.append(weights)
@@ -218,13 +226,14 @@ def _rows_cols(array: jax.Array, start: int, stop: int, kv_stop: int) -> jax.Arr
 
 def _attend_block(
     grouped_query: jax.Array,  # [batch, kv_heads, groups, q_len, head_dim]
-    key: jax.Array,  # [batch, kv_heads, kv_len, head_dim]
+    key: jax.Array,  # [batch, kv_heads, kv_len, head_dim], or [.., head_dim, kv_len] if transposed
     value: jax.Array,  # [batch, kv_heads, kv_len, head_dim]
     bias: jax.Array | None,  # broadcastable to [batch, num_heads, q_len, kv_len]
     mask: jax.Array | None,  # likewise, bool
     scale: float,
     dropout_rate: float,
     dropout_rng: jax.Array | None,
+    keys_transposed: bool,
 ) -> tuple[jax.Array, jax.Array]:
     """One block of queries against keys; returns (out [batch, kv_heads, groups, q_len,
     head_dim] float32, weights [batch, kv_heads, groups, q_len, kv_len] float32)."""
@@ -235,9 +244,9 @@ def _attend_block(
             return array[:, :, None]
         return array.reshape(array.shape[0], num_kv_heads, groups, *array.shape[2:])
 
-    logits = jnp.einsum(
-        "bkgth,bksh->bkgts", grouped_query, key, preferred_element_type=jnp.float32
-    ) * jnp.float32(scale)
+    spec = "bkgth,bkhs->bkgts" if keys_transposed else "bkgth,bksh->bkgts"
+    logits = jnp.einsum(spec, grouped_query, key, preferred_element_type=jnp.float32)
+    logits = logits * jnp.float32(scale)
     if bias is not None:
         logits = logits + grouped(bias).astype(jnp.float32)
     weights = jax.nn.softmax(

@@ -3,13 +3,14 @@
 Layout (every leaf has batch on axis 0, so decoding algorithms can reorder beams with
 `jax.tree.map(lambda x: x[indices], cache)` without knowing the model):
 
-- `keys`, `values`: [batch, num_layers, num_kv_heads, max_len, head_dim]. Slot i of row b holds the
-  key/value of that row's token at position i (RoPE keys are stored already rotated). Heads come
-  before slots: the layout the decode step's attention matmul reads, so no step transposes it.
+- `keys`: [batch, num_layers, num_kv_heads, head_dim, max_len] and `values`: [batch, num_layers,
+  num_kv_heads, max_len, head_dim]. Slot i of row b holds the key/value of that row's token at
+  position i (RoPE keys are stored already rotated). These are the layouts the decode step's two
+  attention matmuls (q . K and weights . V) read as they are, so no step transposes the cache.
   Each layer writes its new tokens in place (`write_layer`); no step copies the whole cache.
 - `lengths`: [batch] int32, how many slots of each row are filled = where the next token is written.
   Rows advance independently (prompts of different lengths, rows that stopped at EOS).
-- `cross_keys`, `cross_values`: [batch, num_layers, num_kv_heads, source_len, head_dim], the
+- `cross_keys`, `cross_values`: like keys and values with source_len slots, the
   encoder-decoder's cross-attention keys/values, projected once from the encoder output.
 - `source_valid`: [batch, source_len] bool, which source positions are real tokens.
 """
@@ -26,16 +27,16 @@ from tfm.config import ModelConfig
 
 @struct.dataclass
 class DecoderCache:
-    keys: jax.Array  # [batch, num_layers, num_kv_heads, max_len, head_dim]
+    keys: jax.Array  # [batch, num_layers, num_kv_heads, head_dim, max_len]
     values: jax.Array  # [batch, num_layers, num_kv_heads, max_len, head_dim]
     lengths: jax.Array  # [batch] int32
-    cross_keys: jax.Array | None = None  # [batch, num_layers, num_kv_heads, source_len, head_dim]
+    cross_keys: jax.Array | None = None  # [batch, num_layers, num_kv_heads, head_dim, source_len]
     cross_values: jax.Array | None = None
     source_valid: jax.Array | None = None  # [batch, source_len] bool
 
     @property
     def max_len(self) -> int:
-        return self.keys.shape[3]
+        return self.keys.shape[4]
 
     @property
     def batch_size(self) -> int:
@@ -57,24 +58,23 @@ def init_cache(
     if config.num_decoder_layers < 1:
         raise ValueError("the model config has num_decoder_layers=0: an encoder has no KV cache")
     dtype = jnp.dtype(dtype or config.dtype)
-    shape = (
-        batch_size,
-        config.num_decoder_layers,
-        config.resolved_num_kv_heads,
-        max_len,
-        config.resolved_head_dim,
-    )
+    def shapes(slots: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        heads = (batch_size, config.num_decoder_layers, config.resolved_num_kv_heads)
+        head_dim = config.resolved_head_dim
+        return (*heads, head_dim, slots), (*heads, slots, head_dim)
+
+    key_shape, value_shape = shapes(max_len)
     cross = {}
     if source_len is not None:
-        cross_shape = shape[:3] + (source_len,) + shape[4:]
+        cross_key_shape, cross_value_shape = shapes(source_len)
         cross = dict(
-            cross_keys=jnp.zeros(cross_shape, dtype),
-            cross_values=jnp.zeros(cross_shape, dtype),
+            cross_keys=jnp.zeros(cross_key_shape, dtype),
+            cross_values=jnp.zeros(cross_value_shape, dtype),
             source_valid=jnp.zeros((batch_size, source_len), bool),
         )
     return DecoderCache(
-        keys=jnp.zeros(shape, dtype),
-        values=jnp.zeros(shape, dtype),
+        keys=jnp.zeros(key_shape, dtype),
+        values=jnp.zeros(value_shape, dtype),
         lengths=jnp.zeros((batch_size,), jnp.int32),
         **cross,
     )
@@ -87,7 +87,7 @@ def check_cache(cache: DecoderCache, config: ModelConfig, has_cross: bool) -> No
         config.resolved_num_kv_heads,
         config.resolved_head_dim,
     )
-    got = (cache.keys.shape[1], cache.keys.shape[2], cache.keys.shape[4])
+    got = (cache.keys.shape[1], cache.keys.shape[2], cache.keys.shape[3])
     if cache.keys.ndim != 5 or got != expected:
         raise ValueError(
             "cache was built for another model config: (num_decoder_layers, num_kv_heads, "
@@ -117,25 +117,32 @@ def check_room(cache: DecoderCache, new_len: int) -> None:
 
 
 def write_layer(
-    slots: jax.Array,  # [batch, num_layers, num_kv_heads, max_len, head_dim]
-    new: jax.Array,  # [batch, num_kv_heads, new_len, head_dim]
+    slots: jax.Array,  # keys [batch, layers, kv_heads, head_dim, slots] or values [.., slots, hd]
+    new: jax.Array,  # [batch, kv_heads, new_len, head_dim]
     layer: jax.Array | int,
     start: jax.Array,  # [batch] int32
+    *,
+    transposed: bool,  # slots hold keys (slot axis last)
 ) -> jax.Array:
     """Writes `new` into layer `layer`, slots [start, start + new_len) of each row, in place
     (under jit, when `slots` is not used afterwards). The caller checks bounds: inside jit an
     out-of-range start would be clamped by dynamic_update_slice."""
+    if transposed:
+        new = new.swapaxes(-1, -2)
 
     def write_row(row_slots: jax.Array, row_new: jax.Array, row_start: jax.Array) -> jax.Array:
-        index = (jnp.asarray(layer, jnp.int32), jnp.int32(0), row_start, jnp.int32(0))
+        zero = jnp.int32(0)
+        index = (jnp.asarray(layer, jnp.int32), zero) + (
+            (zero, row_start) if transposed else (row_start, zero)
+        )
         return jax.lax.dynamic_update_slice(row_slots, row_new[None].astype(row_slots.dtype), index)
 
     return jax.vmap(write_row)(slots, new, start.astype(jnp.int32))
 
 
 def read_layer(
-    slots: jax.Array,  # [batch, num_layers, num_kv_heads, max_len, head_dim]
+    slots: jax.Array,  # [batch, num_layers, ...]
     layer: jax.Array | int,
-) -> jax.Array:  # [batch, num_kv_heads, max_len, head_dim]
+) -> jax.Array:  # [batch, ...]
     """One layer's slots."""
     return jax.lax.dynamic_index_in_dim(slots, layer, axis=1, keepdims=False)

@@ -233,7 +233,7 @@ class MultiHeadAttention(nn.Module):
         bias: Array | None,  # [batch | 1, heads, q_len, kv_len]
         query_positions: Array,  # [batch, q_len]
         key_positions: Array,  # [batch, kv_len] positions of every key attended to
-        cache_slots: tuple[Array, Array] | None = None,  # 2 x [batch, layers, kv_heads, slots, hd]
+        cache_slots: tuple[Array, Array] | None = None,  # keys, values of every layer (cache.py)
         layer: Array | int = 0,  # which layer's slots are this module's
         write_index: Array | None = None,  # [batch] slot where new self-attention keys go
         causal: bool = False,  # self-attention without a cache: query i sees no key after i
@@ -263,19 +263,21 @@ class MultiHeadAttention(nn.Module):
             query = positions.apply_rope(query, query_positions, **rope_args)
             key = positions.apply_rope(key, query_positions, **rope_args)
 
-        kv_heads_first, new_slots = False, None
+        cache_layout, new_slots = False, None
         if cache_slots is not None:
             if inputs_kv is not None:  # new keys/values into this layer's slots
                 start = write_index if not self.is_cross else jnp.zeros_like(query_positions[:, 0])
                 new_slots = tuple(
-                    cache.write_layer(slots, new.swapaxes(1, 2), layer, start)
-                    for slots, new in zip(cache_slots, (key, value), strict=True)
+                    cache.write_layer(slots, new.swapaxes(1, 2), layer, start, transposed=is_key)
+                    for slots, new, is_key in zip(
+                        cache_slots, (key, value), (True, False), strict=True
+                    )
                 )
             else:
                 new_slots = cache_slots
             if not self.is_cross or inputs_kv is None:
                 key, value = (cache.read_layer(slots, layer) for slots in new_slots)
-                kv_heads_first = True
+                cache_layout = True
 
         relative = config.position_scheme == "relative" and not self.is_cross
         scale = head_dim**-0.5
@@ -306,7 +308,7 @@ class MultiHeadAttention(nn.Module):
             dropout_rate=dropout_rate,
             dropout_rng=dropout_rng,
             causal=causal,
-            kv_heads_first=kv_heads_first,
+            cache_layout=cache_layout,
         )
         if want_weights:
             out, weights = result

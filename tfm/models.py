@@ -46,7 +46,7 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, carry: tuple, layer: Array | int, ctx: dict, deterministic: bool):
         # carry: (x [batch, len, d_model], caches {"keys", "values"[, "cross_keys",
-        # "cross_values"]} each [batch, layers, kv_heads, slots, head_dim], or None);
+        # "cross_values"]} of every layer in tfm/cache.py's layout, or None);
         # ctx: masks, biases, positions (see Stack).
         x, caches = carry
         config = self.config
@@ -273,7 +273,7 @@ class Decoder(nn.Module):
             positions = (
                 _default_positions(tokens, cache.lengths) if positions is None else positions
             )
-            key_positions = _default_positions(cache.keys[:, 0, 0, :, 0])
+            key_positions = _default_positions(cache.values[:, 0, 0, :, 0])
             filled = attention.valid_from_lengths(cache.lengths + tokens.shape[1], cache.max_len)
             masks = [
                 attention.causal_mask(positions, key_positions),
