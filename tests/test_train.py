@@ -17,6 +17,7 @@ import gzip
 import math
 import os
 import random
+import re
 import shutil
 import signal
 from collections.abc import Iterator
@@ -347,6 +348,73 @@ def test_corrupt_checkpoint_names_the_path(reference, data_dir, tmp_path, damage
         shutil.rmtree(step_dir / "state")
     with pytest.raises(checkpoint.CheckpointError, match=str(step_dir)):
         train.train_and_evaluate(seq2seq_config(data_dir, num_steps=NUM_STEPS + 8), workdir)
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        # Eval decoding: source width 7 (6 symbols + eos) + eval.extra_len 50 + bos = 58.
+        (dict(max_len=20), r"eval decoding of split 'validation' \(source length 7 \+ "
+                           r"eval.extra_len=50 \+ bos\) needs 58;"),
+        (dict(max_len=60), r"generate.max_new_tokens=64 \(\+ 1\) needs 65$"),
+        (dict(max_len=11), r"data.seq_len=12 \(training rows\) needs 12"),
+    ],
+)
+def test_learned_positions_shorter_than_a_needed_length_fail_before_compiling(
+    data_dir, tmp_path, overrides, match
+):
+    """Every length the run needs (train rows, eval rows, eval decoding, generation) is checked
+    against model.max_len at setup, not at the first evaluation after training."""
+    config = seq2seq_config(data_dir)
+    config.model.update(position_scheme="learned", **overrides)
+    with count_compilations() as compiled, pytest.raises(ConfigError) as error:
+        train.setup(config, tmp_path)
+    assert not compiled
+    message = str(error.value)
+    assert message.startswith(f"model.max_len={overrides['max_len']} is too short")
+    assert re.search(match, message.split(". Set model.max_len")[0]), message
+    assert "\n" not in message
+    config.model.max_len = 65  # exactly long enough
+    train.setup(config, tmp_path)
+
+
+def test_an_error_during_training_saves_the_last_step_and_resumes_exactly(
+    reference, data_dir, tmp_path, monkeypatch
+):
+    """An exception in the first evaluation (step 8) saves step 8 before it propagates, and one
+    inside a step (its batch taken, step 12 unfinished) saves step 11 with the data position
+    before that batch: resuming from either reaches the uninterrupted run's state bit for bit."""
+    _, reference_dir, reference_result = reference
+    workdir = tmp_path / "run"
+    config = seq2seq_config(data_dir)
+
+    def failing_evaluate(*args, **kwargs):
+        raise RuntimeError("evaluation broke")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(train, "evaluate", failing_evaluate)
+        with pytest.raises(RuntimeError, match="evaluation broke"):
+            train.train_and_evaluate(config, workdir)
+    with checkpoint.Checkpointer(workdir / "checkpoints") as checkpointer:
+        assert checkpointer.all_steps() == [8]
+
+    def fail_at_step_12(index, batch):  # index counts this run's batches: 9, 10, ...
+        if index == 12 - 8:
+            raise RuntimeError("input broke")
+        return batch
+
+    with monkeypatch.context() as patch:
+        patch_train_batches(patch, fail_at_step_12)
+        with pytest.raises(RuntimeError, match="input broke"):
+            train.train_and_evaluate(config, workdir)
+    with checkpoint.Checkpointer(workdir / "checkpoints") as checkpointer:
+        assert checkpointer.latest_step() == 11
+
+    last = train.train_and_evaluate(config, workdir)
+    assert last["step"] == NUM_STEPS
+    assert train_losses(workdir) == train_losses(reference_dir)
+    assert last["eval_loss"] == reference_result["eval_loss"]
+    assert_trees_equal(saved_state(workdir, NUM_STEPS), saved_state(reference_dir, NUM_STEPS))
 
 
 def test_eval_from_checkpoint_reproduces_training_eval(reference):

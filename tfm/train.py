@@ -360,7 +360,61 @@ def setup(
             f"train.keep_best_metric={keep!r} is never computed by this config's evaluation; "
             f"choose one of: {', '.join(eval_metric_names(experiment))}"
         )
+    check_lengths(experiment)
     return experiment
+
+
+def required_lengths(experiment: Experiment) -> list[tuple[int, str]]:
+    """(positions, what needs them) for every sequence the run builds: training rows, eval
+    rows of each split, eval decoding (prompt or source plus generated tokens) and the
+    `generate` section's output (its prompt comes later: `check_prompt_lengths`)."""
+    data, task = experiment.data, experiment.task
+    needs = [(length, f"data.seq_len={length} (training rows)")
+             for key, length in data.train_lengths.items() if key == "inputs"]
+    if "source" in data.train_lengths:
+        needs.append((data.train_lengths["source"], "training source rows (data.source_seq_len)"))
+    splits = experiment.eval_options["splits"] or data.eval_splits
+    metric = generation_metric(experiment)
+    for split in splits:
+        for key, length in data.eval_lengths(split).items():
+            if key in ("inputs", "source"):
+                needs.append((length, f"eval rows of split {split!r} ({key})"))
+        if metric == "none":
+            continue
+        sources, targets = _generation_examples(experiment, split)
+        width = max(len(data.encode_prompt(text)) for text in sources)
+        if task == "seq2seq":
+            extra = experiment.eval_options["extra_len"]
+            needs.append((width, f"eval decoding sources of split {split!r}"))
+            needs.append((width + extra + 1, f"eval decoding of split {split!r} (source length "
+                                             f"{width} + eval.extra_len={extra} + bos)"))
+        else:
+            new = max(len(data.tokenizer.encode(t)) for t in targets) + 2
+            needs.append((width + new, f"eval decoding of split {split!r} (prompt {width} + "
+                                       f"{new} new tokens)"))
+    max_new = experiment.generate_options["max_new_tokens"]
+    if task == "lm" or experiment.generate_options["method"] != "beam":
+        bos = 1 if task == "seq2seq" else 2  # seq2seq: bos; lm: bos plus a prompt of >= 1
+        needs.append((max_new + bos, f"generate.max_new_tokens={max_new} (+ {bos})"))
+    return needs
+
+
+def check_lengths(experiment: Experiment) -> None:
+    """Learned positions stop at model.max_len: fail before anything compiles (or trains for an
+    hour before the first evaluation) if any sequence of the run is longer."""
+    config = experiment.model_config
+    if config.position_scheme != "learned":
+        return
+    too_long = [(length, what) for length, what in required_lengths(experiment)
+                if length > config.max_len]
+    if too_long:
+        longest = max(length for length, _ in too_long)
+        raise ConfigError(
+            f"model.max_len={config.max_len} is too short for position_scheme='learned': "
+            f"{'; '.join(f'{what} needs {length}' for length, what in too_long)}. Set "
+            f"model.max_len >= {longest}, shorten those lengths, or choose another "
+            "position_scheme (sinusoidal, rope, relative, t5_bias, alibi work at any length)"
+        )
 
 
 def _eval_prefix(experiment: Experiment, split: str) -> str:
@@ -545,6 +599,40 @@ class _StopRequest:
             signal.signal(signum, handler)
 
 
+def _save_after_error(
+    checkpointer: checkpoint.Checkpointer,
+    save: Callable[..., None],
+    step: int,
+    state: TrainState,
+    train_iter: Any,
+    data_position: Any,
+    pending: list[dict[str, jax.Array]],
+    say: Callable[[str], None],
+) -> None:
+    """After an exception in the loop, saves the last completed step (as SIGTERM does) unless it
+    is saved already or its unchecked steps went non-finite; a failing save never hides the
+    original error. `data_position`: the iterator state before a batch the step did not use."""
+    try:
+        checkpointer.wait()
+    except Exception:  # a failed background save: the original error matters more
+        pass
+    if step in checkpointer.all_steps():
+        return
+    try:
+        if pending and _host_metrics(pending)["nonfinite_steps"]:
+            say(f"not saving step {step} after the error below: its loss is not finite")
+            return
+        if data_position is not None:
+            train_iter.set_state(data_position)
+        save(step, state, None, force=True)
+        checkpointer.wait()
+        say(f"saved step {step} in {checkpointer.directory} before stopping on the error below")
+    except Exception as save_error:
+        first_line = (str(save_error).splitlines() or [""])[0][:200]
+        say(f"could not save step {step} after the error below "
+            f"({type(save_error).__name__}: {first_line})")
+
+
 def _host_metrics(pending: list[dict[str, jax.Array]]) -> dict[str, float]:
     """Sums the per-step loss sums of the steps since the last log; means the rest."""
     fetched = jax.device_get(pending)
@@ -646,18 +734,24 @@ def _fetch(x: jax.Array) -> np.ndarray:
     return np.asarray(x)
 
 
-def generation_score(experiment: Experiment, params: Any, split: str, metric: str) -> float:
-    """Exact-match accuracy (percent) or corpus BLEU of decoded outputs on `split`."""
-    options = experiment.eval_options
+def _generation_examples(experiment: Experiment, split: str) -> tuple[list[str], list[str]]:
+    """(sources, targets) that evaluation decodes on `split`: the same on every process."""
     data = experiment.data
     if data.process_count > 1:
         # Every process decodes every example: the decode inputs are then truly replicated
         # (jit treats host numpy inputs as identical on all processes) and the score global.
         data = dataclasses.replace(data, process_index=0, process_count=1)
     sources, targets = data.eval_texts(split)
-    if options["max_generation_examples"]:
-        sources = sources[: options["max_generation_examples"]]
-        targets = targets[: options["max_generation_examples"]]
+    limit = experiment.eval_options["max_generation_examples"]
+    if limit:
+        sources, targets = sources[:limit], targets[:limit]
+    return sources, targets
+
+
+def generation_score(experiment: Experiment, params: Any, split: str, metric: str) -> float:
+    """Exact-match accuracy (percent) or corpus BLEU of decoded outputs on `split`."""
+    options = experiment.eval_options
+    sources, targets = _generation_examples(experiment, split)
     method = options["method"] or ("greedy" if metric == "exact_match" else "beam")
     extra = (
         {"beam_size": options["beam_size"], "alpha": options["alpha"]} if method == "beam" else {}
@@ -742,6 +836,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | Path) -
         initial_step=start_step,
         enabled=options["progress_bar"] and process_zero,
     )
+    say = bar.write if process_zero else (lambda line: None)  # one console, not one per process
     pending: list[dict[str, jax.Array]] = []
     last_log_time, last_log_step = time.perf_counter(), start_step
     last_metrics: dict[str, Any] = {}
@@ -772,13 +867,18 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | Path) -
             )
         return logged
 
+    # After an error the loop saves `state` (the last completed step); data_position is the
+    # iterator state to save with it while a step has taken its batch but not finished.
+    data_position = None
     try:
         with _StopRequest() as stop:
             while step < options["num_steps"]:
+                data_position = train_iter.get_state()
                 batch = sharding.shard_batch(
                     next(train_iter), experiment.mesh, batch_sharding, experiment.rules
                 )
                 state, step_metrics = jit_train(state, batch)
+                data_position = None  # the iterator now matches `state` again
                 pending.append(step_metrics)
                 step += 1
                 bar.update(1)
@@ -804,14 +904,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | Path) -
                     eval_metrics = evaluate(experiment, state.params, jit_eval)
                     writer.write(step, eval_metrics)
                     last_metrics.update(eval_metrics)
-                    bar.write(
+                    say(
                         f"step {step}: "
                         + ", ".join(f"{k}={v:.4g}" for k, v in sorted(eval_metrics.items()))
                     )
                 if stop.signal_name:
                     save(step, state, None, force=True)
                     checkpointer.wait()
-                    bar.write(f"{stop.signal_name}: saved step {step} and stopped")
+                    say(f"{stop.signal_name}: saved step {step} and stopped")
                     last_metrics["stopped_by"] = stop.signal_name
                     break
                 if save_now:
@@ -820,6 +920,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | Path) -
                         eval_metrics = None  # only evaluated steps compete for "best"
                     save(step, state, eval_metrics, force=True)
             checkpointer.wait()
+    except Exception as error:
+        if not isinstance(error, TrainingError):  # TrainingError: nothing worth saving
+            _save_after_error(
+                checkpointer, save, step, state, train_iter, data_position, pending, say
+            )
+        raise
     finally:
         bar.close()
         writer.close()
