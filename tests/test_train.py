@@ -341,13 +341,51 @@ def test_corrupt_checkpoint_names_the_path(reference, data_dir, tmp_path, damage
     shutil.copytree(reference_dir, workdir)
     step_dir = workdir / "checkpoints" / str(NUM_STEPS)
     if damage == "garble_arrays":
-        for path in (step_dir / "state").rglob("*"):
-            if path.is_file() and path.parent.name == "d":
-                path.write_bytes(b"not an array")
+        garble_arrays(step_dir)
     else:
         shutil.rmtree(step_dir / "state")
-    with pytest.raises(checkpoint.CheckpointError, match=str(step_dir)):
+    with pytest.raises(checkpoint.CheckpointError, match=str(step_dir)) as error:
         train.train_and_evaluate(seq2seq_config(data_dir, num_steps=NUM_STEPS + 8), workdir)
+    # One line, not tensorstore's JSON spec; with no readable step nothing is moved.
+    assert "\n" not in str(error.value) and len(str(error.value)) < 800, str(error.value)
+    assert step_dir.is_dir() and not (workdir / "checkpoints_corrupt").exists()
+
+
+def garble_arrays(step_dir) -> None:
+    """Truncates every array chunk file of a saved step."""
+    chunks = [p for p in (step_dir / "state").rglob("*") if p.is_file() and p.parent.name == "d"]
+    assert chunks
+    for path in chunks:
+        path.write_bytes(path.read_bytes()[:7])
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_corrupt_latest_checkpoint_falls_back_and_is_moved_aside(
+    reference, data_dir, tmp_path, caplog
+):
+    """Steps 8 and 16 saved, 16 truncated: the restart warns naming step 16, moves it to
+    checkpoints_corrupt/16 (kept, not deleted), resumes from 8, and reaches the reference
+    state at 16 again."""
+    _, reference_dir, _ = reference
+    workdir = tmp_path / "run"
+    config = seq2seq_config(data_dir, max_to_keep=3, keep_best_metric=None)
+    train.train_and_evaluate(config, workdir)
+    garble_arrays(workdir / "checkpoints" / str(NUM_STEPS))
+    bad_files = sorted(p.name for p in (workdir / "checkpoints" / str(NUM_STEPS)).rglob("*"))
+
+    with caplog.at_level("WARNING", logger="tfm.train"):
+        result = train.train_and_evaluate(config, workdir)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "tfm.train"]
+    assert len(warnings) == 1 and "\n" not in warnings[0], warnings
+    assert warnings[0].startswith(f"checkpoint step {NUM_STEPS} could not be read")
+    assert "training resumes from step 8" in warnings[0]
+    moved = workdir / "checkpoints_corrupt" / str(NUM_STEPS)
+    assert str(moved) in warnings[0]
+    assert sorted(p.name for p in moved.rglob("*")) == bad_files  # kept whole
+    assert result["step"] == NUM_STEPS
+    with checkpoint.Checkpointer(workdir / "checkpoints") as checkpointer:
+        assert checkpointer.all_steps() == [8, NUM_STEPS]
+    assert_trees_equal(saved_state(workdir, NUM_STEPS), saved_state(reference_dir, NUM_STEPS))
 
 
 @pytest.mark.parametrize(

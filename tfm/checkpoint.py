@@ -31,6 +31,13 @@ class CheckpointError(RuntimeError):
     """A checkpoint exists but cannot be read (corrupt, incomplete, or not ours)."""
 
 
+def first_line(error: BaseException, limit: int = 300) -> str:
+    """The first line of an error message, at most `limit` characters: tensorstore puts its whole
+    JSON spec (some 60 lines) into its messages."""
+    line = (str(error).strip().splitlines() or [""])[0].strip()
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
 def _flatten(tree: Any, prefix: str) -> dict[str, Any]:
     if isinstance(tree, Mapping):
         flat = {}
@@ -166,9 +173,28 @@ class Checkpointer:
         except Exception as error:  # orbax/tensorstore raise many kinds; name the place
             raise CheckpointError(
                 f"checkpoint {path} could not be read (corrupt or incomplete?): "
-                f"{type(error).__name__}: {error}. Other steps in {self.directory}: "
-                f"{[s for s in self.all_steps() if s != step]}"
+                f"{type(error).__name__}: {first_line(error)}. Other steps in "
+                f"{self.directory}: {[s for s in self.all_steps() if s != step]}"
             ) from error
+
+    def set_aside(self, step: int) -> Path:
+        """Moves the unreadable step directory out of the checkpoint directory (never deletes
+        it) to `{directory}_corrupt/{step}[.N]`, so training can go on from an older step and
+        save `step` again. Returns the new place. Call it on one process only."""
+        self.wait()
+        source = Path(os.fspath(self.directory / str(step)))
+        target_dir = Path(os.fspath(self.directory)).with_name(self.directory.name + "_corrupt")
+        target_dir.mkdir(parents=True, exist_ok=True)
+        target, index = target_dir / str(step), 1
+        while target.exists():
+            target, index = target_dir / f"{step}.{index}", index + 1
+        source.rename(target)
+        self.reload()
+        return target
+
+    def reload(self) -> None:
+        """Re-reads the step list from disk (after another process moved a step)."""
+        self._manager.reload()
 
     def saved_config(self, step: int | None = None) -> dict[str, Any]:
         """The experiment config stored with `step` (default: the latest)."""

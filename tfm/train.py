@@ -551,6 +551,71 @@ def _optimizer_differences(
     ]
 
 
+def _restore_state(
+    experiment: Experiment,
+    checkpointer: checkpoint.Checkpointer,
+    step: int,
+    abstract: Any,
+    train_iter: Any,
+) -> TrainState:
+    # Arrays restore onto this run's mesh whatever mesh or process count saved them; the data
+    # position (one grain state per process) only when the process count is the same.
+    same_layout = _data_state_fits(checkpointer, step)
+    if not same_layout:
+        logger.warning(
+            "checkpoint step %d was saved by a different number of processes; its data "
+            "position cannot be split over %d process(es), so the training data restarts "
+            "from the beginning of its (seeded) order", step, jax.process_count()
+        )
+    try:
+        return checkpointer.restore(
+            step,
+            abstract_state=abstract,
+            data_iterator=train_iter if same_layout else None,
+            config_json=experiment.config_json(),
+        )
+    except checkpoint.CheckpointError as error:
+        differences = _optimizer_differences(checkpointer, step, experiment)
+        if not differences:
+            raise
+        raise TrainingError(
+            f"checkpoint {checkpointer.directory / str(step)} holds an optimizer state "
+            f"this config cannot restore; the optimizer config differs: "
+            f"{'; '.join(differences)}. Resume with the saved optimizer settings or start "
+            "a new workdir"
+        ) from error
+
+
+def _restore_newest_readable(
+    experiment: Experiment, checkpointer: checkpoint.Checkpointer, abstract: Any, train_iter: Any
+) -> TrainState:
+    """The newest checkpoint that restores. Unreadable newer steps (a crash of the disk, a
+    truncated file) are moved aside, never deleted, with a warning naming each; if no step
+    restores, the newest one's CheckpointError is raised and nothing is moved."""
+    steps = sorted(checkpointer.all_steps(), reverse=True)
+    errors: list[tuple[int, checkpoint.CheckpointError]] = []
+    for step in steps:
+        try:
+            state = _restore_state(experiment, checkpointer, step, abstract, train_iter)
+        except checkpoint.CheckpointError as error:
+            errors.append((step, error))
+            continue
+        for bad_step, error in errors:
+            if jax.process_index() == 0:
+                moved = checkpointer.set_aside(bad_step)
+                logger.warning(
+                    "checkpoint step %d could not be read (%s: %s); training resumes from step "
+                    "%d, and step %d was moved to %s", bad_step,
+                    type(error.__cause__).__name__, checkpoint.first_line(error.__cause__, 160),
+                    step, bad_step, moved,
+                )
+        if errors and jax.process_count() > 1:
+            multihost_utils.sync_global_devices("tfm.train: unreadable checkpoints moved")
+            checkpointer.reload()
+        return state
+    raise errors[0][1]
+
+
 def make_checkpointer(experiment: Experiment) -> checkpoint.Checkpointer:
     options = experiment.train_options
     return checkpoint.Checkpointer(
@@ -785,34 +850,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | Path) -
     checkpointer = make_checkpointer(experiment)
     train_iter = experiment.data.train_iterator()
     try:
-        latest = checkpointer.latest_step()
-        if latest is not None:
-            # Arrays restore onto this run's mesh whatever mesh or process count saved them; the
-            # data position (one grain state per process) only when the process count is the same.
-            same_layout = _data_state_fits(checkpointer, latest)
-            if not same_layout:
-                logger.warning(
-                    "checkpoint step %d was saved by a different number of processes; its data "
-                    "position cannot be split over %d process(es), so the training data restarts "
-                    "from the beginning of its (seeded) order", latest, jax.process_count()
-                )
-            try:
-                state = checkpointer.restore(
-                    latest,
-                    abstract_state=abstract,
-                    data_iterator=train_iter if same_layout else None,
-                    config_json=experiment.config_json(),
-                )
-            except checkpoint.CheckpointError as error:
-                differences = _optimizer_differences(checkpointer, latest, experiment)
-                if not differences:
-                    raise
-                raise TrainingError(
-                    f"checkpoint {checkpointer.directory / str(latest)} holds an optimizer state "
-                    f"this config cannot restore; the optimizer config differs: "
-                    f"{'; '.join(differences)}. Resume with the saved optimizer settings or start "
-                    "a new workdir"
-                ) from error
+        if checkpointer.latest_step() is not None:
+            state = _restore_newest_readable(experiment, checkpointer, abstract, train_iter)
         else:
             state = init_state(experiment, shardings)
     except BaseException:
