@@ -23,7 +23,7 @@ multi-process (local test of a multi-host run; on clusters see README "Scaling")
 
 examples:
   ./launch.sh train configs/synthetic_seq2seq.py
-  ./launch.sh generate configs/synthetic_seq2seq.py --prompt "3 1 4 1 5"
+  ./launch.sh generate configs/synthetic_seq2seq.py --prompt 31415
   ./launch.sh train configs/char_lm.py:runlocal --config.model.position_scheme=alibi
 EOF
 }

@@ -465,6 +465,30 @@ def test_eval_from_checkpoint_reproduces_training_eval(reference):
     assert evaluated["eval_exact_match"] == result["eval_exact_match"]
 
 
+def test_prompt_characters_outside_the_vocabulary(reference, caplog):
+    """'12a4' is an error naming 'a' (it used to become '1 2 <unk> 4' silently); with
+    generate.map_unknown=True it is generated from, and a prompt longer than the training
+    source rows of sinusoidal positions gets a one-line warning, not an error."""
+    config, workdir, _ = reference
+    with pytest.raises(train.PromptError) as error:
+        train.generate_from_checkpoint(config, workdir, ["123", "12a4"])
+    assert str(error.value) == (
+        "prompt 2 '12a4' has characters outside the vocabulary: 'a' (the vocabulary: "
+        "'0123456789+='); remove them, or pass --config.generate.map_unknown=True to map them "
+        "to <unk>")
+    config = ml_collections.ConfigDict(config.to_dict())
+    config.generate.map_unknown = True
+    long_prompt = "0123456789012345"  # 16 symbols + eos: longer than data.seq_len=12
+    with caplog.at_level("WARNING", logger="tfm.train"):
+        outputs = train.generate_from_checkpoint(config, workdir, ["12a4", long_prompt])
+    assert len(outputs) == 2 and all(isinstance(o, str) for o in outputs)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "tfm.train"]
+    assert warnings == [
+        f"prompt 2 {long_prompt!r} is 17 tokens, longer than the 12 of the training rows; "
+        "position_scheme='sinusoidal' runs at any length, but quality past the trained lengths "
+        "may drop"]
+
+
 # -------------------------------------------------------------------- the other config families
 
 

@@ -29,6 +29,7 @@ from jax.experimental import multihost_utils
 
 from tfm import checkpoint, distributed, flops, generate, losses, metrics, optim, sharding
 from tfm.config import ConfigError, ModelConfig, from_dict
+from tfm.data import tokenizers
 from tfm.data.build import Data, DataConfig, build_data
 from tfm.models import DecoderLM, EncoderDecoder
 
@@ -75,6 +76,7 @@ GENERATE_DEFAULTS: dict[str, Any] = {
     "beam_size": 4,
     "alpha": 0.6,
     "seed": 0,
+    "map_unknown": False,  # True: prompt characters outside the vocabulary become <unk>
 }
 GENERATION_METRICS = ("none", "exact_match", "bleu")
 logger = logging.getLogger(__name__)
@@ -82,6 +84,10 @@ logger = logging.getLogger(__name__)
 
 class TrainingError(RuntimeError):
     """Training cannot go on (non-finite loss, incompatible checkpoint); nothing was overwritten."""
+
+
+class PromptError(ValueError):
+    """A generation prompt the model cannot take (characters outside the vocabulary, too long)."""
 
 
 def _section(config: Any, name: str, defaults: Mapping[str, Any]) -> dict[str, Any]:
@@ -285,7 +291,12 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
             f"eval.generation_metric={metric!r} is unknown; choose one of: "
             f"{', '.join(GENERATION_METRICS)}"
         )
-    _check_decoding_options("generate", _section(config, "generate", GENERATE_DEFAULTS))
+    generate_options = _section(config, "generate", GENERATE_DEFAULTS)
+    _check_decoding_options("generate", generate_options)
+    if not isinstance(generate_options["map_unknown"], bool):
+        raise ConfigError(
+            f"generate.map_unknown={generate_options['map_unknown']!r} must be True or False"
+        )
     model_values = dict(
         config.model.to_dict() if hasattr(config.model, "to_dict") else config.model
     )
@@ -994,11 +1005,12 @@ def generate_from_checkpoint(
 ) -> list[str]:
     """`./launch.sh generate`: text in, text out, with the config's `generate` settings."""
     experiment = setup(config, workdir)
-    params, _ = restore_params(experiment, step)
     options = dict(experiment.generate_options)
     method = options.pop("method")
     seed = options.pop("seed")
     max_new = options.pop("max_new_tokens")
+    check_prompts(experiment, prompts, map_unknown=options.pop("map_unknown"))
+    params, _ = restore_params(experiment, step)
     extra: dict[str, Any] = {}
     if method == "sample":
         extra = dict(
@@ -1012,3 +1024,54 @@ def generate_from_checkpoint(
     if experiment.task == "seq2seq":
         max_new = None if method == "beam" else max_new
     return decode_texts(experiment, params, prompts, method=method, max_new_tokens=max_new, **extra)
+
+
+def _short(text: str, limit: int = 40) -> str:
+    return repr(text if len(text) <= limit else text[: limit - 3] + "...")
+
+
+def check_prompts(experiment: Experiment, prompts: Sequence[str], *, map_unknown: bool) -> None:
+    """Before restoring or compiling anything: raises PromptError (one line) for characters
+    outside the vocabulary (unless `map_unknown`) and for prompts past a learned position
+    table; warns when a prompt is longer than the training rows of a scheme that extrapolates."""
+    data, task, config = experiment.data, experiment.task, experiment.model_config
+    options = experiment.generate_options
+    max_new = options["max_new_tokens"]
+    tokenizer = (data.source_tokenizer or data.tokenizer) if task == "seq2seq" else data.tokenizer
+    for number, prompt in enumerate(prompts, 1):
+        unknown = tokenizers.unknown_characters(tokenizer, prompt)
+        if unknown and not map_unknown:
+            alphabet = getattr(tokenizer, "chars", None)
+            known = (f" (the vocabulary: {''.join(alphabet)!r})"
+                     if alphabet is not None and len(alphabet) <= 64 else "")
+            raise PromptError(
+                f"prompt {number} {_short(prompt)} has characters outside the vocabulary: "
+                f"{', '.join(repr(c) for c in unknown)}{known}; remove them, or pass "
+                "--config.generate.map_unknown=True to map them to <unk>"
+            )
+    widths = [len(data.encode_prompt(prompt)) for prompt in prompts]
+    width, longest = max(widths), prompts[widths.index(max(widths))]
+    beam = options["method"] == "beam"
+    if task == "seq2seq":
+        extra = 50  # tfm.generate.translate's default: at most source length + 50 tokens
+        needs = {"source": width, "output": (width + extra if beam else max_new) + 1}
+        trained = data.train_lengths["source"]
+    else:
+        needs = {"prompt and output": width + max_new}
+        trained = data.train_lengths["inputs"]
+    if config.position_scheme == "learned":
+        for what, length in needs.items():
+            if length > config.max_len:
+                raise PromptError(
+                    f"prompt {widths.index(width) + 1} {_short(longest)} is {width} tokens; its "
+                    f"{what} needs {length} positions, past model.max_len={config.max_len} of "
+                    "the learned position table; shorten the prompt"
+                    + ("" if task == "seq2seq" and beam else " or lower generate.max_new_tokens")
+                )
+    elif width > trained:
+        logger.warning(
+            "prompt %d %s is %d tokens, longer than the %d of the training rows; "
+            "position_scheme=%r runs at any length, but quality past the trained lengths may "
+            "drop", widths.index(width) + 1, _short(longest), width, trained,
+            config.position_scheme,
+        )
