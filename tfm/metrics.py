@@ -6,6 +6,7 @@ Only process 0 writes, so every host can call the same code in a multi-host run.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -28,10 +29,18 @@ class MetricWriter:
     value, ...}) and TensorBoard scalars under `{workdir}/tensorboard/`.
 
     `process_index` defaults to jax.process_index(); on any other process than 0 every method
-    is a no-op. Use as a context manager or call `close()`.
+    is a no-op. `resume_step`: the step a resumed run restarts from; records of later steps
+    (written before a crash that lost those steps, which the run now replays) are dropped, so
+    each step is recorded once. Use as a context manager or call `close()`.
     """
 
-    def __init__(self, workdir: str | Path, process_index: int | None = None) -> None:
+    def __init__(
+        self,
+        workdir: str | Path,
+        process_index: int | None = None,
+        *,
+        resume_step: int | None = None,
+    ) -> None:
         if process_index is None:
             process_index = jax.process_index()
         self.active = process_index == 0
@@ -42,6 +51,8 @@ class MetricWriter:
             from tensorboardX import SummaryWriter  # imported lazily: only process 0 needs it
 
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            if resume_step is not None and self.path.exists():
+                _drop_records_after(self.path, resume_step)
             self._jsonl = self.path.open("a")
             self._tensorboard = SummaryWriter(str(Path(workdir) / "tensorboard"))
 
@@ -78,6 +89,25 @@ class MetricWriter:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _drop_records_after(path: Path, step: int) -> None:
+    """Rewrites `path` without the records of steps after `step`, and without a last line a
+    kill cut short (atomically: a crash leaves the old file or the new one)."""
+    lines = path.read_text().splitlines()
+    kept = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if record["step"] <= step:
+            kept.append(line + "\n")
+    if len(kept) == len(lines) and path.read_text().endswith("\n"):
+        return
+    partial = path.with_name(path.name + ".tmp")
+    partial.write_text("".join(kept))
+    os.replace(partial, path)
 
 
 def read_metrics(workdir: str | Path) -> list[dict[str, Any]]:

@@ -880,7 +880,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | Path) -
         experiment.model_config, experiment.data.config.seq_len, task, source_len
     )
     peak = flops.device_peak_flops(jax.devices()[0], experiment.model_config.compute_dtype)
-    writer = metrics.MetricWriter(workdir, jax.process_index())
+    writer = metrics.MetricWriter(workdir, jax.process_index(), resume_step=start_step)
     bar = metrics.progress_bar(
         options["num_steps"],
         initial_step=start_step,
