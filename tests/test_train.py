@@ -489,6 +489,21 @@ def test_prompt_characters_outside_the_vocabulary(reference, caplog):
         "may drop"]
 
 
+def test_eval_decoding_shows_progress(reference, capsys):
+    """Eval decoding (minutes for BLEU on a real split) shows a bar over its batches when
+    train.progress_bar is on, and nothing when it is off."""
+    config, workdir, _ = reference
+    experiment = train.setup(config, workdir)
+    params, _ = train.restore_params(experiment)
+    capsys.readouterr()
+    train.evaluate(experiment, params)
+    assert "decode validation" not in capsys.readouterr().err
+    experiment.train_options["progress_bar"] = True
+    train.evaluate(experiment, params)
+    err = capsys.readouterr().err
+    assert "decode validation:" in err and "/1 [" in err and "batch/s" in err, err
+
+
 # -------------------------------------------------------------------- the other config families
 
 

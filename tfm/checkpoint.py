@@ -24,7 +24,12 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import checkpoint_managers
 
+from tfm import metrics
 from tfm.config import ConfigError
+
+# Steps saved without metrics (the forced saves of unevaluated steps, SIGTERM) are meant not to
+# compete for the best step; orbax warns about each one inside the progress bar.
+metrics.silence_absl_message("Requested `tracked_metric`; did not provide metrics")
 
 
 class CheckpointError(RuntimeError):

@@ -6,6 +6,7 @@ Only process 0 writes, so every host can call the same code in a multi-host run.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -117,12 +118,35 @@ def read_metrics(workdir: str | Path) -> list[dict[str, Any]]:
 
 
 def progress_bar(
-    total_steps: int, *, initial_step: int = 0, enabled: bool = True, desc: str = "train"
+    total_steps: int,
+    *,
+    initial_step: int = 0,
+    enabled: bool = True,
+    desc: str = "train",
+    unit: str = "step",
+    leave: bool = True,
 ) -> tqdm.tqdm:
     """A tqdm bar over steps with rate and ETA; `bar.update(n)` per step and
     `bar.set_postfix(loss=...)` for live numbers. enabled=False gives a silent no-op bar
-    (e.g. on processes other than 0, or in tests)."""
+    (e.g. on processes other than 0, or in tests); leave=False clears it when closed."""
     return tqdm.tqdm(
         total=total_steps, initial=initial_step, desc=desc, disable=not enabled,
-        dynamic_ncols=True, unit="step", smoothing=0.1,
+        dynamic_ncols=True, unit=unit, smoothing=0.1, leave=leave,
     )
+
+
+class _DropMessages(logging.Filter):
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
+
+
+def silence_absl_message(prefix: str) -> None:
+    """Drops absl log records (tfds and orbax log through absl) whose message starts with
+    `prefix`: for warnings about what tfm does on purpose, printed on every command."""
+    logger = logging.getLogger("absl")
+    if not any(isinstance(f, _DropMessages) and f.prefix == prefix for f in logger.filters):
+        logger.addFilter(_DropMessages(prefix))

@@ -770,14 +770,20 @@ def decode_texts(
     *,
     method: str,
     max_new_tokens: int | None = None,
+    progress: str | None = None,
     **options: Any,
 ) -> list[str]:
-    """Generates a target text for each source text (prompt for an LM, source for seq2seq)."""
+    """Generates a target text for each source text (prompt for an LM, source for seq2seq).
+    `progress`: a label for a progress bar over the batches (process 0), None for none."""
     config = experiment.model_config
     encoded = [experiment.data.encode_prompt(text) for text in sources]
     batch_size = experiment.data.config.eval_batch_size or experiment.data.config.batch_size
     width = max(len(ids) for ids in encoded)
     outputs: list[str] = []
+    bar = metrics.progress_bar(
+        -(-len(encoded) // batch_size), desc=progress or "", unit="batch", leave=False,
+        enabled=progress is not None and jax.process_index() == 0,
+    )
     for start in range(0, len(encoded), batch_size):
         chunk = encoded[start : start + batch_size]
         real = len(chunk)
@@ -800,6 +806,8 @@ def decode_texts(
             )
         best, _ = generate.best_sequences(jax.tree.map(_fetch, output))
         outputs += [experiment.data.decode(generate.strip_special(row)) for row in best[:real]]
+        bar.update(1)
+    bar.close()
     return outputs
 
 
@@ -838,7 +846,8 @@ def generation_score(experiment: Experiment, params: Any, split: str, metric: st
     else:
         max_new = max(len(experiment.data.tokenizer.encode(t)) for t in targets) + 2
     hypotheses = decode_texts(
-        experiment, params, sources, method=method, max_new_tokens=max_new, **extra
+        experiment, params, sources, method=method, max_new_tokens=max_new,
+        progress=f"decode {split}" if experiment.train_options["progress_bar"] else None, **extra,
     )
     if metric == "exact_match":
         return 100.0 * float(np.mean([h == t for h, t in zip(hypotheses, targets, strict=True)]))

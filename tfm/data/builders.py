@@ -43,8 +43,13 @@ import tensorflow_datasets as tfds
 from etils import epath
 from tensorflow_datasets.proto import tf_example_pb2
 
+from tfm import metrics
 from tfm.config import ConfigError
 from tfm.data import synthetic
+
+# Every tfm builder is built from a config object (the task's parameters), which tfds warns
+# about on every command.
+metrics.silence_absl_message("Using custom data configuration")
 
 VERSION = "1.0.0"
 TEXT_UNITS = ("paragraph", "line")
