@@ -12,12 +12,13 @@ on a shared 2-core CPU, 33 min): eval_loss 1.985 / 1.832 / 1.798 nats per charac
 """
 
 from configs.base import apply_variants, base_config
+from tfm.data import ASSETS
 
 
 def get_config(arg: str | None = None):
     config = base_config()
     config.data.kind = "text"
-    config.data.path = "../shared/data/tinyshakespeare.txt"
+    config.data.path = str(ASSETS / "tinyshakespeare.txt")  # ships with the package
     config.data.tokenizer = "char"
     config.data.seq_len = 128
     config.data.batch_size = 32

@@ -1,5 +1,6 @@
 """The paper's Transformer for translation: German -> English on Multi30k by default.
 
+    ./launch.sh data multi30k                           # once: the data, into data/multi30k/
     ./launch.sh train configs/translate.py              # paper base model (65M with 37k vocab)
     ./launch.sh train configs/translate.py:small        # a model sized for Multi30k on a CPU
     ./launch.sh train configs/translate.py:runlocal     # a minute-long smoke run
@@ -20,10 +21,11 @@ from configs.base import apply_variants, base_config
 def get_config(arg: str | None = None):
     config = base_config()
     config.data.kind = "parallel"
-    config.data.source_path = "../shared/data/multi30k/train.de.gz"
-    config.data.target_path = "../shared/data/multi30k/train.en.gz"
-    config.data.eval_source_path = "../shared/data/multi30k/val.de.gz"
-    config.data.eval_target_path = "../shared/data/multi30k/val.en.gz"
+    # `./launch.sh data multi30k` puts the official files here (relative to the repository root).
+    config.data.source_path = "data/multi30k/train.de.gz"
+    config.data.target_path = "data/multi30k/train.en.gz"
+    config.data.eval_source_path = "data/multi30k/val.de.gz"
+    config.data.eval_target_path = "data/multi30k/val.en.gz"
     config.data.tokenizer = "sentencepiece"
     config.data.vocab_size = 8000
     config.data.shared_vocab = True

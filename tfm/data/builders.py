@@ -154,7 +154,12 @@ def _fingerprint(path: str | os.PathLike | None, field: str) -> dict[str, Any] |
         return None
     resolved = Path(path).expanduser().resolve()
     if not resolved.exists():
-        raise FileNotFoundError(f"{field}: file not found: {resolved}")
+        from tfm.data import download  # not at the top: `python -m tfm.data.download` runs it
+
+        hint = download.hint(resolved)
+        raise FileNotFoundError(
+            f"{field}: file not found: {resolved}{'; ' + hint if hint else ''}"
+        )
     stat = resolved.stat()
     return {"path": str(resolved), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
 
