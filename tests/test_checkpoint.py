@@ -192,3 +192,29 @@ def test_set_aside_moves_a_step_out_and_never_overwrites(tmp_path):
             assert checkpointer.set_aside(3) == tmp_path / "ckpt_corrupt" / ("3", "3.1")[round_]
             assert checkpointer.all_steps() == []
     assert sorted(p.name for p in (tmp_path / "ckpt_corrupt").iterdir()) == ["3", "3.1"]
+
+
+def test_a_failed_restore_silences_only_the_closed_event_loop_reports(tmp_path):
+    """After a failed read, tensorstore's late callbacks each printed a traceback ("Event loop is
+    closed") on the console; those are dropped, any other unraisable error still reaches the
+    previous hook."""
+    import sys
+    import types
+
+    directory = tmp_path / "ckpt"
+    with Checkpointer(directory) as checkpointer:
+        checkpointer.save(1, _state(1), config_json=CONFIG)
+        checkpointer.wait()
+    (directory / "1" / "state" / "manifest.ocdbt").unlink()
+    reported = []
+    previous = sys.unraisablehook
+    sys.unraisablehook = reported.append
+    try:
+        with Checkpointer(directory) as checkpointer, pytest.raises(CheckpointError):
+            checkpointer.restore(abstract_state=_abstract(_state(1)))
+        for error in (RuntimeError("Event loop is closed"), RuntimeError("other")):
+            sys.unraisablehook(types.SimpleNamespace(exc_value=error))
+    finally:
+        sys.unraisablehook = previous
+    assert [str(u.exc_value) for u in reported if isinstance(u, types.SimpleNamespace)] == [
+        "other"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,24 @@ def first_line(error: BaseException, limit: int = 300) -> str:
     JSON spec (some 60 lines) into its messages."""
     line = (str(error).strip().splitlines() or [""])[0].strip()
     return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def _ignore_reads_finishing_after_a_failure() -> None:
+    """After a failed restore, orbax closes its event loop while tensorstore's other reads are
+    still in flight; each then reports "RuntimeError: Event loop is closed" through
+    sys.unraisablehook, a traceback apiece on the console. They are harmless: drop just those."""
+    previous = sys.unraisablehook
+    if getattr(previous, "tfm_ignores_closed_loop", False):
+        return
+
+    def hook(unraisable: Any) -> None:
+        error = unraisable.exc_value
+        if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+            return
+        previous(unraisable)
+
+    hook.tfm_ignores_closed_loop = True
+    sys.unraisablehook = hook
 
 
 def _flatten(tree: Any, prefix: str) -> dict[str, Any]:
@@ -176,6 +195,7 @@ class Checkpointer:
         try:
             return self._manager.restore(step, args=ocp.args.Composite(**items))
         except Exception as error:  # orbax/tensorstore raise many kinds; name the place
+            _ignore_reads_finishing_after_a_failure()
             raise CheckpointError(
                 f"checkpoint {path} could not be read (corrupt or incomplete?): "
                 f"{type(error).__name__}: {first_line(error)}. Other steps in "
