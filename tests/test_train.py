@@ -417,7 +417,7 @@ def test_learned_positions_shorter_than_a_needed_length_fail_before_compiling(
 
 
 def test_an_error_during_training_saves_the_last_step_and_resumes_exactly(
-    reference, data_dir, tmp_path, monkeypatch
+    reference, data_dir, tmp_path, monkeypatch, capsys
 ):
     """An exception in the first evaluation (step 8) saves step 8 before it propagates, and one
     inside a step (its batch taken, step 12 unfinished) saves step 11 with the data position
@@ -435,6 +435,8 @@ def test_an_error_during_training_saves_the_last_step_and_resumes_exactly(
             train.train_and_evaluate(config, workdir)
     with checkpoint.Checkpointer(workdir / "checkpoints") as checkpointer:
         assert checkpointer.all_steps() == [8]
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        f"saved step 8 in {workdir / 'checkpoints'} before stopping on the error below")
 
     def fail_at_step_12(index, batch):  # index counts this run's batches: 9, 10, ...
         if index == 12 - 8:
