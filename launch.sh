@@ -11,6 +11,8 @@ commands:
   eval      metrics on the eval splits from DIR's latest checkpoint (--step N for another)
   generate  text in, text out from a checkpoint: --prompt "TEXT" (repeatable) or stdin lines
   average   average the last K checkpoints (--last_k 5) into a new workdir (--output DIR)
+  data      ./launch.sh data multi30k: download Multi30k into data/multi30k/ (what
+            configs/translate.py reads); offline it says where to put the files
 
 CONFIG is a file in configs/; ARG picks a variant (configs/char_lm.py:runlocal).
 Override any field: --config.model.position_scheme=rope --config.train.num_steps=500
@@ -23,7 +25,7 @@ multi-process (local test of a multi-host run; on clusters see README "Scaling")
 
 examples:
   ./launch.sh train configs/synthetic_seq2seq.py
-  ./launch.sh generate configs/synthetic_seq2seq.py --prompt "3 1 4 1 5"
+  ./launch.sh generate configs/synthetic_seq2seq.py --prompt 31415
   ./launch.sh train configs/char_lm.py:runlocal --config.model.position_scheme=alibi
 EOF
 }
@@ -34,9 +36,13 @@ if [[ $# -lt 2 ]]; then
 fi
 command=$1; config=$2; shift 2
 if [[ $config == -h || $config == --help ]]; then usage; exit 0; fi
+if [[ $command == data ]]; then  # not an experiment: DATASET instead of CONFIG, no devices
+  cd "$(dirname "$0")"
+  exec "${PYTHON:-python}" -m tfm.data.download "$config" "$@"
+fi
 case "$command" in
   train|eval|generate|average) ;;
-  *) echo "launch.sh: unknown command '$command'; choose one of: train, eval, generate, average" >&2
+  *) echo "launch.sh: unknown command '$command'; choose one of: train, eval, generate, average, data" >&2
      exit 2 ;;
 esac
 # Relative paths (CONFIG, --workdir, --output, data paths inside configs) are relative to the

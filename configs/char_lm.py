@@ -8,16 +8,19 @@
 Variants: a position scheme, `bf16` (bfloat16 compute), `runlocal`. The text is split into
 paragraphs; the last 10% (deterministic) is the validation split. Expected result (measured
 on a shared 2-core CPU, 33 min): eval_loss 1.985 / 1.832 / 1.798 nats per character at steps
-200 / 400 / 600.
+200 / 400 / 600. Measure it again with
+`python experiments/measure_quickstart.py --config configs/char_lm.py --prompt ROMEO:`
+(writes experiments/results/char_lm.{json,md}).
 """
 
 from configs.base import apply_variants, base_config
+from tfm.data import ASSETS
 
 
 def get_config(arg: str | None = None):
     config = base_config()
     config.data.kind = "text"
-    config.data.path = "../shared/data/tinyshakespeare.txt"
+    config.data.path = str(ASSETS / "tinyshakespeare.txt")  # ships with the package
     config.data.tokenizer = "char"
     config.data.seq_len = 128
     config.data.batch_size = 32

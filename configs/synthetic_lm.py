@@ -3,7 +3,7 @@
     ./launch.sh train configs/synthetic_lm.py:reverse,alibi
     ./launch.sh generate configs/synthetic_lm.py:reverse,alibi --prompt 12345
 
-The position-scheme sweep (experiments/length_generalization.py) trains this config once per
+The position-scheme sweep (experiments/position_sweep.py) trains this config once per
 scheme and compares exact match on "validation" (training lengths 1-12) and "test" (13-24).
 Variants: a task (copy, reverse, sort, addition), a position scheme, `runlocal`.
 """

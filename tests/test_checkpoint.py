@@ -171,3 +171,50 @@ def test_grain_iterator_round_trip(tmp_path):
     for want in expected:
         np.testing.assert_array_equal(next(fresh), want)
     assert not np.array_equal(expected[0], next(iter(dataset)))  # not just the start again
+
+
+def test_unevaluated_save_with_keep_best_metric_logs_no_warning(tmp_path, caplog):
+    """orbax warned "Requested `tracked_metric`; did not provide metrics." for every save of an
+    unevaluated step (intended: only evaluated steps compete for the best)."""
+    with caplog.at_level("INFO"):
+        with Checkpointer(tmp_path / "ckpt", keep_best_metric="loss") as checkpointer:
+            checkpointer.save(1, _state(1), config_json=CONFIG, force=True)
+            checkpointer.wait()
+    assert checkpointer.all_steps() == [1]
+    assert not [r for r in caplog.records if "tracked_metric" in r.getMessage()]
+
+
+def test_set_aside_moves_a_step_out_and_never_overwrites(tmp_path):
+    with Checkpointer(tmp_path / "ckpt", max_to_keep=None) as checkpointer:
+        for round_ in range(2):
+            checkpointer.save(3, _state(3 + round_), config_json=CONFIG, force=True)
+            checkpointer.wait()
+            assert checkpointer.set_aside(3) == tmp_path / "ckpt_corrupt" / ("3", "3.1")[round_]
+            assert checkpointer.all_steps() == []
+    assert sorted(p.name for p in (tmp_path / "ckpt_corrupt").iterdir()) == ["3", "3.1"]
+
+
+def test_a_failed_restore_silences_only_the_closed_event_loop_reports(tmp_path):
+    """After a failed read, tensorstore's late callbacks each printed a traceback ("Event loop is
+    closed") on the console; those are dropped, any other unraisable error still reaches the
+    previous hook."""
+    import sys
+    import types
+
+    directory = tmp_path / "ckpt"
+    with Checkpointer(directory) as checkpointer:
+        checkpointer.save(1, _state(1), config_json=CONFIG)
+        checkpointer.wait()
+    (directory / "1" / "state" / "manifest.ocdbt").unlink()
+    reported = []
+    previous = sys.unraisablehook
+    sys.unraisablehook = reported.append
+    try:
+        with Checkpointer(directory) as checkpointer, pytest.raises(CheckpointError):
+            checkpointer.restore(abstract_state=_abstract(_state(1)))
+        for error in (RuntimeError("Event loop is closed"), RuntimeError("other")):
+            sys.unraisablehook(types.SimpleNamespace(exc_value=error))
+    finally:
+        sys.unraisablehook = previous
+    assert [str(u.exc_value) for u in reported if isinstance(u, types.SimpleNamespace)] == [
+        "other"]

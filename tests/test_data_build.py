@@ -228,3 +228,34 @@ def test_tfds_catalog_dataset_end_to_end():
         assert data.decode(first["targets"][0]) == targets[0]
         with pytest.raises(ConfigError, match=r"data.features.target='fr'"):
             build_data({**config, "features": {"source": "de", "target": "fr"}})
+
+
+def test_translate_config_packs_parallel_training_rows(tmp_path):
+    """configs/translate.py's data settings on a Multi30k-like corpus (short caption pairs,
+    rows of 64): training rows hold several pairs each (Multi30k itself: 2.8 per row with the
+    runlocal vocabulary), every packed source segment matches its target segment, and eval rows
+    hold one pair each (padded, for per-example decoding)."""
+    from configs import translate
+
+    german = [f"ein hund {i} läuft über die wiese" for i in range(200)]
+    english = [f"a dog {i} runs across the meadow" for i in range(200)]
+    for name, lines in (("train.de.gz", german), ("train.en.gz", english)):
+        (tmp_path / name).write_bytes(gzip.compress("\n".join(lines).encode()))
+    config = translate.get_config("runlocal").data
+    assert config.packing and config.seq_len == 64
+    config.update(source_path=str(tmp_path / "train.de.gz"),
+                  target_path=str(tmp_path / "train.en.gz"), eval_source_path=None,
+                  eval_target_path=None, vocab_size=120, data_dir=str(tmp_path / "data"))
+    data = build_data(config)
+    batch = next(data.train_iterator())
+    segments = [len(np.unique(row[row > 0])) for row in batch["segment_ids"]]
+    source_segments = [len(np.unique(row[row > 0])) for row in batch["source_segment_ids"]]
+    assert segments == source_segments and np.mean(segments) >= 2, segments
+    pairs = dict(zip(german, english, strict=True))
+    for row in range(batch["source"].shape[0]):
+        for segment in np.unique(batch["segment_ids"][row][batch["segment_ids"][row] > 0]):
+            source = batch["source"][row][batch["source_segment_ids"][row] == segment]
+            target = batch["targets"][row][batch["segment_ids"][row] == segment]
+            assert pairs[data.source_tokenizer.decode(source)] == data.decode(target)
+    eval_batch = next(data.eval_batches("validation"))
+    assert eval_batch["segment_ids"].max(axis=1).tolist() == [1] * len(eval_batch["segment_ids"])

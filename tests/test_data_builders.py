@@ -161,3 +161,13 @@ def test_catalog_errors_name_the_field():
 def test_catalog_dataset_not_prepared_is_a_clear_error(tmp_path):
     with pytest.raises(DataError, match=r"'lm1b' split 'train' is not prepared.*data.download"):
         builders.catalog_sources("lm1b", {"text": "text"}, ["train"], data_dir=tmp_path)
+
+
+def test_building_prints_no_custom_configuration_warning(tmp_path, caplog):
+    """tfds warned "Using custom data configuration: ..." on every command (every tfm builder
+    is built from a config object, on purpose)."""
+    with caplog.at_level("INFO"):
+        builders.prepare(builders.synthetic_builder(
+            tmp_path, task="copy", seed=0, num_symbols=4, train_lengths=(1, 3),
+            eval_lengths=(4, 5), num_train=8, num_validation=4, num_test=4))
+    assert not [r for r in caplog.records if "custom data configuration" in r.getMessage()]

@@ -202,3 +202,83 @@ def test_synthetic_lm_train_generate_average_eval(tmp_path):
     results = json.loads(evaluated.stdout[evaluated.stdout.index("{"):])
     assert results["step"] == 24
     assert np.isfinite(results["eval_loss"]) and 0 <= results["eval_exact_match"] <= 100
+
+
+# ------------------------------------------------------------- failures a user meets: one line
+
+
+def tiny_config(tmp_path) -> Path:
+    config = tmp_path / "tiny.py"
+    config.write_text(TINY_CONFIG.format(data_dir=str(tmp_path / "data")))
+    return config
+
+
+def test_generate_with_empty_stdin_is_one_line(tmp_path):
+    result = subprocess.run(
+        ["bash", str(LAUNCH), "generate", "configs/synthetic_lm.py", "--workdir",
+         str(tmp_path / "run")], cwd=REPO, input="\n  \n", capture_output=True, text=True,
+        timeout=300,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "tfm.main generate: no prompt: give --prompt TEXT (repeatable) or non-empty lines on "
+        "stdin"]
+
+
+def test_unwritable_workdir_is_one_line_naming_path_and_operation(tmp_path):
+    """An OSError (here: the workdir's parent is a file) names the operation and the path."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    result = launch("train", str(tiny_config(tmp_path)), "--workdir", str(blocker / "run"))
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"tfm.main train: NotADirectoryError: cannot mkdir {blocker / 'run'}: Not a directory")
+    assert "Traceback" not in result.stderr
+
+
+def test_os_error_line_names_operation_path_and_reason():
+    import errno
+
+    from tfm import main
+
+    def write_text():  # stands for pathlib's: the innermost frame names the operation
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/runs/x/metrics.jsonl")
+
+    def rename():
+        raise PermissionError(errno.EROFS, os.strerror(errno.EROFS), "/ro/a", None, "/ro/b")
+
+    for function, expected in [
+        (write_text, "OSError: cannot write_text /runs/x/metrics.jsonl: No space left on device"),
+        (rename, "PermissionError: cannot rename /ro/a -> /ro/b: Read-only file system"),
+    ]:
+        with pytest.raises(OSError) as error:
+            function()
+        assert main.os_error_line(error.value) == expected
+
+
+def test_prompt_errors_are_one_line(tmp_path):
+    """Characters outside the vocabulary (the space of the old --help example) and a prompt past
+    a learned position table: one line each, before any checkpoint is read or compiled."""
+    config = str(tiny_config(tmp_path))
+    result = launch("generate", config, "--workdir", str(tmp_path / "none"),
+                    "--prompt", "3 1 4 1 5")
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        "tfm.main generate: PromptError: prompt 1 '3 1 4 1 5' has characters outside the "
+        "vocabulary: ' ' (the vocabulary: ")
+    learned = launch("generate", config, "--workdir", str(tmp_path / "none"),
+                     "--config.model.position_scheme=learned", "--config.model.max_len=30",
+                     "--prompt", "0123456789" * 3)
+    assert learned.returncode == 1, learned.stderr[-2000:]
+    assert learned.stderr.strip().splitlines()[-1] == (
+        "tfm.main generate: PromptError: prompt 1 '012345678901234567890123456789' is 32 "
+        "tokens; its prompt and output needs 40 positions, past model.max_len=30 of the learned "
+        "position table; shorten the prompt or lower generate.max_new_tokens")
+    assert "Traceback" not in result.stderr + learned.stderr
+
+
+def test_help_example_prompt_is_in_the_quick_start_vocabulary():
+    usage = launch("--help").stdout
+    prompts = [line.split("--prompt ")[1].strip().strip('"') for line in usage.splitlines()
+               if "synthetic_seq2seq.py --prompt" in line]
+    assert prompts and all(set(p) <= set("0123456789") for p in prompts), prompts

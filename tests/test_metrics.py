@@ -46,6 +46,25 @@ def test_appends_across_writers(tmp_path):
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
 
 
+def test_resumed_writer_drops_records_of_replayed_steps(tmp_path):
+    """A run killed after logging steps 1-5 (step 5's line cut short) with its last checkpoint
+    at step 3 replays steps 4-5: each step ends up recorded once, the replayed values last."""
+    with MetricWriter(tmp_path, process_index=0) as writer:
+        for step in range(1, 6):
+            writer.write(step, {"loss": float(step)})
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(path.read_text()[:-8])  # SIGKILL inside the last write
+    with MetricWriter(tmp_path, process_index=0, resume_step=3) as writer:
+        for step in (4, 5):
+            writer.write(step, {"loss": step + 0.5})
+    records = read_metrics(tmp_path)
+    assert [(r["step"], r["loss"]) for r in records] == [
+        (1, 1.0), (2, 2.0), (3, 3.0), (4, 4.5), (5, 5.5)]
+    with MetricWriter(tmp_path, process_index=0, resume_step=5):  # nothing to drop
+        pass
+    assert read_metrics(tmp_path) == records
+
+
 def test_only_process_zero_writes(tmp_path):
     writer = MetricWriter(tmp_path / "other", process_index=1)
     writer.write(1, {"loss": 1.0})

@@ -110,6 +110,10 @@ def test_two_processes_then_one_then_two(tmp_path):
     log3 = launch(workdir, data_dir, cache_dir, num_processes=2, num_steps=6,
                   **{"eval.generation_metric": "exact_match"})
     assert "saved by a different number of processes" in log3
+    # One console: only process 0 prints eval lines and the final metrics.
+    for log in (log2, log3):
+        assert log.count("step 6: eval") + log.count("step 4: eval") == 1, log[-3000:]
+        assert log.count('"workdir": ') == 1, log[-3000:]
 
     records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     train_steps = [r["step"] for r in records if "train_loss" in r]

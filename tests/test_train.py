@@ -17,6 +17,7 @@ import gzip
 import math
 import os
 import random
+import re
 import shutil
 import signal
 from collections.abc import Iterator
@@ -340,13 +341,120 @@ def test_corrupt_checkpoint_names_the_path(reference, data_dir, tmp_path, damage
     shutil.copytree(reference_dir, workdir)
     step_dir = workdir / "checkpoints" / str(NUM_STEPS)
     if damage == "garble_arrays":
-        for path in (step_dir / "state").rglob("*"):
-            if path.is_file() and path.parent.name == "d":
-                path.write_bytes(b"not an array")
+        garble_arrays(step_dir)
     else:
         shutil.rmtree(step_dir / "state")
-    with pytest.raises(checkpoint.CheckpointError, match=str(step_dir)):
+    with pytest.raises(checkpoint.CheckpointError, match=str(step_dir)) as error:
         train.train_and_evaluate(seq2seq_config(data_dir, num_steps=NUM_STEPS + 8), workdir)
+    # One line, not tensorstore's JSON spec; with no readable step nothing is moved.
+    assert "\n" not in str(error.value) and len(str(error.value)) < 800, str(error.value)
+    assert step_dir.is_dir() and not (workdir / "checkpoints_corrupt").exists()
+
+
+def garble_arrays(step_dir) -> None:
+    """Truncates every array chunk file of a saved step."""
+    chunks = [p for p in (step_dir / "state").rglob("*") if p.is_file() and p.parent.name == "d"]
+    assert chunks
+    for path in chunks:
+        path.write_bytes(path.read_bytes()[:7])
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_corrupt_latest_checkpoint_falls_back_and_is_moved_aside(
+    reference, data_dir, tmp_path, caplog
+):
+    """Steps 8 and 16 saved, 16 truncated: the restart warns naming step 16, moves it to
+    checkpoints_corrupt/16 (kept, not deleted), resumes from 8, and reaches the reference
+    state at 16 again."""
+    _, reference_dir, _ = reference
+    workdir = tmp_path / "run"
+    config = seq2seq_config(data_dir, max_to_keep=3, keep_best_metric=None)
+    train.train_and_evaluate(config, workdir)
+    garble_arrays(workdir / "checkpoints" / str(NUM_STEPS))
+    bad_files = sorted(p.name for p in (workdir / "checkpoints" / str(NUM_STEPS)).rglob("*"))
+
+    with caplog.at_level("WARNING", logger="tfm.train"):
+        result = train.train_and_evaluate(config, workdir)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "tfm.train"]
+    assert len(warnings) == 1 and "\n" not in warnings[0], warnings
+    assert warnings[0].startswith(f"checkpoint step {NUM_STEPS} could not be read")
+    assert "training resumes from step 8" in warnings[0]
+    moved = workdir / "checkpoints_corrupt" / str(NUM_STEPS)
+    assert str(moved) in warnings[0]
+    assert sorted(p.name for p in moved.rglob("*")) == bad_files  # kept whole
+    assert result["step"] == NUM_STEPS
+    with checkpoint.Checkpointer(workdir / "checkpoints") as checkpointer:
+        assert checkpointer.all_steps() == [8, NUM_STEPS]
+    assert_trees_equal(saved_state(workdir, NUM_STEPS), saved_state(reference_dir, NUM_STEPS))
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        # Eval decoding: source width 7 (6 symbols + eos) + eval.extra_len 50 + bos = 58.
+        (dict(max_len=20), r"eval decoding of split 'validation' \(source length 7 \+ "
+                           r"eval.extra_len=50 \+ bos\) needs 58;"),
+        (dict(max_len=60), r"generate.max_new_tokens=64 \(\+ 1\) needs 65$"),
+        (dict(max_len=11), r"data.seq_len=12 \(training rows\) needs 12"),
+    ],
+)
+def test_learned_positions_shorter_than_a_needed_length_fail_before_compiling(
+    data_dir, tmp_path, overrides, match
+):
+    """Every length the run needs (train rows, eval rows, eval decoding, generation) is checked
+    against model.max_len at setup, not at the first evaluation after training."""
+    config = seq2seq_config(data_dir)
+    config.model.update(position_scheme="learned", **overrides)
+    with count_compilations() as compiled, pytest.raises(ConfigError) as error:
+        train.setup(config, tmp_path)
+    assert not compiled
+    message = str(error.value)
+    assert message.startswith(f"model.max_len={overrides['max_len']} is too short")
+    assert re.search(match, message.split(". Set model.max_len")[0]), message
+    assert "\n" not in message
+    config.model.max_len = 65  # exactly long enough
+    train.setup(config, tmp_path)
+
+
+def test_an_error_during_training_saves_the_last_step_and_resumes_exactly(
+    reference, data_dir, tmp_path, monkeypatch, capsys
+):
+    """An exception in the first evaluation (step 8) saves step 8 before it propagates, and one
+    inside a step (its batch taken, step 12 unfinished) saves step 11 with the data position
+    before that batch: resuming from either reaches the uninterrupted run's state bit for bit."""
+    _, reference_dir, reference_result = reference
+    workdir = tmp_path / "run"
+    config = seq2seq_config(data_dir)
+
+    def failing_evaluate(*args, **kwargs):
+        raise RuntimeError("evaluation broke")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(train, "evaluate", failing_evaluate)
+        with pytest.raises(RuntimeError, match="evaluation broke"):
+            train.train_and_evaluate(config, workdir)
+    with checkpoint.Checkpointer(workdir / "checkpoints") as checkpointer:
+        assert checkpointer.all_steps() == [8]
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        f"saved step 8 in {workdir / 'checkpoints'} before stopping on the error below")
+
+    def fail_at_step_12(index, batch):  # index counts this run's batches: 9, 10, ...
+        if index == 12 - 8:
+            raise RuntimeError("input broke")
+        return batch
+
+    with monkeypatch.context() as patch:
+        patch_train_batches(patch, fail_at_step_12)
+        with pytest.raises(RuntimeError, match="input broke"):
+            train.train_and_evaluate(config, workdir)
+    with checkpoint.Checkpointer(workdir / "checkpoints") as checkpointer:
+        assert checkpointer.latest_step() == 11
+
+    last = train.train_and_evaluate(config, workdir)
+    assert last["step"] == NUM_STEPS
+    assert train_losses(workdir) == train_losses(reference_dir)
+    assert last["eval_loss"] == reference_result["eval_loss"]
+    assert_trees_equal(saved_state(workdir, NUM_STEPS), saved_state(reference_dir, NUM_STEPS))
 
 
 def test_eval_from_checkpoint_reproduces_training_eval(reference):
@@ -357,6 +465,45 @@ def test_eval_from_checkpoint_reproduces_training_eval(reference):
     assert evaluated["step"] == NUM_STEPS
     assert evaluated["eval_loss"] == pytest.approx(result["eval_loss"], rel=1e-6)
     assert evaluated["eval_exact_match"] == result["eval_exact_match"]
+
+
+def test_prompt_characters_outside_the_vocabulary(reference, caplog):
+    """'12a4' is an error naming 'a' (it used to become '1 2 <unk> 4' silently); with
+    generate.map_unknown=True it is generated from, and a prompt longer than the training
+    source rows of sinusoidal positions gets a one-line warning, not an error."""
+    config, workdir, _ = reference
+    with pytest.raises(train.PromptError) as error:
+        train.generate_from_checkpoint(config, workdir, ["123", "12a4"])
+    assert str(error.value) == (
+        "prompt 2 '12a4' has characters outside the vocabulary: 'a' (the vocabulary: "
+        "'0123456789+='); remove them, or pass --config.generate.map_unknown=True to map them "
+        "to <unk>")
+    config = ml_collections.ConfigDict(config.to_dict())
+    config.generate.map_unknown = True
+    long_prompt = "0123456789012345"  # 16 symbols + eos: longer than data.seq_len=12
+    with caplog.at_level("WARNING", logger="tfm.train"):
+        outputs = train.generate_from_checkpoint(config, workdir, ["12a4", long_prompt])
+    assert len(outputs) == 2 and all(isinstance(o, str) for o in outputs)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "tfm.train"]
+    assert warnings == [
+        f"prompt 2 {long_prompt!r} is 17 tokens, longer than the 12 of the training rows; "
+        "position_scheme='sinusoidal' runs at any length, but quality past the trained lengths "
+        "may drop"]
+
+
+def test_eval_decoding_shows_progress(reference, capsys):
+    """Eval decoding (minutes for BLEU on a real split) shows a bar over its batches when
+    train.progress_bar is on, and nothing when it is off."""
+    config, workdir, _ = reference
+    experiment = train.setup(config, workdir)
+    params, _ = train.restore_params(experiment)
+    capsys.readouterr()
+    train.evaluate(experiment, params)
+    assert "decode validation" not in capsys.readouterr().err
+    experiment.train_options["progress_bar"] = True
+    train.evaluate(experiment, params)
+    err = capsys.readouterr().err
+    assert "decode validation:" in err and "/1 [" in err and "batch/s" in err, err
 
 
 # -------------------------------------------------------------------- the other config families

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -24,11 +25,41 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import checkpoint_managers
 
+from tfm import metrics
 from tfm.config import ConfigError
+
+# Steps saved without metrics (the forced saves of unevaluated steps, SIGTERM) are meant not to
+# compete for the best step; orbax warns about each one inside the progress bar.
+metrics.silence_absl_message("Requested `tracked_metric`; did not provide metrics")
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint exists but cannot be read (corrupt, incomplete, or not ours)."""
+
+
+def first_line(error: BaseException, limit: int = 300) -> str:
+    """The first line of an error message, at most `limit` characters: tensorstore puts its whole
+    JSON spec (some 60 lines) into its messages."""
+    line = (str(error).strip().splitlines() or [""])[0].strip()
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def _ignore_reads_finishing_after_a_failure() -> None:
+    """After a failed restore, orbax closes its event loop while tensorstore's other reads are
+    still in flight; each then reports "RuntimeError: Event loop is closed" through
+    sys.unraisablehook, a traceback apiece on the console. They are harmless: drop just those."""
+    previous = sys.unraisablehook
+    if getattr(previous, "tfm_ignores_closed_loop", False):
+        return
+
+    def hook(unraisable: Any) -> None:
+        error = unraisable.exc_value
+        if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+            return
+        previous(unraisable)
+
+    hook.tfm_ignores_closed_loop = True
+    sys.unraisablehook = hook
 
 
 def _flatten(tree: Any, prefix: str) -> dict[str, Any]:
@@ -164,11 +195,31 @@ class Checkpointer:
         try:
             return self._manager.restore(step, args=ocp.args.Composite(**items))
         except Exception as error:  # orbax/tensorstore raise many kinds; name the place
+            _ignore_reads_finishing_after_a_failure()
             raise CheckpointError(
                 f"checkpoint {path} could not be read (corrupt or incomplete?): "
-                f"{type(error).__name__}: {error}. Other steps in {self.directory}: "
-                f"{[s for s in self.all_steps() if s != step]}"
+                f"{type(error).__name__}: {first_line(error)}. Other steps in "
+                f"{self.directory}: {[s for s in self.all_steps() if s != step]}"
             ) from error
+
+    def set_aside(self, step: int) -> Path:
+        """Moves the unreadable step directory out of the checkpoint directory (never deletes
+        it) to `{directory}_corrupt/{step}[.N]`, so training can go on from an older step and
+        save `step` again. Returns the new place. Call it on one process only."""
+        self.wait()
+        source = Path(os.fspath(self.directory / str(step)))
+        target_dir = Path(os.fspath(self.directory)).with_name(self.directory.name + "_corrupt")
+        target_dir.mkdir(parents=True, exist_ok=True)
+        target, index = target_dir / str(step), 1
+        while target.exists():
+            target, index = target_dir / f"{step}.{index}", index + 1
+        source.rename(target)
+        self.reload()
+        return target
+
+    def reload(self) -> None:
+        """Re-reads the step list from disk (after another process moved a step)."""
+        self._manager.reload()
 
     def saved_config(self, step: int | None = None) -> dict[str, Any]:
         """The experiment config stored with `step` (default: the latest)."""

@@ -8,7 +8,9 @@ Any config field can be overridden: --config.model.position_scheme=rope.
 from __future__ import annotations
 
 import json
+import os
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -60,12 +62,27 @@ def main(argv: list[str]) -> None:
     from tfm.data.builders import DataError
 
     expected = (ConfigError, DataError, CheckpointError, ConfigMismatchError, train.TrainingError,
-                FileNotFoundError, FileExistsError)
+                FileNotFoundError, FileExistsError, train.PromptError)
     try:
         _run(command, _CONFIG.value, workdir, config_arg)
     except expected as error:  # a bad value or file, not a bug: one line, no traceback
         sys.stderr.write(f"tfm.main {command}: {type(error).__name__}: {error}\n")
         sys.exit(1)
+    except OSError as error:  # read-only or full filesystem, permission denied: not a bug either
+        sys.stderr.write(f"tfm.main {command}: {os_error_line(error)}\n")
+        sys.exit(1)
+
+
+def os_error_line(error: OSError) -> str:
+    """One line naming the operation, the path and the reason of an OSError, e.g.
+    "PermissionError: cannot mkdir /runs/x: Permission denied". The operation is the innermost
+    Python function the error passed through (mkdir, open, write_text, rename, ...)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    operation = frames[-1].name if frames else "access"
+    paths = [os.fspath(p) for p in (error.filename, error.filename2) if p is not None]
+    where = " -> ".join(paths) if paths else "a file"
+    reason = error.strerror or str(error)
+    return f"{type(error).__name__}: cannot {operation} {where}: {reason}"
 
 
 def _run(command: str, config: Any, workdir: Path, config_arg: str) -> None:
@@ -73,17 +90,19 @@ def _run(command: str, config: Any, workdir: Path, config_arg: str) -> None:
 
     if command == "train":
         final = train.train_and_evaluate(config, workdir)
-        print(json.dumps({"workdir": str(workdir), **final}, indent=1, default=str))
+        _print(json.dumps({"workdir": str(workdir), **final}, indent=1, default=str))
     elif command == "eval":
         results = train.evaluate_checkpoint(config, workdir, _STEP.value)
-        print(json.dumps(results, indent=1))
+        _print(json.dumps(results, indent=1))
     elif command == "generate":
         prompts = _PROMPTS.value or [line.rstrip("\n") for line in sys.stdin if line.strip()]
-        if not prompts:
-            raise app.UsageError("generate needs --prompt=TEXT (repeatable) or lines on stdin")
+        if not prompts:  # a usage error, but without absl's 20 lines of flag help
+            sys.stderr.write("tfm.main generate: no prompt: give --prompt TEXT (repeatable) or "
+                             "non-empty lines on stdin\n")
+            sys.exit(2)
         outputs = train.generate_from_checkpoint(config, workdir, prompts, _STEP.value)
         for prompt, output in zip(prompts, outputs, strict=True):
-            print(f"{prompt}\t->\t{output}")
+            _print(f"{prompt}\t->\t{output}")
     else:
         experiment = train.setup(config, workdir)
         abstract, _ = train.state_shardings(experiment)
@@ -94,6 +113,14 @@ def _run(command: str, config: Any, workdir: Path, config_arg: str) -> None:
         print(f"averaged the last {_LAST_K.value} checkpoints of {workdir} into "
               f"{_OUTPUT.value} (step {step}); evaluate with: ./launch.sh eval {config_arg} "
               f"--workdir {_OUTPUT.value}")
+
+
+def _print(text: str) -> None:
+    """Prints on process 0 only: N processes of one run write one console."""
+    import jax
+
+    if jax.process_index() == 0:
+        print(text)
 
 
 def _config_overrides(argv: list[str]) -> list[str]:

@@ -6,6 +6,8 @@ Only process 0 writes, so every host can call the same code in a multi-host run.
 from __future__ import annotations
 
 import json
+import logging
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -28,10 +30,18 @@ class MetricWriter:
     value, ...}) and TensorBoard scalars under `{workdir}/tensorboard/`.
 
     `process_index` defaults to jax.process_index(); on any other process than 0 every method
-    is a no-op. Use as a context manager or call `close()`.
+    is a no-op. `resume_step`: the step a resumed run restarts from; records of later steps
+    (written before a crash that lost those steps, which the run now replays) are dropped, so
+    each step is recorded once. Use as a context manager or call `close()`.
     """
 
-    def __init__(self, workdir: str | Path, process_index: int | None = None) -> None:
+    def __init__(
+        self,
+        workdir: str | Path,
+        process_index: int | None = None,
+        *,
+        resume_step: int | None = None,
+    ) -> None:
         if process_index is None:
             process_index = jax.process_index()
         self.active = process_index == 0
@@ -42,6 +52,8 @@ class MetricWriter:
             from tensorboardX import SummaryWriter  # imported lazily: only process 0 needs it
 
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            if resume_step is not None and self.path.exists():
+                _drop_records_after(self.path, resume_step)
             self._jsonl = self.path.open("a")
             self._tensorboard = SummaryWriter(str(Path(workdir) / "tensorboard"))
 
@@ -80,6 +92,25 @@ class MetricWriter:
         self.close()
 
 
+def _drop_records_after(path: Path, step: int) -> None:
+    """Rewrites `path` without the records of steps after `step`, and without a last line a
+    kill cut short (atomically: a crash leaves the old file or the new one)."""
+    lines = path.read_text().splitlines()
+    kept = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if record["step"] <= step:
+            kept.append(line + "\n")
+    if len(kept) == len(lines) and path.read_text().endswith("\n"):
+        return
+    partial = path.with_name(path.name + ".tmp")
+    partial.write_text("".join(kept))
+    os.replace(partial, path)
+
+
 def read_metrics(workdir: str | Path) -> list[dict[str, Any]]:
     """All records of `{workdir}/metrics.jsonl`, in order."""
     lines = (Path(workdir) / "metrics.jsonl").read_text().splitlines()
@@ -87,12 +118,35 @@ def read_metrics(workdir: str | Path) -> list[dict[str, Any]]:
 
 
 def progress_bar(
-    total_steps: int, *, initial_step: int = 0, enabled: bool = True, desc: str = "train"
+    total_steps: int,
+    *,
+    initial_step: int = 0,
+    enabled: bool = True,
+    desc: str = "train",
+    unit: str = "step",
+    leave: bool = True,
 ) -> tqdm.tqdm:
     """A tqdm bar over steps with rate and ETA; `bar.update(n)` per step and
     `bar.set_postfix(loss=...)` for live numbers. enabled=False gives a silent no-op bar
-    (e.g. on processes other than 0, or in tests)."""
+    (e.g. on processes other than 0, or in tests); leave=False clears it when closed."""
     return tqdm.tqdm(
         total=total_steps, initial=initial_step, desc=desc, disable=not enabled,
-        dynamic_ncols=True, unit="step", smoothing=0.1,
+        dynamic_ncols=True, unit=unit, smoothing=0.1, leave=leave,
     )
+
+
+class _DropMessages(logging.Filter):
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
+
+
+def silence_absl_message(prefix: str) -> None:
+    """Drops absl log records (tfds and orbax log through absl) whose message starts with
+    `prefix`: for warnings about what tfm does on purpose, printed on every command."""
+    logger = logging.getLogger("absl")
+    if not any(isinstance(f, _DropMessages) and f.prefix == prefix for f in logger.filters):
+        logger.addFilter(_DropMessages(prefix))

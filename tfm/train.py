@@ -29,6 +29,7 @@ from jax.experimental import multihost_utils
 
 from tfm import checkpoint, distributed, flops, generate, losses, metrics, optim, sharding
 from tfm.config import ConfigError, ModelConfig, from_dict
+from tfm.data import tokenizers
 from tfm.data.build import Data, DataConfig, build_data
 from tfm.models import DecoderLM, EncoderDecoder
 
@@ -75,6 +76,7 @@ GENERATE_DEFAULTS: dict[str, Any] = {
     "beam_size": 4,
     "alpha": 0.6,
     "seed": 0,
+    "map_unknown": False,  # True: prompt characters outside the vocabulary become <unk>
 }
 GENERATION_METRICS = ("none", "exact_match", "bleu")
 logger = logging.getLogger(__name__)
@@ -82,6 +84,10 @@ logger = logging.getLogger(__name__)
 
 class TrainingError(RuntimeError):
     """Training cannot go on (non-finite loss, incompatible checkpoint); nothing was overwritten."""
+
+
+class PromptError(ValueError):
+    """A generation prompt the model cannot take (characters outside the vocabulary, too long)."""
 
 
 def _section(config: Any, name: str, defaults: Mapping[str, Any]) -> dict[str, Any]:
@@ -285,7 +291,12 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
             f"eval.generation_metric={metric!r} is unknown; choose one of: "
             f"{', '.join(GENERATION_METRICS)}"
         )
-    _check_decoding_options("generate", _section(config, "generate", GENERATE_DEFAULTS))
+    generate_options = _section(config, "generate", GENERATE_DEFAULTS)
+    _check_decoding_options("generate", generate_options)
+    if not isinstance(generate_options["map_unknown"], bool):
+        raise ConfigError(
+            f"generate.map_unknown={generate_options['map_unknown']!r} must be True or False"
+        )
     model_values = dict(
         config.model.to_dict() if hasattr(config.model, "to_dict") else config.model
     )
@@ -360,7 +371,61 @@ def setup(
             f"train.keep_best_metric={keep!r} is never computed by this config's evaluation; "
             f"choose one of: {', '.join(eval_metric_names(experiment))}"
         )
+    check_lengths(experiment)
     return experiment
+
+
+def required_lengths(experiment: Experiment) -> list[tuple[int, str]]:
+    """(positions, what needs them) for every sequence the run builds: training rows, eval
+    rows of each split, eval decoding (prompt or source plus generated tokens) and the
+    `generate` section's output (its prompt comes later: `check_prompt_lengths`)."""
+    data, task = experiment.data, experiment.task
+    needs = [(length, f"data.seq_len={length} (training rows)")
+             for key, length in data.train_lengths.items() if key == "inputs"]
+    if "source" in data.train_lengths:
+        needs.append((data.train_lengths["source"], "training source rows (data.source_seq_len)"))
+    splits = experiment.eval_options["splits"] or data.eval_splits
+    metric = generation_metric(experiment)
+    for split in splits:
+        for key, length in data.eval_lengths(split).items():
+            if key in ("inputs", "source"):
+                needs.append((length, f"eval rows of split {split!r} ({key})"))
+        if metric == "none":
+            continue
+        sources, targets = _generation_examples(experiment, split)
+        width = max(len(data.encode_prompt(text)) for text in sources)
+        if task == "seq2seq":
+            extra = experiment.eval_options["extra_len"]
+            needs.append((width, f"eval decoding sources of split {split!r}"))
+            needs.append((width + extra + 1, f"eval decoding of split {split!r} (source length "
+                                             f"{width} + eval.extra_len={extra} + bos)"))
+        else:
+            new = max(len(data.tokenizer.encode(t)) for t in targets) + 2
+            needs.append((width + new, f"eval decoding of split {split!r} (prompt {width} + "
+                                       f"{new} new tokens)"))
+    max_new = experiment.generate_options["max_new_tokens"]
+    if task == "lm" or experiment.generate_options["method"] != "beam":
+        bos = 1 if task == "seq2seq" else 2  # seq2seq: bos; lm: bos plus a prompt of >= 1
+        needs.append((max_new + bos, f"generate.max_new_tokens={max_new} (+ {bos})"))
+    return needs
+
+
+def check_lengths(experiment: Experiment) -> None:
+    """Learned positions stop at model.max_len: fail before anything compiles (or trains for an
+    hour before the first evaluation) if any sequence of the run is longer."""
+    config = experiment.model_config
+    if config.position_scheme != "learned":
+        return
+    too_long = [(length, what) for length, what in required_lengths(experiment)
+                if length > config.max_len]
+    if too_long:
+        longest = max(length for length, _ in too_long)
+        raise ConfigError(
+            f"model.max_len={config.max_len} is too short for position_scheme='learned': "
+            f"{'; '.join(f'{what} needs {length}' for length, what in too_long)}. Set "
+            f"model.max_len >= {longest}, shorten those lengths, or choose another "
+            "position_scheme (sinusoidal, rope, relative, t5_bias, alibi work at any length)"
+        )
 
 
 def _eval_prefix(experiment: Experiment, split: str) -> str:
@@ -497,6 +562,71 @@ def _optimizer_differences(
     ]
 
 
+def _restore_state(
+    experiment: Experiment,
+    checkpointer: checkpoint.Checkpointer,
+    step: int,
+    abstract: Any,
+    train_iter: Any,
+) -> TrainState:
+    # Arrays restore onto this run's mesh whatever mesh or process count saved them; the data
+    # position (one grain state per process) only when the process count is the same.
+    same_layout = _data_state_fits(checkpointer, step)
+    if not same_layout:
+        logger.warning(
+            "checkpoint step %d was saved by a different number of processes; its data "
+            "position cannot be split over %d process(es), so the training data restarts "
+            "from the beginning of its (seeded) order", step, jax.process_count()
+        )
+    try:
+        return checkpointer.restore(
+            step,
+            abstract_state=abstract,
+            data_iterator=train_iter if same_layout else None,
+            config_json=experiment.config_json(),
+        )
+    except checkpoint.CheckpointError as error:
+        differences = _optimizer_differences(checkpointer, step, experiment)
+        if not differences:
+            raise
+        raise TrainingError(
+            f"checkpoint {checkpointer.directory / str(step)} holds an optimizer state "
+            f"this config cannot restore; the optimizer config differs: "
+            f"{'; '.join(differences)}. Resume with the saved optimizer settings or start "
+            "a new workdir"
+        ) from error
+
+
+def _restore_newest_readable(
+    experiment: Experiment, checkpointer: checkpoint.Checkpointer, abstract: Any, train_iter: Any
+) -> TrainState:
+    """The newest checkpoint that restores. Unreadable newer steps (a crash of the disk, a
+    truncated file) are moved aside, never deleted, with a warning naming each; if no step
+    restores, the newest one's CheckpointError is raised and nothing is moved."""
+    steps = sorted(checkpointer.all_steps(), reverse=True)
+    errors: list[tuple[int, checkpoint.CheckpointError]] = []
+    for step in steps:
+        try:
+            state = _restore_state(experiment, checkpointer, step, abstract, train_iter)
+        except checkpoint.CheckpointError as error:
+            errors.append((step, error))
+            continue
+        for bad_step, error in errors:
+            if jax.process_index() == 0:
+                moved = checkpointer.set_aside(bad_step)
+                logger.warning(
+                    "checkpoint step %d could not be read (%s: %s); training resumes from step "
+                    "%d, and step %d was moved to %s", bad_step,
+                    type(error.__cause__).__name__, checkpoint.first_line(error.__cause__, 160),
+                    step, bad_step, moved,
+                )
+        if errors and jax.process_count() > 1:
+            multihost_utils.sync_global_devices("tfm.train: unreadable checkpoints moved")
+            checkpointer.reload()
+        return state
+    raise errors[0][1]
+
+
 def make_checkpointer(experiment: Experiment) -> checkpoint.Checkpointer:
     options = experiment.train_options
     return checkpoint.Checkpointer(
@@ -543,6 +673,40 @@ class _StopRequest:
     def __exit__(self, *exc: Any) -> None:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
+
+
+def _save_after_error(
+    checkpointer: checkpoint.Checkpointer,
+    save: Callable[..., None],
+    step: int,
+    state: TrainState,
+    train_iter: Any,
+    data_position: Any,
+    pending: list[dict[str, jax.Array]],
+    say: Callable[[str], None],
+) -> None:
+    """After an exception in the loop, saves the last completed step (as SIGTERM does) unless it
+    is saved already or its unchecked steps went non-finite; a failing save never hides the
+    original error. `data_position`: the iterator state before a batch the step did not use."""
+    try:
+        checkpointer.wait()
+    except Exception:  # a failed background save: the original error matters more
+        pass
+    if step in checkpointer.all_steps():
+        return
+    try:
+        if pending and _host_metrics(pending)["nonfinite_steps"]:
+            say(f"not saving step {step} after the error below: its loss is not finite")
+            return
+        if data_position is not None:
+            train_iter.set_state(data_position)
+        save(step, state, None, force=True)
+        checkpointer.wait()
+        say(f"saved step {step} in {checkpointer.directory} before stopping on the error below")
+    except Exception as save_error:
+        first_line = (str(save_error).splitlines() or [""])[0][:200]
+        say(f"could not save step {step} after the error below "
+            f"({type(save_error).__name__}: {first_line})")
 
 
 def _host_metrics(pending: list[dict[str, jax.Array]]) -> dict[str, float]:
@@ -606,14 +770,20 @@ def decode_texts(
     *,
     method: str,
     max_new_tokens: int | None = None,
+    progress: str | None = None,
     **options: Any,
 ) -> list[str]:
-    """Generates a target text for each source text (prompt for an LM, source for seq2seq)."""
+    """Generates a target text for each source text (prompt for an LM, source for seq2seq).
+    `progress`: a label for a progress bar over the batches (process 0), None for none."""
     config = experiment.model_config
     encoded = [experiment.data.encode_prompt(text) for text in sources]
     batch_size = experiment.data.config.eval_batch_size or experiment.data.config.batch_size
     width = max(len(ids) for ids in encoded)
     outputs: list[str] = []
+    bar = metrics.progress_bar(
+        -(-len(encoded) // batch_size), desc=progress or "", unit="batch", leave=False,
+        enabled=progress is not None and jax.process_index() == 0,
+    )
     for start in range(0, len(encoded), batch_size):
         chunk = encoded[start : start + batch_size]
         real = len(chunk)
@@ -636,6 +806,8 @@ def decode_texts(
             )
         best, _ = generate.best_sequences(jax.tree.map(_fetch, output))
         outputs += [experiment.data.decode(generate.strip_special(row)) for row in best[:real]]
+        bar.update(1)
+    bar.close()
     return outputs
 
 
@@ -646,18 +818,24 @@ def _fetch(x: jax.Array) -> np.ndarray:
     return np.asarray(x)
 
 
-def generation_score(experiment: Experiment, params: Any, split: str, metric: str) -> float:
-    """Exact-match accuracy (percent) or corpus BLEU of decoded outputs on `split`."""
-    options = experiment.eval_options
+def _generation_examples(experiment: Experiment, split: str) -> tuple[list[str], list[str]]:
+    """(sources, targets) that evaluation decodes on `split`: the same on every process."""
     data = experiment.data
     if data.process_count > 1:
         # Every process decodes every example: the decode inputs are then truly replicated
         # (jit treats host numpy inputs as identical on all processes) and the score global.
         data = dataclasses.replace(data, process_index=0, process_count=1)
     sources, targets = data.eval_texts(split)
-    if options["max_generation_examples"]:
-        sources = sources[: options["max_generation_examples"]]
-        targets = targets[: options["max_generation_examples"]]
+    limit = experiment.eval_options["max_generation_examples"]
+    if limit:
+        sources, targets = sources[:limit], targets[:limit]
+    return sources, targets
+
+
+def generation_score(experiment: Experiment, params: Any, split: str, metric: str) -> float:
+    """Exact-match accuracy (percent) or corpus BLEU of decoded outputs on `split`."""
+    options = experiment.eval_options
+    sources, targets = _generation_examples(experiment, split)
     method = options["method"] or ("greedy" if metric == "exact_match" else "beam")
     extra = (
         {"beam_size": options["beam_size"], "alpha": options["alpha"]} if method == "beam" else {}
@@ -668,7 +846,8 @@ def generation_score(experiment: Experiment, params: Any, split: str, metric: st
     else:
         max_new = max(len(experiment.data.tokenizer.encode(t)) for t in targets) + 2
     hypotheses = decode_texts(
-        experiment, params, sources, method=method, max_new_tokens=max_new, **extra
+        experiment, params, sources, method=method, max_new_tokens=max_new,
+        progress=f"decode {split}" if experiment.train_options["progress_bar"] else None, **extra,
     )
     if metric == "exact_match":
         return 100.0 * float(np.mean([h == t for h, t in zip(hypotheses, targets, strict=True)]))
@@ -691,34 +870,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | Path) -
     checkpointer = make_checkpointer(experiment)
     train_iter = experiment.data.train_iterator()
     try:
-        latest = checkpointer.latest_step()
-        if latest is not None:
-            # Arrays restore onto this run's mesh whatever mesh or process count saved them; the
-            # data position (one grain state per process) only when the process count is the same.
-            same_layout = _data_state_fits(checkpointer, latest)
-            if not same_layout:
-                logger.warning(
-                    "checkpoint step %d was saved by a different number of processes; its data "
-                    "position cannot be split over %d process(es), so the training data restarts "
-                    "from the beginning of its (seeded) order", latest, jax.process_count()
-                )
-            try:
-                state = checkpointer.restore(
-                    latest,
-                    abstract_state=abstract,
-                    data_iterator=train_iter if same_layout else None,
-                    config_json=experiment.config_json(),
-                )
-            except checkpoint.CheckpointError as error:
-                differences = _optimizer_differences(checkpointer, latest, experiment)
-                if not differences:
-                    raise
-                raise TrainingError(
-                    f"checkpoint {checkpointer.directory / str(latest)} holds an optimizer state "
-                    f"this config cannot restore; the optimizer config differs: "
-                    f"{'; '.join(differences)}. Resume with the saved optimizer settings or start "
-                    "a new workdir"
-                ) from error
+        if checkpointer.latest_step() is not None:
+            state = _restore_newest_readable(experiment, checkpointer, abstract, train_iter)
         else:
             state = init_state(experiment, shardings)
     except BaseException:
@@ -736,12 +889,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | Path) -
         experiment.model_config, experiment.data.config.seq_len, task, source_len
     )
     peak = flops.device_peak_flops(jax.devices()[0], experiment.model_config.compute_dtype)
-    writer = metrics.MetricWriter(workdir, jax.process_index())
+    writer = metrics.MetricWriter(workdir, jax.process_index(), resume_step=start_step)
     bar = metrics.progress_bar(
         options["num_steps"],
         initial_step=start_step,
         enabled=options["progress_bar"] and process_zero,
     )
+    say = bar.write if process_zero else (lambda line: None)  # one console, not one per process
     pending: list[dict[str, jax.Array]] = []
     last_log_time, last_log_step = time.perf_counter(), start_step
     last_metrics: dict[str, Any] = {}
@@ -772,13 +926,18 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | Path) -
             )
         return logged
 
+    # After an error the loop saves `state` (the last completed step); data_position is the
+    # iterator state to save with it while a step has taken its batch but not finished.
+    data_position = None
     try:
         with _StopRequest() as stop:
             while step < options["num_steps"]:
+                data_position = train_iter.get_state()
                 batch = sharding.shard_batch(
                     next(train_iter), experiment.mesh, batch_sharding, experiment.rules
                 )
                 state, step_metrics = jit_train(state, batch)
+                data_position = None  # the iterator now matches `state` again
                 pending.append(step_metrics)
                 step += 1
                 bar.update(1)
@@ -804,14 +963,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | Path) -
                     eval_metrics = evaluate(experiment, state.params, jit_eval)
                     writer.write(step, eval_metrics)
                     last_metrics.update(eval_metrics)
-                    bar.write(
+                    say(
                         f"step {step}: "
                         + ", ".join(f"{k}={v:.4g}" for k, v in sorted(eval_metrics.items()))
                     )
                 if stop.signal_name:
                     save(step, state, None, force=True)
                     checkpointer.wait()
-                    bar.write(f"{stop.signal_name}: saved step {step} and stopped")
+                    say(f"{stop.signal_name}: saved step {step} and stopped")
                     last_metrics["stopped_by"] = stop.signal_name
                     break
                 if save_now:
@@ -820,6 +979,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | Path) -
                         eval_metrics = None  # only evaluated steps compete for "best"
                     save(step, state, eval_metrics, force=True)
             checkpointer.wait()
+    except Exception as error:
+        if not isinstance(error, TrainingError):  # TrainingError: nothing worth saving
+            _save_after_error(
+                checkpointer, save, step, state, train_iter, data_position, pending, say
+            )
+        raise
     finally:
         bar.close()
         writer.close()
@@ -849,11 +1014,12 @@ def generate_from_checkpoint(
 ) -> list[str]:
     """`./launch.sh generate`: text in, text out, with the config's `generate` settings."""
     experiment = setup(config, workdir)
-    params, _ = restore_params(experiment, step)
     options = dict(experiment.generate_options)
     method = options.pop("method")
     seed = options.pop("seed")
     max_new = options.pop("max_new_tokens")
+    check_prompts(experiment, prompts, map_unknown=options.pop("map_unknown"))
+    params, _ = restore_params(experiment, step)
     extra: dict[str, Any] = {}
     if method == "sample":
         extra = dict(
@@ -867,3 +1033,54 @@ def generate_from_checkpoint(
     if experiment.task == "seq2seq":
         max_new = None if method == "beam" else max_new
     return decode_texts(experiment, params, prompts, method=method, max_new_tokens=max_new, **extra)
+
+
+def _short(text: str, limit: int = 40) -> str:
+    return repr(text if len(text) <= limit else text[: limit - 3] + "...")
+
+
+def check_prompts(experiment: Experiment, prompts: Sequence[str], *, map_unknown: bool) -> None:
+    """Before restoring or compiling anything: raises PromptError (one line) for characters
+    outside the vocabulary (unless `map_unknown`) and for prompts past a learned position
+    table; warns when a prompt is longer than the training rows of a scheme that extrapolates."""
+    data, task, config = experiment.data, experiment.task, experiment.model_config
+    options = experiment.generate_options
+    max_new = options["max_new_tokens"]
+    tokenizer = (data.source_tokenizer or data.tokenizer) if task == "seq2seq" else data.tokenizer
+    for number, prompt in enumerate(prompts, 1):
+        unknown = tokenizers.unknown_characters(tokenizer, prompt)
+        if unknown and not map_unknown:
+            alphabet = getattr(tokenizer, "chars", None)
+            known = (f" (the vocabulary: {''.join(alphabet)!r})"
+                     if alphabet is not None and len(alphabet) <= 64 else "")
+            raise PromptError(
+                f"prompt {number} {_short(prompt)} has characters outside the vocabulary: "
+                f"{', '.join(repr(c) for c in unknown)}{known}; remove them, or pass "
+                "--config.generate.map_unknown=True to map them to <unk>"
+            )
+    widths = [len(data.encode_prompt(prompt)) for prompt in prompts]
+    width, longest = max(widths), prompts[widths.index(max(widths))]
+    beam = options["method"] == "beam"
+    if task == "seq2seq":
+        extra = 50  # tfm.generate.translate's default: at most source length + 50 tokens
+        needs = {"source": width, "output": (width + extra if beam else max_new) + 1}
+        trained = data.train_lengths["source"]
+    else:
+        needs = {"prompt and output": width + max_new}
+        trained = data.train_lengths["inputs"]
+    if config.position_scheme == "learned":
+        for what, length in needs.items():
+            if length > config.max_len:
+                raise PromptError(
+                    f"prompt {widths.index(width) + 1} {_short(longest)} is {width} tokens; its "
+                    f"{what} needs {length} positions, past model.max_len={config.max_len} of "
+                    "the learned position table; shorten the prompt"
+                    + ("" if task == "seq2seq" and beam else " or lower generate.max_new_tokens")
+                )
+    elif width > trained:
+        logger.warning(
+            "prompt %d %s is %d tokens, longer than the %d of the training rows; "
+            "position_scheme=%r runs at any length, but quality past the trained lengths may "
+            "drop", widths.index(width) + 1, _short(longest), width, trained,
+            config.position_scheme,
+        )

@@ -4,6 +4,8 @@ Entry point: `build_data(config.data, process_index, process_count) -> Data` (se
 config fields). Batch formats and special token ids (pad 0, bos 1, eos 2) follow the API contract.
 """
 
+from pathlib import Path
+
 from tfm.data.build import Data, DataConfig, build_data
 from tfm.data.builders import DataError
 from tfm.data.pipeline import checkpoint_restore_args, checkpoint_save_args
@@ -17,7 +19,12 @@ from tfm.data.tokenizers import (
     Tokenizer,
 )
 
+# Data that ships with the package (pyproject package-data): tinyshakespeare.txt (1.1 MB, the
+# Shakespeare text of Karpathy's char-rnn), the default corpus of configs/char_lm.py.
+ASSETS = Path(__file__).resolve().parent / "assets"
+
 __all__ = [
+    "ASSETS",
     "BOS_ID",
     "EOS_ID",
     "PAD_ID",

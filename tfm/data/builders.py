@@ -43,8 +43,13 @@ import tensorflow_datasets as tfds
 from etils import epath
 from tensorflow_datasets.proto import tf_example_pb2
 
+from tfm import metrics
 from tfm.config import ConfigError
 from tfm.data import synthetic
+
+# Every tfm builder is built from a config object (the task's parameters), which tfds warns
+# about on every command.
+metrics.silence_absl_message("Using custom data configuration")
 
 VERSION = "1.0.0"
 TEXT_UNITS = ("paragraph", "line")
@@ -149,7 +154,12 @@ def _fingerprint(path: str | os.PathLike | None, field: str) -> dict[str, Any] |
         return None
     resolved = Path(path).expanduser().resolve()
     if not resolved.exists():
-        raise FileNotFoundError(f"{field}: file not found: {resolved}")
+        from tfm.data import download  # not at the top: `python -m tfm.data.download` runs it
+
+        hint = download.hint(resolved)
+        raise FileNotFoundError(
+            f"{field}: file not found: {resolved}{'; ' + hint if hint else ''}"
+        )
     stat = resolved.stat()
     return {"path": str(resolved), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
 

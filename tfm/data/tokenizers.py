@@ -255,3 +255,15 @@ def train_sentencepiece(
         minloglevel=2,
     )
     return SentencePieceTokenizer(model.getvalue())
+
+
+def unknown_characters(tokenizer: Tokenizer, text: str) -> list[str]:
+    """The distinct characters of `text` the tokenizer can only encode as unk, in order of
+    appearance (bytes cover every character: none for ByteTokenizer)."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return []
+    unknown: list[str] = []
+    for char in dict.fromkeys(text):
+        if UNK_ID in tokenizer.encode(char) and char not in unknown:
+            unknown.append(char)
+    return unknown

@@ -1,0 +1,122 @@
+"""Fault injection for tfm/train.py: training SIGKILLed at random points, inside steps and inside
+checkpoint saves, restarted each time, ends in exactly the state (and metrics.jsonl) of one
+uninterrupted run. Each run is a fresh process, as after a real crash."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from tfm import checkpoint, metrics
+
+REPO = Path(__file__).resolve().parents[1]
+NUM_STEPS = 16
+RUN_TIMEOUT_S = 240
+
+# A child training process: kills itself with SIGKILL when it is about to train global step
+# KILL_STEP ("step"), or KILL_DELAY seconds after the save of step KILL_STEP started ("save";
+# the save writes in the background, so the kill lands inside it).
+CHILD = r"""
+import json, os, signal, sys, time
+from configs import synthetic_seq2seq
+from tfm import checkpoint, train
+
+workdir, data_dir, kill = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+config = synthetic_seq2seq.get_config("runlocal")
+config.model.update(d_model=32, num_heads=2, d_ff=64, num_encoder_layers=1, num_decoder_layers=1,
+                    dropout_rate=0.1)
+config.data.update(data_dir=data_dir, batch_size=16, seq_len=12, train_lengths=(1, 6),
+                   eval_lengths=(7, 9), num_train_examples=512, num_eval_examples=16)
+config.optimizer.update(total_steps=16, warmup_steps=4)
+config.train.update(num_steps=16, log_every=1, eval_every=8, checkpoint_every=4, max_to_keep=2,
+                    keep_best_metric="eval_loss", label_smoothing=0.1, progress_bar=False)
+config.eval.update(splits=("validation",), max_generation_examples=8)
+
+with checkpoint.Checkpointer(os.path.join(workdir, "checkpoints")) as found:
+    step = [found.latest_step() or 0]
+
+def die():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+if kill and kill["where"] == "step":
+    shard_batch = train.sharding.shard_batch
+    def killing_shard_batch(host_batch, *args, **kwargs):
+        if "example_weights" not in host_batch:
+            step[0] += 1
+            if step[0] == kill["step"]:
+                die()
+        return shard_batch(host_batch, *args, **kwargs)
+    train.sharding.shard_batch = killing_shard_batch
+elif kill:
+    save = checkpoint.Checkpointer.save
+    def killing_save(self, save_step, *args, **kwargs):
+        started = save(self, save_step, *args, **kwargs)
+        if save_step == kill["step"]:
+            time.sleep(kill["delay"])
+            die()
+        return started
+    checkpoint.Checkpointer.save = killing_save
+train.train_and_evaluate(config, workdir)
+"""
+
+
+def train_process(workdir: Path, data_dir: Path, cache_dir: Path, kill: dict | None) -> int:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_COMPILATION_CACHE_DIR": str(cache_dir),
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    result = subprocess.run(
+        [sys.executable, "-c", CHILD, str(workdir), str(data_dir), json.dumps(kill)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
+    )
+    if result.returncode not in (0, -signal.SIGKILL):
+        raise AssertionError(f"training failed ({result.returncode}):\n{result.stderr[-3000:]}")
+    return result.returncode
+
+
+def saved_state(workdir: Path, step: int):
+    with checkpoint.Checkpointer(workdir / "checkpoints", async_save=False) as checkpointer:
+        return jax.tree.map(np.asarray, checkpointer.restore(step))
+
+
+def test_random_sigkills_inside_steps_and_saves_end_in_the_uninterrupted_state(tmp_path):
+    data_dir, cache_dir = tmp_path / "data", tmp_path / "jax_cache"
+    reference = tmp_path / "reference"
+    assert train_process(reference, data_dir, cache_dir, None) == 0
+
+    rng = random.Random(12)
+    # Four kills, in order: inside a step before the first checkpoint; inside the save of a
+    # checkpoint step (4 or 8: one of them then resumes from step 0 or 4); inside a later step;
+    # inside the save of step 12 or of the final step. Each restart resumes from the latest
+    # complete checkpoint.
+    kills = [
+        {"where": "step", "step": rng.randint(2, 4)},
+        {"where": "save", "step": rng.choice([4, 8]), "delay": rng.uniform(0.0, 0.05)},
+        {"where": "step", "step": rng.randint(10, 14)},
+        {"where": "save", "step": rng.choice([12, NUM_STEPS]), "delay": rng.uniform(0.0, 0.05)},
+    ]
+    workdir = tmp_path / "run"
+    killed = 0
+    for kill in kills:
+        killed += train_process(workdir, data_dir, cache_dir, kill) == -signal.SIGKILL
+    assert killed >= 3, kills  # a save kill may land after the step's last checkpoint write
+    assert train_process(workdir, data_dir, cache_dir, None) == 0
+
+    with checkpoint.Checkpointer(workdir / "checkpoints") as checkpointer:
+        assert checkpointer.latest_step() == NUM_STEPS
+    got, want = saved_state(workdir, NUM_STEPS), saved_state(reference, NUM_STEPS)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(x, y)
+    # metrics.jsonl: every step once (replayed steps are not recorded twice), same numbers.
+    records, expected = metrics.read_metrics(workdir), metrics.read_metrics(reference)
+    strip = lambda rs: [{k: v for k, v in r.items() if not k.endswith(("_per_second", "mfu"))}
+                        for r in rs]
+    assert strip(records) == strip(expected)
