@@ -304,3 +304,44 @@ def test_shape_errors():
         attention.dot_product_attention(query, key, value[:, :3])
     with pytest.raises(ValueError, match="must share batch and head_dim"):
         attention.dot_product_attention(query[..., :4], key, value)
+
+
+def test_causal_block_skipping_equals_the_full_computation():
+    """causal=True skips key blocks after each query block (q_len >= 2 * CAUSAL_BLOCK): values
+    and gradients equal the unblocked computation, with a bias, GQA and padded keys."""
+    length = 2 * attention.CAUSAL_BLOCK + 17  # three blocks, the last one partial
+    rng = np.random.default_rng(11)
+    query = jnp.asarray(rng.normal(size=(2, length, 4, 8)), jnp.float32)
+    key, value = (jnp.asarray(rng.normal(size=(2, length, 2, 8)), jnp.float32) for _ in "kv")
+    positions = jnp.broadcast_to(jnp.arange(length), (2, length))
+    valid = jnp.arange(length)[None, :] < jnp.array([[length], [length - 40]])
+    mask = attention.combine_masks(attention.causal_mask(positions, positions),
+                                   attention.padding_mask(valid))
+    bias = jnp.asarray(rng.normal(size=(1, 4, length, length)), jnp.float32)
+
+    def loss(query, key, value, causal):
+        out = attention.dot_product_attention(query, key, value, bias=bias, mask=mask,
+                                              causal=causal)
+        return jnp.sum(out * jnp.cos(out)), out
+
+    (_, blocked), blocked_grads = jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(
+        query, key, value, True)
+    (_, full), full_grads = jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(
+        query, key, value, False)
+    assert len(attention._causal_blocks(length, length)) == 3
+    np.testing.assert_allclose(blocked, full, atol=1e-5)
+    for got, want in zip(blocked_grads, full_grads, strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_cache_layout_equals_the_default_layout():
+    query, key, value = _qkv(2, seed=12)
+    mask, bias = _random_mask(), _random_bias()
+    expected = attend(query, key, value, bias=bias, mask=mask)
+    for backend in ("reference", "xla"):
+        out = attention.dot_product_attention(
+            query, key.transpose(0, 2, 3, 1), value.transpose(0, 2, 1, 3), bias=bias, mask=mask,
+            backend=backend, cache_layout=True)
+        np.testing.assert_allclose(out, expected, atol=1e-5, err_msg=backend)
+    with pytest.raises(ValueError, match="with cache_layout"):
+        attention.dot_product_attention(query, key, value, cache_layout=True)

@@ -91,3 +91,24 @@ def test_prompt_longer_than_cache_is_rejected():
     params = model.init(jax.random.PRNGKey(1), TOKENS)["params"]
     with pytest.raises(ValueError, match="longer than the cache"):
         model.apply({"params": params}, TOKENS, cache=init_cache(config, 2, max_len=4))
+
+
+def test_tokens_past_the_cache_end_raise_or_give_nan():
+    """6 of 8 slots filled, then 4 more tokens: a clear error when lengths are known; under jit
+    (lengths traced) NaN logits for that row rather than a silently clamped write."""
+    config = config_for("rope")
+    model = DecoderLM(config)
+    params = model.init(jax.random.PRNGKey(1), TOKENS)["params"]
+    cache = init_cache(config, batch_size=2, max_len=8)
+    _, cache = model.apply({"params": params}, TOKENS[:, :6], cache=cache)
+    cache = cache.replace(lengths=jnp.array([6, 2], jnp.int32))  # row 1 still has room
+    with pytest.raises(ValueError, match=r"do not fit the cache: rows \[0\] already hold \[6\]"):
+        model.apply({"params": params}, TOKENS[:, 2:6], cache=cache)
+
+    step = jax.jit(lambda tokens, cache: model.apply({"params": params}, tokens, cache=cache))
+    logits, _ = step(TOKENS[:, 2:6], cache)
+    assert np.isnan(logits[0]).all()
+    assert np.isfinite(logits[1]).all()
+    # Row 1's tokens at positions 2..5 equal the full forward pass.
+    full = model.apply({"params": params}, TOKENS)
+    np.testing.assert_allclose(logits[1], full[1, 2:6], atol=1e-5)

@@ -99,11 +99,14 @@ def test_model_config_mismatch_names_fields(tmp_path):
         assert str(tmp_path / "ckpt" / "1") in message
         assert "model.d_model: saved 16, current 32" in message
         assert "model.norm.eps: saved 1e-06, current 1e-05" in message
-        assert "model.rope_base: saved '<absent>', current 10.0" in message
+        # A field the checkpoint predates counts as its default (ModelConfig's 10000.0).
+        assert "model.rope_base: saved 10000.0, current 10.0" in message
         assert "learning_rate" not in message
         del changed["model"]
         changed["model"] = json.loads(CONFIG)["model"]
         checkpointer.restore(config_json=json.dumps(changed))  # optimizer change only: fine
+        changed["model"]["embedding_init_stddev"] = None  # a newer field, at its default: fine
+        checkpointer.restore(config_json=json.dumps(changed))
 
 
 # A failed tensorstore read leaves an orbax callback that fires on a closed event loop.

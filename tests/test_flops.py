@@ -142,3 +142,22 @@ def test_real_micro_benchmark_and_mfu():
     assert np.isfinite(measured) and measured > 0
     # 1000 tokens/s * 1e9 FLOPs/token on 2 devices of 1e12 peak = 0.5.
     assert flops.mfu(1000.0, 1e9, 2, 1e12) == pytest.approx(0.5)
+
+
+def test_bf16_warning_only_for_bfloat16_on_a_cpu_without_bf16_units(tmp_path, monkeypatch):
+    cpuinfo = tmp_path / "cpuinfo"
+    original_path = flops.Path
+
+    def fake_path(path, *rest):
+        return cpuinfo if str(path) == "/proc/cpuinfo" else original_path(path, *rest)
+
+    monkeypatch.setattr(flops, "Path", fake_path)
+    cpuinfo.write_text("model name\t: Emulating CPU\nflags\t\t: fpu avx2 fma\n")
+    features = flops.cpu_features()
+    assert features["model"] == "Emulating CPU" and not features["bf16_native"]
+    assert flops.bf16_warning(ModelConfig()) is None  # float32
+    warning = flops.bf16_warning(ModelConfig(dtype="bfloat16"))
+    assert "Emulating CPU" in warning and "slower than float32" in warning
+    cpuinfo.write_text("model name\t: AMX CPU\nflags\t\t: avx512f avx512_bf16 amx_bf16 amx_tile\n")
+    assert flops.cpu_features()["bf16_units"] == ["amx_bf16", "avx512_bf16"]
+    assert flops.bf16_warning(ModelConfig(dtype="bfloat16")) is None

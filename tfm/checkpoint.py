@@ -10,6 +10,7 @@ after a newer save has finished.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -75,16 +76,25 @@ class ConfigMismatchError(ValueError):
     """A checkpoint was saved with another model config; the message lists each differing field."""
 
 
+def _model_field_defaults() -> dict[str, Any]:
+    from tfm.config import ModelConfig
+
+    return {f"model.{f.name}": f.default for f in dataclasses.fields(ModelConfig)}
+
+
 def check_model_config(saved: Mapping[str, Any], current: Mapping[str, Any], where: str) -> None:
     """Raises ConfigMismatchError (a ValueError) listing every field under "model" whose saved
-    and current values differ (other sections, e.g. the learning rate, may change between runs)."""
+    and current values differ (other sections, e.g. the learning rate, may change between runs).
+    A field one side lacks (a checkpoint from before the field existed) counts as its default."""
     old = _flatten(saved.get("model", {}), "model")
     new = _flatten(current.get("model", {}), "model")
     missing = "<absent>"
+    defaults = _model_field_defaults()
+    value = lambda side, key: side.get(key, defaults.get(key, missing))
     diffs = [
-        f"  {key}: saved {old.get(key, missing)!r}, current {new.get(key, missing)!r}"
+        f"  {key}: saved {value(old, key)!r}, current {value(new, key)!r}"
         for key in sorted(set(old) | set(new))
-        if old.get(key, missing) != new.get(key, missing)
+        if value(old, key) != value(new, key)
     ]
     if diffs:
         raise ConfigMismatchError(

@@ -59,6 +59,9 @@ class ModelConfig:
     share_embeddings: bool = True
     tie_output: bool = True
     scale_embeddings: bool = True  # multiply embeddings by sqrt(d_model) (paper sec. 3.4)
+    # Std of the token-embedding init; None = d_model ** -0.5. With a tied output, a small value
+    # (GPT-2: 0.02) starts a language model near loss ln(vocab_size).
+    embedding_init_stddev: float | None = None
     pad_id: int = 0
 
     # Sizes.
@@ -112,6 +115,13 @@ class ModelConfig:
                 f"source_vocab_size={self.source_vocab_size}, vocab_size={self.vocab_size}"
             )
         _positive("pad_id", self.pad_id, allow_zero=True)
+        if self.embedding_init_stddev is not None and not (
+            isinstance(self.embedding_init_stddev, int | float) and self.embedding_init_stddev > 0
+        ):
+            raise ConfigError(
+                f"embedding_init_stddev={self.embedding_init_stddev!r} must be a number > 0 "
+                "(or None for d_model ** -0.5)"
+            )
         for field in ("d_model", "num_heads", "d_ff"):
             _positive(field, getattr(self, field))
         _positive("num_encoder_layers", self.num_encoder_layers, allow_zero=True)

@@ -47,6 +47,42 @@ PEAK_FLOPS: dict[str, float] = {
 CPU_BENCHMARK_SIZE = 2048
 
 
+def cpu_features() -> dict[str, Any]:
+    """This host's CPU model and whether it computes bfloat16 natively (AMX or AVX512-BF16
+    units); without them XLA and torch emulate bf16, which then runs slower than float32."""
+    model, flags = "unknown", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and model == "unknown":
+                model = line.split(":", 1)[1].strip()
+            if line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:  # not Linux: unknown
+        pass
+    native = sorted(flags & {"amx_bf16", "avx512_bf16"})
+    return {
+        "model": model,
+        "cores": os.cpu_count(),
+        "bf16_native": bool(native),
+        "bf16_units": native or ["none: bfloat16 is emulated (slower than float32)"],
+        "isa": sorted(flags & {"avx2", "avx512f", "amx_tile", "fma"}),
+    }
+
+
+def bf16_warning(config: ModelConfig) -> str | None:
+    """A one-line warning when `config` computes in bfloat16 on a CPU without bf16 units."""
+    if config.dtype != "bfloat16" or jax.default_backend() != "cpu":
+        return None
+    features = cpu_features()
+    if features["bf16_native"]:
+        return None
+    return (
+        f"model.dtype='bfloat16' on a CPU without bfloat16 units ({features['model']}: no AMX "
+        "or AVX512-BF16): bf16 is emulated here and runs slower than float32; use "
+        "model.dtype='float32' for speed on this machine"
+    )
+
+
 def _check_kind(kind: str) -> None:
     if kind not in KINDS:
         raise ConfigError(f"kind={kind!r} is unknown; choose one of: {', '.join(KINDS)}")

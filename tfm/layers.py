@@ -124,9 +124,10 @@ class TokenEmbedding(nn.Module):
 
     def setup(self) -> None:
         config = self.config
+        stddev = config.embedding_init_stddev or config.d_model**-0.5
         self.table = self.param(
             "embedding",
-            _kernel(("vocab", "embed"), nn.initializers.normal(stddev=config.d_model**-0.5)),
+            _kernel(("vocab", "embed"), nn.initializers.normal(stddev=stddev)),
             (self.vocab_size, config.d_model),
             config.params_dtype,
         )

@@ -343,6 +343,8 @@ def setup(
         if data.source_vocab_size != data.vocab_size:
             model_values["share_embeddings"] = False
     model_config = from_dict(model_values)
+    if (warning := flops.bf16_warning(model_config)) and jax.process_index() == 0:
+        logger.warning(warning)
     sharding.check_divisibility(model_config, mesh, data.config.batch_size, rules)
     optimizer, schedule = optim.make_optimizer(config.optimizer, d_model=model_config.d_model)
     experiment = Experiment(

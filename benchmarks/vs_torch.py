@@ -1,0 +1,417 @@
+"""tfm against PyTorch on the same CPU, side by side in one process: training and decoding.
+
+    pip install -e ".[bench]"    # torch + transformers, only for this benchmark
+    python benchmarks/vs_torch.py                         # the full run (about 25 minutes)
+    python benchmarks/vs_torch.py --quick                 # batch 16, fewer repeats (5 minutes)
+    python benchmarks/vs_torch.py --only train --dtypes float32
+
+Training: a char GPT (6 layers, 6 heads, d_model 384, block 256, batch 64, dropout 0.2, learned
+positions, pre-LN, GELU, no biases, tied output, AdamW), as tfm's real `train.train_step` and as
+an equivalent PyTorch module defined here (nanoGPT's shape, same dropout sites: embeddings and
+the two residual branches; eager mode, `F.scaled_dot_product_attention`). bfloat16 is tfm's
+`dtype=bfloat16` (float32 params and accumulation) against torch autocast.
+Decoding: greedy, 8-token prompts, batch 1 and 8, 256 and 1,024 new tokens, tfm's
+`lm_generate` (one jitted while_loop, KV cache) against Hugging Face `generate` (KV cache) on a
+GPT-2 of the same size. Also the batch-1 weight-bandwidth bound: weight bytes per token over the
+measured memory bandwidth.
+
+Repeats interleave the two frameworks, and medians are reported, because the machine is shared.
+MFU is against the best measured matmul peak of either framework in that dtype. Writes
+benchmarks/results/vs_torch.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+from tfm import flops, train  # noqa: E402
+from tfm.config import ModelConfig  # noqa: E402
+from tfm.generate import lm_generate  # noqa: E402
+from tfm.models import DecoderLM  # noqa: E402
+
+try:
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+except ImportError:  # pragma: no cover - the benchmark says what to install
+    sys.exit('vs_torch.py needs torch and transformers: pip install -e ".[bench]"')
+
+VOCAB = 65
+
+
+def cpu_info() -> dict:
+    return {**flops.cpu_features(), "jax": jax.__version__, "torch": torch.__version__}
+
+
+def best_time(fn, repeats: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def matmul_peaks(size: int = 2048) -> dict:
+    """Best FLOP/s of a size^3 matmul, jax and torch, float32 and bfloat16 (f32 accumulation
+    in jax; torch bf16 output)."""
+    peaks = {}
+    for dtype in ("float32", "bfloat16"):
+        a = jnp.ones((size, size), dtype)
+        dot = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
+        jax_time = best_time(lambda dot=dot, a=a: dot(a, a).block_until_ready())
+        ta = torch.ones(size, size, dtype=getattr(torch, dtype))
+        torch_time = best_time(lambda ta=ta: torch.mm(ta, ta))
+        peaks[dtype] = {"jax": 2 * size**3 / jax_time, "torch": 2 * size**3 / torch_time}
+    return peaks
+
+
+def memory_bandwidth() -> float:
+    """Bytes/s of reading a 512 MiB float32 array (a sum), best of 5 runs and of jax, torch and
+    numpy (whichever reads fastest is closest to what the memory system can give)."""
+    data = np.ones((128 * 1024 * 1024,), np.float32)
+    on_jax, on_torch = jnp.asarray(data), torch.from_numpy(data)
+    total = jax.jit(jnp.sum)
+    times = [
+        best_time(lambda: total(on_jax).block_until_ready()),
+        best_time(lambda: on_torch.sum()),
+        best_time(lambda: data.sum()),
+    ]
+    return data.nbytes / min(times)
+
+
+# ---------------------------------------------------------------------------------------------
+# The PyTorch anchor
+
+
+class TorchBlock(nn.Module):
+    def __init__(self, d_model: int, num_heads: int, dropout: float):
+        super().__init__()
+        self.num_heads = num_heads
+        self.ln_1, self.ln_2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
+        self.proj = nn.Linear(d_model, d_model, bias=False)
+        self.fc = nn.Linear(d_model, 4 * d_model, bias=False)
+        self.fc_out = nn.Linear(4 * d_model, d_model, bias=False)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x):  # x: [batch, len, d_model]
+        batch, length, d_model = x.shape
+        q, k, v = self.qkv(self.ln_1(x)).split(d_model, dim=2)
+        q, k, v = (
+            t.view(batch, length, self.num_heads, -1).transpose(1, 2) for t in (q, k, v)
+        )
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.drop(self.proj(y.transpose(1, 2).reshape(batch, length, d_model)))
+        return x + self.drop(self.fc_out(F.gelu(self.fc(self.ln_2(x)))))
+
+
+class TorchGPT(nn.Module):
+    def __init__(self, layers: int, d_model: int, num_heads: int, block: int, dropout: float):
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(VOCAB, d_model), nn.Embedding(block, d_model)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(TorchBlock(d_model, num_heads, dropout) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, VOCAB, bias=False)
+        self.head.weight = self.tokens.weight
+
+    def forward(self, inputs, targets):
+        x = self.drop(self.tokens(inputs) + self.positions(torch.arange(inputs.shape[1])))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x)).float()
+        return F.cross_entropy(logits.view(-1, VOCAB), targets.view(-1))
+
+
+# ---------------------------------------------------------------------------------------------
+# Training
+
+
+def model_config(args, dtype: str, max_len: int) -> ModelConfig:
+    return ModelConfig(
+        vocab_size=VOCAB, d_model=args.d_model, num_heads=args.heads, d_ff=4 * args.d_model,
+        num_encoder_layers=0, num_decoder_layers=args.layers, dropout_rate=args.dropout,
+        position_scheme="learned", max_len=max_len, norm_placement="pre", activation="gelu",
+        use_bias=False, scale_embeddings=False, dtype=dtype,
+    )
+
+
+def tfm_train_runner(args, dtype: str, batch: dict):
+    config = model_config(args, dtype, args.block)
+    model = DecoderLM(config)
+    optimizer = optax.adamw(1e-3, b1=0.9, b2=0.99, weight_decay=0.1)
+    params = jax.tree.map(
+        lambda x: getattr(x, "value", x),
+        model.init(jax.random.PRNGKey(0), batch["inputs"][:1])["params"],
+        is_leaf=lambda x: hasattr(x, "value"),
+    )
+    state = train.TrainState(
+        jnp.zeros((), jnp.int32), params, optimizer.init(params), jax.random.PRNGKey(1)
+    )
+    step = jax.jit(
+        lambda s, b: train.train_step(
+            s, b, model=model, task="lm", optimizer=optimizer,
+            schedule=optax.constant_schedule(1e-3), label_smoothing=0.0,
+        ),
+        donate_argnums=(0,),
+    )
+    start = time.perf_counter()
+    compiled = step.lower(state, batch).compile()
+    compile_s = time.perf_counter() - start
+    holder = {"state": state}
+
+    def run(steps: int) -> float:
+        begin = time.perf_counter()
+        for _ in range(steps):
+            holder["state"], metrics = compiled(holder["state"], batch)
+        jax.block_until_ready(metrics)
+        return time.perf_counter() - begin
+
+    run(1)  # warm up
+    return run, config, compile_s
+
+
+def torch_train_runner(args, dtype: str, inputs: np.ndarray, targets: np.ndarray):
+    torch.manual_seed(0)
+    model = TorchGPT(args.layers, args.d_model, args.heads, args.block, args.dropout)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.99),
+                                  weight_decay=0.1)
+    x, y = torch.from_numpy(inputs).long(), torch.from_numpy(targets).long()
+
+    def one_step():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
+            loss = model(x, y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+    def run(steps: int) -> float:
+        begin = time.perf_counter()
+        for _ in range(steps):
+            one_step()
+        return time.perf_counter() - begin
+
+    run(1)
+    return run
+
+
+def bench_train(args, peaks: dict) -> list[dict]:
+    rng = np.random.default_rng(0)
+    inputs = rng.integers(0, VOCAB, (args.batch, args.block)).astype(np.int32)
+    targets = rng.integers(0, VOCAB, (args.batch, args.block)).astype(np.int32)
+    positions = np.broadcast_to(np.arange(args.block, dtype=np.int32), inputs.shape)
+    batch = {
+        "inputs": jnp.asarray(inputs), "targets": jnp.asarray(targets),
+        "weights": jnp.ones(inputs.shape, jnp.float32), "positions": jnp.asarray(positions),
+        "segment_ids": jnp.ones(inputs.shape, jnp.int32),
+    }
+    tokens = args.batch * args.block
+    rows = []
+    for dtype in args.dtypes.split(","):
+        tfm_run, config, compile_s = tfm_train_runner(args, dtype, batch)
+        torch_run = torch_train_runner(args, dtype, inputs, targets)
+        tfm_times, torch_times = [], []
+        for _ in range(args.repeats):  # interleaved
+            tfm_times.append(tfm_run(args.steps) / args.steps)
+            torch_times.append(torch_run(args.steps) / args.steps)
+        per_token = flops.flops_per_token(config, args.block, "lm")
+        peak = max(peaks[dtype].values())
+        tfm_tps, torch_tps = tokens / statistics.median(tfm_times), tokens / statistics.median(
+            torch_times
+        )
+        rows.append({
+            "work": "train", "dtype": dtype, "batch": args.batch, "block": args.block,
+            "tfm_tokens_per_s": tfm_tps, "torch_tokens_per_s": torch_tps,
+            "ratio": tfm_tps / torch_tps,
+            "tfm_mfu": tfm_tps * per_token / peak, "torch_mfu": torch_tps * per_token / peak,
+            "tfm_step_s": sorted(tfm_times), "torch_step_s": sorted(torch_times),
+            "tfm_compile_s": compile_s, "flops_per_token": per_token,
+        })
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoding
+
+
+def hf_model(args, max_positions: int):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=VOCAB, n_positions=max_positions, n_embd=args.d_model, n_layer=args.layers,
+        n_head=args.heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    return GPT2LMHeadModel(config).eval()
+
+
+def bench_decode(args, bandwidth: float) -> list[dict]:
+    max_new = max(int(n) for n in args.new_tokens.split(","))
+    config = model_config(args, "float32", 8 + max_new).replace(dropout_rate=0.0)
+    params = jax.tree.map(
+        lambda x: getattr(x, "value", x),
+        DecoderLM(config).init(jax.random.PRNGKey(0), jnp.ones((1, 8), jnp.int32))["params"],
+        is_leaf=lambda x: hasattr(x, "value"),
+    )
+    bf16_config = config.replace(dtype="bfloat16", param_dtype="bfloat16")
+    bf16_params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    weight_bytes = sum(x.size * 4 for x in jax.tree.leaves(params))
+    hf = hf_model(args, 8 + max_new)
+    rows = []
+    for new_tokens in (int(n) for n in args.new_tokens.split(",")):
+        for batch in (int(b) for b in args.decode_batches.split(",")):
+            if new_tokens > 256 and batch > 1:
+                continue  # the issue's grid: 1,024 new tokens at batch 1
+            prompts = np.random.default_rng(batch).integers(3, VOCAB, (batch, 8))
+
+            def tfm_run(cfg=config, p=params, prompts=prompts, new_tokens=new_tokens):
+                out = lm_generate(p, cfg, prompts, np.full(len(prompts), 8),
+                                  max_new_tokens=new_tokens, eos_id=2)
+                return np.asarray(out.lengths)
+
+            def hf_run(prompts=prompts, new_tokens=new_tokens):
+                with torch.no_grad():
+                    out = hf.generate(
+                        torch.from_numpy(prompts).long(), attention_mask=torch.ones(prompts.shape),
+                        max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                        use_cache=True, eos_token_id=None, pad_token_id=0,
+                    )
+                return out.shape[1] - prompts.shape[1]
+
+            tfm_bf16_run = lambda prompts=prompts, n=new_tokens: tfm_run(bf16_config, bf16_params,
+                                                                         prompts, n)
+            assert (tfm_run() == new_tokens).all() and hf_run() == new_tokens
+            tfm_bf16_run()
+            times = {"tfm": [], "tfm_bf16": [], "hf": []}
+            for _ in range(args.decode_repeats):
+                for name, fn in (("tfm", tfm_run), ("tfm_bf16", tfm_bf16_run), ("hf", hf_run)):
+                    start = time.perf_counter()
+                    fn()
+                    times[name].append(time.perf_counter() - start)
+            tps = {k: batch * new_tokens / statistics.median(v) for k, v in times.items()}
+            row = {
+                "work": "decode", "batch": batch, "new_tokens": new_tokens,
+                "tfm_tokens_per_s": tps["tfm"], "tfm_bf16_tokens_per_s": tps["tfm_bf16"],
+                "hf_tokens_per_s": tps["hf"], "ratio": tps["tfm"] / tps["hf"],
+                "bf16_ratio": tps["tfm_bf16"] / tps["hf"],
+            }
+            if batch == 1:
+                bound = bandwidth / weight_bytes  # tokens/s if only the f32 weights were read
+                row.update(bandwidth_bound_tokens_per_s=bound,
+                           step_over_bound=bound / tps["tfm"])
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def report(info: dict, peaks: dict, bandwidth: float, rows: list[dict], command: str) -> str:
+    lines = [
+        "# tfm vs PyTorch, side by side",
+        "",
+        f"CPU: {info['model']}, {info['cores']} cores; bf16 units: "
+        f"{', '.join(info['bf16_units'])}; jax {info['jax']}, torch {info['torch']}.",
+        "Matmul peak (2048^3, GFLOP/s): "
+        + "; ".join(f"{d} jax {p['jax'] / 1e9:.0f}, torch {p['torch'] / 1e9:.0f}"
+                    for d, p in peaks.items())
+        + f". Memory bandwidth (512 MiB sum): {bandwidth / 1e9:.1f} GB/s.",
+        "",
+    ]
+    train_rows = [r for r in rows if r["work"] == "train"]
+    if train_rows:
+        lines += [
+            "| training | tfm tokens/s | torch tokens/s | tfm / torch | tfm MFU | torch MFU |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+        for r in train_rows:
+            lines.append(
+                f"| {r['dtype']}, batch {r['batch']} x {r['block']} | "
+                f"{r['tfm_tokens_per_s']:,.0f} | {r['torch_tokens_per_s']:,.0f} | "
+                f"**{r['ratio']:.2f}** | {100 * r['tfm_mfu']:.0f}% | {100 * r['torch_mfu']:.0f}% |"
+            )
+        lines.append("")
+    decode_rows = [r for r in rows if r["work"] == "decode"]
+    if decode_rows:
+        lines += [
+            "| greedy decoding | tfm tokens/s | tfm bf16 tokens/s | HF generate tokens/s | "
+            "tfm / HF | bf16 / HF | batch-1 bound (f32 weights) |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in decode_rows:
+            bound = (f"{r['bandwidth_bound_tokens_per_s']:,.0f} tokens/s "
+                     f"(tfm at {1 / r['step_over_bound']:.0%})"
+                     if "bandwidth_bound_tokens_per_s" in r else "")
+            lines.append(
+                f"| batch {r['batch']}, {r['new_tokens']} new | {r['tfm_tokens_per_s']:,.0f} | "
+                f"{r['tfm_bf16_tokens_per_s']:,.0f} | {r['hf_tokens_per_s']:,.0f} | "
+                f"**{r['ratio']:.2f}** | {r['bf16_ratio']:.2f} | {bound} |"
+            )
+        lines.append("")
+    lines.append(f"Command: `{command}`")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", choices=("train", "decode"), default=None)
+    parser.add_argument("--quick", action="store_true", help="batch 16, fewer repeats")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--heads", type=int, default=6)
+    parser.add_argument("--d_model", type=int, default=384)
+    parser.add_argument("--block", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--dropout", type=float, default=0.2)
+    parser.add_argument("--steps", type=int, default=2, help="train steps per timing")
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved train timings")
+    parser.add_argument("--new_tokens", default="256,1024")
+    parser.add_argument("--decode_batches", default="1,8")
+    parser.add_argument("--decode_repeats", type=int, default=5)
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = parser.parse_args()
+    if args.quick:
+        args.batch, args.repeats, args.decode_repeats = 16, 3, 3
+    torch.set_num_threads(os.cpu_count() or 1)
+    info = cpu_info()
+    print(json.dumps(info), flush=True)
+    if not info["bf16_native"]:
+        print("warning: this CPU has no native bfloat16 (no AMX / AVX512-BF16); bfloat16 runs "
+              "emulated and is expected to be slower than float32 on both sides", flush=True)
+    peaks, bandwidth = matmul_peaks(), memory_bandwidth()
+    rows = []
+    if args.only in (None, "train"):
+        rows += bench_train(args, peaks)
+    if args.only in (None, "decode"):
+        rows += bench_decode(args, bandwidth)
+    command = "python benchmarks/vs_torch.py " + " ".join(sys.argv[1:])
+    text = report(info, peaks, bandwidth, rows, command.strip())
+    print(text)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    suffix = "" if args.only is None and not args.quick else f"_{args.only or 'all'}" + (
+        "_quick" if args.quick else "")
+    payload = {"cpu": info, "matmul_peaks": peaks, "memory_bandwidth": bandwidth,
+               "rows": rows, "command": command.strip()}
+    (out / f"vs_torch{suffix}.json").write_text(json.dumps(payload, indent=1))
+    (out / f"vs_torch{suffix}.md").write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""tfm.ops.linear: values and both gradients against plain autodiff of an einsum, and the
+bfloat16 operands of its backward matmuls."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tfm import ops
+
+
+def _inputs(in_dims, out_dims, seed=0):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.normal(size=(2, 3, *in_dims)), jnp.float32)
+    kernel = jnp.asarray(rng.normal(size=(*in_dims, *out_dims)) * 0.3, jnp.float32)
+    return x, kernel
+
+
+# Wide and narrow kernels take the two weight-gradient formulations; (4, 5) contracts two axes.
+@pytest.mark.parametrize("in_dims,out_dims", [((6,), (10,)), ((10,), (6,)), ((4, 5), (7,)),
+                                              ((6,), (2, 3))])
+def test_values_and_gradients_equal_autodiff(in_dims, out_dims):
+    x, kernel = _inputs(in_dims, out_dims)
+    n_in = len(in_dims)
+    letters_in, letters_out = "ijk"[:n_in], "uv"[: len(out_dims)]
+    spec = f"ab{letters_in},{letters_in}{letters_out}->ab{letters_out}"
+    cotangent = jnp.asarray(np.random.default_rng(1).normal(size=(2, 3, *out_dims)), jnp.float32)
+
+    def reference(x, kernel):
+        return jnp.sum(jnp.einsum(spec, x, kernel, precision="highest") * cotangent)
+
+    def fast(x, kernel):
+        return jnp.sum(ops.linear(x, kernel, num_contracted=n_in) * cotangent)
+
+    np.testing.assert_allclose(fast(x, kernel), reference(x, kernel), rtol=1e-5)
+    for got, want in zip(jax.grad(fast, (0, 1))(x, kernel), jax.grad(reference, (0, 1))(x, kernel),
+                         strict=True):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_bfloat16_backward_matmuls_take_bfloat16_operands():
+    """With autodiff, the float32-accumulated forward made every backward matmul float32."""
+    x, kernel = _inputs((8,), (16,))
+
+    def loss(x, kernel):
+        return jnp.sum(ops.linear(x, kernel, compute_dtype=jnp.bfloat16, out_dtype=jnp.float32))
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss, (0, 1)))(x, kernel)
+    dot_eqns = []
+
+    def collect(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                dot_eqns.append(eqn)
+            for param in eqn.params.values():
+                inner = getattr(param, "jaxpr", param)
+                if hasattr(inner, "eqns"):
+                    collect(inner)
+
+    collect(jaxpr.jaxpr)
+    assert len(dot_eqns) == 3  # forward, grad of x, grad of kernel
+    for eqn in dot_eqns:
+        assert [v.aval.dtype for v in eqn.invars] == [jnp.bfloat16, jnp.bfloat16]
+        assert eqn.outvars[0].aval.dtype == jnp.float32  # float32 accumulation
+    grad_x, grad_kernel = jax.grad(loss, (0, 1))(x, kernel)
+    assert grad_x.dtype == grad_kernel.dtype == jnp.float32  # the inputs' own dtypes
+
+
+def test_mismatched_shapes_are_named():
+    x, kernel = _inputs((6,), (4,))
+    with pytest.raises(ValueError, match=r"must end in the kernel's input dims \(5,\)"):
+        ops.linear(x, kernel[:5])
