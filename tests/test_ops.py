@@ -71,3 +71,12 @@ def test_mismatched_shapes_are_named():
     x, kernel = _inputs((6,), (4,))
     with pytest.raises(ValueError, match=r"must end in the kernel's input dims \(5,\)"):
         ops.linear(x, kernel[:5])
+
+
+def test_gelu_is_the_exact_gelu():
+    x = np.linspace(-8.0, 8.0, 2001)
+    expected = 0.5 * x * (1.0 + np.vectorize(__import__("math").erf)(x / np.sqrt(2.0)))
+    np.testing.assert_allclose(ops.gelu(jnp.asarray(x, jnp.float32)), expected, atol=2e-6)
+    np.testing.assert_allclose(ops.gelu(jnp.asarray(x, jnp.float32)),
+                               jax.nn.gelu(jnp.asarray(x, jnp.float32), approximate=False),
+                               atol=2e-6)

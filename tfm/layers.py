@@ -344,5 +344,5 @@ class FeedForward(nn.Module):
             if config.activation == "relu":
                 hidden = nn.relu(hidden)
             else:
-                hidden = nn.gelu(hidden, approximate=False)
+                hidden = ops.gelu(hidden)
         return _dense(config, config.d_ff, config.d_model, ("mlp", "embed"), "wo")(hidden)

@@ -81,3 +81,10 @@ def linear(
     kernel2 = kernel.reshape(math.prod(in_dims), math.prod(out_dims))
     y = _linear_2d(x2, kernel2, compute_dtype, out_dtype)
     return y.reshape(*batch_dims, *out_dims)
+
+
+def gelu(x: jax.Array) -> jax.Array:
+    """Exact GELU, x * Phi(x) = 0.5 x (1 + erf(x / sqrt(2))) (Hendrycks & Gimpel 2016), in
+    x's dtype. Written with erf: XLA's CPU erf is one rational approximation, about twice as
+    fast as the erfc that jax.nn.gelu uses (which branches); the two agree to ~1e-6."""
+    return 0.5 * x * (1.0 + jax.lax.erf(x * jnp.asarray(2.0**-0.5, x.dtype)))
