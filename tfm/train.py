@@ -792,7 +792,13 @@ def decode_texts(
         tokens = np.pad(tokens, ((0, 0), (0, width - tokens.shape[1])))
         if experiment.task == "seq2seq":
             output = generate.translate(
-                params, config, tokens, method=method, max_new_tokens=max_new_tokens, **options
+                params,
+                config,
+                tokens,
+                lengths,
+                method=method,
+                max_new_tokens=max_new_tokens,
+                **options,
             )
         else:
             output = generate.lm_generate(
