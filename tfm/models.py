@@ -334,9 +334,8 @@ class Decoder(nn.Module):
             filled = attention.valid_from_lengths(cache.lengths + tokens.shape[1], cache.max_len)
             key_valid, key_positions = filled, slots
             if cache.valid is not None:
-                new_valid = cache_lib.write_valid(
-                    cache.valid, jnp.ones(tokens.shape, bool) if valid is None else valid, write_index
-                )
+                written = jnp.ones(tokens.shape, bool) if valid is None else valid
+                new_valid = cache_lib.write_valid(cache.valid, written, write_index)
                 key_valid = filled & new_valid
                 # A slot's position counts the real tokens before it (left padding aside).
                 key_positions = _positions_from_valid(new_valid)
