@@ -6,6 +6,7 @@ architectures and fields fail with one line. No torch needed except in the live 
 import importlib.util
 import json
 import shutil
+import subprocess
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -172,3 +173,33 @@ def test_live_regenerate_compare_and_open_the_export_in_transformers(family, tmp
     with torch.no_grad():
         exported = model(input_ids=torch.tensor(reference["input_ids"])).logits.numpy()
     assert np.abs(exported - logits).max() < TOLERANCE
+
+
+# ------------------------------------------------------------------------ the command line
+
+
+def launch(*args: str) -> subprocess.CompletedProcess:
+    repo = Path(__file__).resolve().parents[1]
+    return subprocess.run(["bash", str(repo / "launch.sh"), *args], cwd=repo,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_launch_generate_pretrained_continues_text_and_ids_like_the_reference():
+    reference = load("gpt2")[2]
+    prompt = reference["input_ids"][0].tolist()
+    want = reference["greedy"][0].tolist()
+    result = launch(
+        "generate", "--pretrained", str(FIXTURES / "gpt2"), "--max_new_tokens", "6",
+        "--prompt", " ".join(f"w{i}" for i in prompt),  # tokenizer.json: word-level w0..w63
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().split("\t->\t")[1] == " ".join(f"w{i}" for i in want)
+
+
+def test_launch_generate_pretrained_errors_are_one_line(tmp_path):
+    result = launch("generate", "--pretrained", str(FIXTURES / "bert"), "--prompt", "1 2",
+                    "--prompt_ids")
+    assert result.returncode == 1
+    assert result.stderr.strip().endswith("holds an encoder (bert): nothing to generate")
+    result = launch("generate", "--pretrained", str(tmp_path / "missing"), "--prompt", "x")
+    assert result.returncode == 2 and "folder" in result.stderr and "not found" in result.stderr

@@ -611,3 +611,71 @@ def save_pretrained(config: ModelConfig, params: Params, directory: str | Path) 
     save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()},
               str(directory / "model.safetensors"), metadata={"format": "pt"})
     return family
+
+
+# --------------------------------------------------------------------------------- generate
+
+
+def generate_pretrained(
+    directory: str | Path,
+    prompts: list[str],
+    *,
+    max_new_tokens: int = 32,
+    prompt_ids: bool = False,
+) -> list[str]:
+    """Greedy continuations (decoder-only) or outputs (T5) of text prompts, through the
+    folder's tokenizer.json; with `prompt_ids` the prompts are space-separated token ids and
+    the outputs are ids too. Rows are left-padded with explicit validity, so each prompt
+    continues from its own end."""
+    from tfm.generate import lm_generate, translate
+
+    config, params = load_pretrained(directory)
+    hf_config = read_config(directory)
+    tokenizer = None if prompt_ids else load_tokenizer(directory)
+    if not prompt_ids and tokenizer is None:
+        raise UnsupportedCheckpoint(
+            f"{directory} has no tokenizer.json (or the tokenizers package is missing); "
+            "pass token ids with --prompt_ids"
+        )
+    if prompt_ids:
+        try:
+            encoded = [[int(t) for t in prompt.split()] for prompt in prompts]
+        except ValueError as error:
+            message = f"--prompt_ids needs space-separated ids: {error}"
+            raise UnsupportedCheckpoint(message) from None
+    else:
+        encoded = [tokenizer.encode(prompt).ids for prompt in prompts]
+    if any(not ids for ids in encoded):
+        raise UnsupportedCheckpoint("every prompt needs at least one token")
+    eos = hf_config.get("eos_token_id")
+    eos = eos[0] if isinstance(eos, list) else eos
+    eos = config.vocab_size - 1 if eos is None else eos  # a model without EOS runs to the end
+    width = max(map(len, encoded))
+    lengths = np.array([len(ids) for ids in encoded])
+    if config.num_encoder_layers and config.num_decoder_layers:
+        source = np.zeros((len(encoded), width), np.int32)
+        for row, ids in enumerate(encoded):
+            source[row, : len(ids)] = ids
+        start = hf_config.get("decoder_start_token_id")
+        output = translate(
+            params, config, source, lengths, method="greedy", eos_id=eos,
+            bos_id=config.pad_id if start is None else start, max_new_tokens=max_new_tokens,
+        )
+    elif config.num_decoder_layers:
+        prompts_array = np.zeros((len(encoded), width), np.int32)
+        for row, ids in enumerate(encoded):
+            prompts_array[row, : len(ids)] = ids
+        output = lm_generate(params, config, prompts_array, lengths,
+                             max_new_tokens=max_new_tokens, eos_id=eos)
+    else:
+        raise UnsupportedCheckpoint(
+            f"{directory} holds an encoder ({hf_config.get('model_type')}): nothing to generate"
+        )
+    texts = []
+    for tokens, length in zip(np.asarray(output.tokens), np.asarray(output.lengths), strict=True):
+        new = tokens[:length].tolist()
+        if prompt_ids:
+            texts.append(" ".join(map(str, new)))
+        else:
+            texts.append(tokenizer.decode(new, skip_special_tokens=True))
+    return texts
