@@ -203,3 +203,45 @@ def test_launch_generate_pretrained_errors_are_one_line(tmp_path):
     assert result.stderr.strip().endswith("holds an encoder (bert): nothing to generate")
     result = launch("generate", "--pretrained", str(tmp_path / "missing"), "--prompt", "x")
     assert result.returncode == 2 and "folder" in result.stderr and "not found" in result.stderr
+
+
+# ------------------------------------------------------------ fine-tuning from a folder
+
+
+def _finetune_config(tmp_path, folder, **model):
+    from configs import synthetic_lm
+
+    config = synthetic_lm.get_config("runlocal")
+    config.data.update(data_dir=str(tmp_path / "data"), num_train_examples=64,
+                       num_eval_examples=16)
+    config.model.update(**model)
+    config.init.pretrained = str(folder)
+    return config
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_training_starts_from_the_pretrained_parameters(tmp_path, scan):
+    import jax
+
+    from tfm import train
+
+    config = _finetune_config(tmp_path, FIXTURES / "llama", scan_layers=scan)
+    experiment = train.setup(config, tmp_path / "run", devices=jax.devices()[:1])
+    pretrained_config, params = hf.load_pretrained(FIXTURES / "llama")
+    assert experiment.model_config == pretrained_config.replace(scan_layers=scan)
+    _, shardings = train.state_shardings(experiment)
+    state = train.init_state(experiment, shardings)
+    want = stack_layer_params(params) if scan else params
+    got = dict(_flatten(jax.device_get(state.params)))
+    for key, value in _flatten(want):
+        np.testing.assert_array_equal(got[key], value, err_msg=key)
+
+
+def test_pretrained_folder_errors_name_the_field(tmp_path):
+    from tfm import train
+    from tfm.config import ConfigError
+
+    with pytest.raises(ConfigError, match="init.pretrained='/nowhere' must be a Hugging Face"):
+        train.setup(_finetune_config(tmp_path, "/nowhere"), tmp_path / "run")
+    with pytest.raises(ConfigError, match="holds a seq2seq model but the data is for a lm task"):
+        train.setup(_finetune_config(tmp_path, FIXTURES / "t5"), tmp_path / "run")
