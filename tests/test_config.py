@@ -32,6 +32,12 @@ from tfm.config import ConfigError, ModelConfig, from_dict, paper_base, paper_bi
         (dict(pad_id=-1), "pad_id=-1 must be an integer >= 0"),
         (dict(type_vocab_size=-2), "type_vocab_size=-2 must be an integer >= 0"),
         (dict(embedding_norm=None), "embedding_norm=None must be one of: True or False"),
+        (dict(rope_scaling="yarn"), "rope_scaling='yarn' is unknown; choose one of: none, "
+         "linear, ntk, llama3"),
+        (dict(rope_scaling_factor=0), "rope_scaling_factor=0 must be a number > 0"),
+        (dict(rope_original_max_len=0), "rope_original_max_len=0 must be an integer > 0"),
+        (dict(rope_scaling="llama3", rope_low_freq_factor=4.0, rope_high_freq_factor=1.0),
+         "rope_high_freq_factor=1.0 must be > rope_low_freq_factor=4.0"),
     ],
 )
 def test_bad_values_name_the_field(changes, message):

@@ -18,7 +18,7 @@ from tfm.interop import hf
 from tfm.models import stack_layer_params
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
-DECODERS = ("gpt2", "llama", "qwen2", "mistral")
+DECODERS = ("gpt2", "llama", "llama3_rope", "linear_rope", "qwen2", "mistral")
 TOLERANCE = 1e-4
 
 
@@ -49,6 +49,14 @@ def test_logits_match_the_reference(family):
     assert logits.shape == reference["logits"].shape
     assert np.abs(logits - reference["logits"]).max() < TOLERANCE
     assert np.abs(reference["logits"]).max() > 1e-2  # the reference is not trivially zero
+
+
+@pytest.mark.parametrize("family", ["llama3_rope", "linear_rope"])
+def test_rope_scaling_is_what_makes_the_scaled_fixtures_match(family):
+    config, params, reference = load(family)
+    assert config.rope_scaling != "none"
+    unscaled = forward(family, config.replace(rope_scaling="none"), params, reference)
+    assert np.abs(unscaled - reference["logits"]).max() > 1e-3
 
 
 def test_bert_hidden_states_match_the_reference_with_padding_and_token_types():
@@ -93,10 +101,10 @@ def test_scanned_layers_load_the_same_checkpoint():
     assert np.abs(logits - reference["logits"]).max() < TOLERANCE
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "llama3_rope"])
 def test_save_then_load_round_trips_config_params_and_logits(family, tmp_path):
     config, params, reference = load(family)
-    assert hf.save_pretrained(config, params, tmp_path) == family
+    assert hf.save_pretrained(config, params, tmp_path) == family.replace("3_rope", "")
     again, params_again = hf.load_pretrained(tmp_path)
     assert again == config
     flat = lambda p: {k: v for k, v in _flatten(p)}

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 
 POSITION_SCHEMES = ("none", "sinusoidal", "learned", "rope", "relative", "t5_bias", "alibi")
 SINUSOIDAL_LAYOUTS = ("paper", "concat")
@@ -20,6 +21,7 @@ NORM_PLACEMENTS = ("post", "pre")
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "swiglu", "geglu")
 GATED_ACTIVATIONS = ("swiglu", "geglu")
 BIAS_GROUPS = ("qkv", "attention_out", "mlp", "lm_head")
+ROPE_SCALINGS = ("none", "linear", "ntk", "llama3")  # tfm.positions.ROPE_SCALINGS
 ATTENTION_BACKENDS = ("reference", "xla", "cudnn")
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -96,6 +98,13 @@ class ModelConfig:
     rope_base: float = 10000.0
     rope_layout: str = "rotate_half"
     rope_fraction: float = 1.0  # fraction of head_dim rotated (partial rotary, GPT-NeoX)
+    # Long-context RoPE scaling (positions.rope_frequencies): none, linear, ntk, llama3, by
+    # rope_scaling_factor; llama3 also reads the original context and its two band edges.
+    rope_scaling: str = "none"
+    rope_scaling_factor: float = 1.0
+    rope_original_max_len: int = 8192
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
     relative_max_distance: int = 16  # Shaw et al. clipping distance k
     relative_values: bool = True  # Shaw et al. also add relative embeddings to values
     t5_num_buckets: int = 32
@@ -184,6 +193,19 @@ class ModelConfig:
         _choice("rope_layout", self.rope_layout, ROPE_LAYOUTS)
         if not self.rope_base > 1:
             raise ConfigError(f"rope_base={self.rope_base!r} must be > 1")
+        _choice("rope_scaling", self.rope_scaling, ROPE_SCALINGS)
+        for field in ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ConfigError(f"{field}={value!r} must be a number > 0")
+        _positive("rope_original_max_len", self.rope_original_max_len)
+        if self.rope_scaling == "llama3" and not (
+            self.rope_high_freq_factor > self.rope_low_freq_factor
+        ):
+            raise ConfigError(
+                f"rope_high_freq_factor={self.rope_high_freq_factor} must be > "
+                f"rope_low_freq_factor={self.rope_low_freq_factor} for rope_scaling='llama3'"
+            )
         if not 0.0 < self.rope_fraction <= 1.0:
             raise ConfigError(f"rope_fraction={self.rope_fraction!r} must be in (0, 1]")
         rotated = round(self.resolved_head_dim * self.rope_fraction)
@@ -242,6 +264,21 @@ class ModelConfig:
         if self.attention_scale is None:
             return self.resolved_head_dim**-0.5
         return float(self.attention_scale)
+
+    @property
+    def rope_frequencies(self) -> np.ndarray:
+        """RoPE's rotation frequencies (float64, static) with this config's scaling."""
+        from tfm.positions import rope_frequencies
+
+        return rope_frequencies(
+            round(self.resolved_head_dim * self.rope_fraction),
+            self.rope_base,
+            self.rope_scaling,
+            self.rope_scaling_factor,
+            self.rope_original_max_len,
+            self.rope_low_freq_factor,
+            self.rope_high_freq_factor,
+        )
 
     @property
     def resolved_num_kv_heads(self) -> int:

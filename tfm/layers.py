@@ -284,7 +284,9 @@ class MultiHeadAttention(nn.Module):
                 key, value = project_together(config, inputs_kv, [key_proj, value_proj])
         if config.position_scheme == "rope" and not self.is_cross:
             rope_args = dict(
-                base=config.rope_base, layout=config.rope_layout, fraction=config.rope_fraction
+                layout=config.rope_layout,
+                fraction=config.rope_fraction,
+                frequencies=config.rope_frequencies,
             )
             query = positions.apply_rope(query, query_positions, **rope_args)
             key = positions.apply_rope(key, query_positions, **rope_args)

@@ -196,13 +196,26 @@ def _gpt2_params(config: ModelConfig, hf: Mapping[str, Any], raw: Mapping) -> Pa
 # ------------------------------------------------------------------ Llama, Mistral, Qwen2
 
 
-def _rope_theta(hf: Mapping[str, Any]) -> float:
-    rope = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    kind = rope.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
-    if kind != "default":
-        raise _unsupported("rope_scaling.rope_type", kind, "'default' (no RoPE scaling)")
-    return float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+def _rope_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """rope_base and the long-context scaling fields of ModelConfig (transformers 4 keeps
+    them in rope_theta / rope_scaling, transformers 5 in rope_parameters)."""
+    rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    fields: dict[str, Any] = dict(
+        rope_base=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    )
+    if kind == "default":
+        return fields
+    if kind not in ("linear", "llama3"):
+        raise _unsupported("rope_scaling.rope_type", kind, "'default', 'linear', 'llama3'")
+    fields.update(rope_scaling=kind, rope_scaling_factor=float(rope["factor"]))
+    if kind == "llama3":
+        fields.update(
+            rope_original_max_len=int(rope["original_max_position_embeddings"]),
+            rope_low_freq_factor=float(rope["low_freq_factor"]),
+            rope_high_freq_factor=float(rope["high_freq_factor"]),
+        )
+    return fields
 
 
 def _llama_config(hf: Mapping[str, Any]) -> ModelConfig:
@@ -232,8 +245,8 @@ def _llama_config(hf: Mapping[str, Any]) -> ModelConfig:
         attention_dropout_rate=float(hf.get("attention_dropout", 0.0)),
         position_scheme="rope",
         max_len=hf.get("max_position_embeddings", 2048),
-        rope_base=_rope_theta(hf),
         rope_layout="rotate_half",
+        **_rope_fields(hf),
         norm_type="rmsnorm",
         norm_placement="pre",
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
@@ -522,6 +535,22 @@ def _family_for_save(config: ModelConfig) -> str:
     )
 
 
+def _rope_scaling_for_save(config: ModelConfig) -> dict[str, Any] | None:
+    if config.rope_scaling == "none":
+        return None
+    if config.rope_scaling == "ntk":
+        raise _unsupported("rope_scaling", "ntk", "none, linear, llama3 (Hugging Face has no "
+                           "static NTK-aware scaling)")
+    scaling = dict(rope_type=config.rope_scaling, factor=config.rope_scaling_factor)
+    if config.rope_scaling == "llama3":
+        scaling.update(
+            original_max_position_embeddings=config.rope_original_max_len,
+            low_freq_factor=config.rope_low_freq_factor,
+            high_freq_factor=config.rope_high_freq_factor,
+        )
+    return scaling
+
+
 def save_pretrained(config: ModelConfig, params: Params, directory: str | Path) -> str:
     """Writes config.json and model.safetensors of a GPT-2 or Llama-family tfm model into
     `directory`; returns the Hugging Face model_type."""
@@ -577,6 +606,7 @@ def save_pretrained(config: ModelConfig, params: Params, directory: str | Path) 
             num_key_value_heads=config.resolved_num_kv_heads, head_dim=config.resolved_head_dim,
             num_hidden_layers=config.num_decoder_layers, max_position_embeddings=config.max_len,
             rms_norm_eps=config.norm_eps, rope_theta=config.rope_base, hidden_act="silu",
+            rope_scaling=_rope_scaling_for_save(config),
             tie_word_embeddings=config.tie_output, attention_bias=config.has_bias("qkv"),
             mlp_bias=config.has_bias("mlp"), pad_token_id=config.pad_id,
             attention_dropout=config.attention_dropout_rate,
