@@ -183,6 +183,35 @@ def test_live_regenerate_compare_and_open_the_export_in_transformers(family, tmp
     assert np.abs(exported - logits).max() < TOLERANCE
 
 
+# ------------------------------------------------------------------- torch.nn.Transformer
+
+
+def test_torch_transformer_post_ln_with_final_norms_matches_logits_and_greedy():
+    folder = FIXTURES / "torch_transformer"
+    config, params = hf.load_torch_transformer(folder / "model.safetensors", num_heads=4)
+    assert (config.norm_placement, config.final_norm) == ("post", True)
+    reference = dict(np.load(folder / "reference.npz"))
+    model = hf.model_for(config)
+    source, source_valid = reference["input_ids"], reference["source_valid"]
+    logits = np.asarray(model.apply({"params": params}, jnp.asarray(source),
+                                    jnp.asarray(reference["decoder_input_ids"]),
+                                    source_valid=jnp.asarray(source_valid)))
+    assert np.abs(logits - reference["logits"]).max() < TOLERANCE
+    steps = reference["greedy"].shape[1]
+    output = translate(params, config, source, source_valid.sum(1), method="greedy", bos_id=1,
+                       eos_id=config.vocab_size - 1, max_new_tokens=steps)
+    _check_greedy(output.tokens, output.lengths, reference["greedy"], config.vocab_size - 1)
+    # The final norms are what makes it match.
+    without = {**params}
+    for side in ("encoder", "decoder"):
+        stack = {k: v for k, v in params[side]["stack"].items() if k != "final_norm"}
+        without[side] = {"stack": stack}
+    plain = hf.model_for(config.replace(final_norm=None)).apply(
+        {"params": without}, jnp.asarray(source), jnp.asarray(reference["decoder_input_ids"]),
+        source_valid=jnp.asarray(source_valid))
+    assert np.abs(np.asarray(plain) - reference["logits"]).max() > 1e-3
+
+
 # ------------------------------------------------------------------------ the command line
 
 
