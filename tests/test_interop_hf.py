@@ -256,18 +256,25 @@ def _finetune_config(tmp_path, folder, **model):
     return config
 
 
-@pytest.mark.parametrize("scan", [False, True])
-def test_training_starts_from_the_pretrained_parameters(tmp_path, scan):
+@pytest.mark.parametrize("scan, mesh", [(False, None), (True, dict(data=2, fsdp=2, tensor=2))])
+def test_training_starts_from_the_pretrained_parameters(tmp_path, scan, mesh):
+    """Unrolled on one device, and scanned on a 2x2x2 mesh (8 simulated devices)."""
     import jax
 
     from tfm import train
 
     config = _finetune_config(tmp_path, FIXTURES / "llama", scan_layers=scan)
-    experiment = train.setup(config, tmp_path / "run", devices=jax.devices()[:1])
+    if mesh is not None:
+        config.mesh.update(mesh)
+    devices = jax.devices()[:1] if mesh is None else None
+    experiment = train.setup(config, tmp_path / "run", devices=devices)
     pretrained_config, params = hf.load_pretrained(FIXTURES / "llama")
     assert experiment.model_config == pretrained_config.replace(scan_layers=scan)
     _, shardings = train.state_shardings(experiment)
     state = train.init_state(experiment, shardings)
+    if mesh is not None:  # really spread over the mesh
+        kernel = state.params["decoder"]["stack"]["layers"]["feed_forward"]["wi"]["kernel"]
+        assert len(kernel.sharding.device_set) == 8
     want = stack_layer_params(params) if scan else params
     got = dict(_flatten(jax.device_get(state.params)))
     for key, value in _flatten(want):
