@@ -101,7 +101,7 @@ def test_scanned_layers_load_the_same_checkpoint():
     assert np.abs(logits - reference["logits"]).max() < TOLERANCE
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama", "llama3_rope"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "llama3_rope", "qwen2"])
 def test_save_then_load_round_trips_config_params_and_logits(family, tmp_path):
     config, params, reference = load(family)
     assert hf.save_pretrained(config, params, tmp_path) == family.replace("3_rope", "")
@@ -150,6 +150,19 @@ def test_save_rejects_configs_it_cannot_express(tmp_path):
     config, params, _ = load("t5")
     with pytest.raises(hf.UnsupportedCheckpoint, match="writes GPT-2 or Llama configs only"):
         hf.save_pretrained(config, params, tmp_path)
+    config, params, _ = load("llama")
+    with pytest.raises(hf.UnsupportedCheckpoint, match="biases on the attention output but"):
+        hf.save_pretrained(config.replace(attention_out_bias=True), params, tmp_path)
+
+
+def test_a_tfm_trained_llama_config_saves_with_default_bias_fields(tmp_path):
+    """qkv_bias=None etc. (the ModelConfig defaults) resolve through use_bias."""
+    config, params, reference = load("llama")
+    plain = config.replace(qkv_bias=None, attention_out_bias=None, mlp_bias=None)
+    assert hf.save_pretrained(plain, params, tmp_path) == "llama"
+    again, params_again = hf.load_pretrained(tmp_path)
+    logits = forward("llama", again, params_again, reference)
+    assert np.abs(logits - reference["logits"]).max() < TOLERANCE
 
 
 def test_missing_weights_are_named(tmp_path):
@@ -162,7 +175,7 @@ def test_missing_weights_are_named(tmp_path):
     importlib.util.find_spec("transformers") is None or importlib.util.find_spec("torch") is None,
     reason="needs transformers and torch",
 )
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen2"])
 def test_live_regenerate_compare_and_open_the_export_in_transformers(family, tmp_path):
     import sys
 

@@ -26,7 +26,7 @@ from tfm.models import DecoderLM, Encoder, EncoderDecoder
 
 Params = dict[str, Any]
 FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "t5", "bert")
-SAVE_FAMILIES = ("gpt2", "llama")
+SAVE_FAMILIES = ("gpt2", "llama", "qwen2")
 
 
 class UnsupportedCheckpoint(ValueError):
@@ -593,16 +593,25 @@ def _unstack(params: Params, num_layers: int) -> Params:
 
 
 def _family_for_save(config: ModelConfig) -> str:
+    """gpt2, llama, or qwen2 (Llama with biases on q/k/v only); else one line of what differs."""
     gpt2 = dict(position_scheme="learned", norm_type="layernorm", norm_placement="pre",
                 activation="gelu_tanh", tie_output=True, scale_embeddings=False,
                 num_encoder_layers=0)
     llama = dict(position_scheme="rope", rope_layout="rotate_half", rope_fraction=1.0,
                  norm_type="rmsnorm", norm_placement="pre", activation="swiglu",
-                 scale_embeddings=False, num_encoder_layers=0, local_window=None,
-                 qkv_bias=config.has_bias("attention_out"))
+                 scale_embeddings=False, num_encoder_layers=0, local_window=None)
     for family, wanted in (("gpt2", gpt2), ("llama", llama)):
         if all(getattr(config, k) == v for k, v in wanted.items()):
-            return family
+            if family == "gpt2":
+                return family
+            if config.has_bias("qkv") == config.has_bias("attention_out"):
+                return "llama"  # attention_bias switches q, k, v and o together
+            if config.has_bias("qkv") and not config.has_bias("mlp"):
+                return "qwen2"
+            raise UnsupportedCheckpoint(
+                "save_pretrained: biases on the attention output but not on q/k/v have no "
+                "Hugging Face Llama-family equivalent (attention_bias: all four; Qwen2: q/k/v)"
+            )
     differences = {
         family: [f"{k}={getattr(config, k)!r} (needs {v!r})" for k, v in wanted.items()
                  if getattr(config, k) != v]
@@ -680,7 +689,8 @@ def save_pretrained(config: ModelConfig, params: Params, directory: str | Path) 
         tensors["transformer.ln_f.bias"] = stack["final_norm"]["layer_norm"]["bias"]
     else:
         hf = dict(
-            model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=config.vocab_size,
+            model_type=family, vocab_size=config.vocab_size,
+            architectures=["Qwen2ForCausalLM" if family == "qwen2" else "LlamaForCausalLM"],
             hidden_size=d, intermediate_size=config.d_ff, num_attention_heads=heads,
             num_key_value_heads=config.resolved_num_kv_heads, head_dim=config.resolved_head_dim,
             num_hidden_layers=config.num_decoder_layers, max_position_embeddings=config.max_len,
