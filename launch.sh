@@ -9,7 +9,9 @@ usage: ./launch.sh COMMAND CONFIG[:ARG] [--workdir DIR] [--config.FIELD=VALUE ..
 commands:
   train     train CONFIG, resuming from DIR's latest checkpoint if there is one
   eval      metrics on the eval splits from DIR's latest checkpoint (--step N for another)
-  generate  text in, text out from a checkpoint: --prompt "TEXT" (repeatable) or stdin lines
+  generate  text in, text out from a checkpoint: --prompt "TEXT" (repeatable) or stdin lines;
+            or from a Hugging Face folder: ./launch.sh generate --pretrained DIR --prompt "TEXT"
+            [--max_new_tokens N] [--prompt_ids] (fine-tune one: --config.init.pretrained=DIR)
   average   average the last K checkpoints (--last_k 5) into a new workdir (--output DIR)
   data      ./launch.sh data multi30k: download Multi30k into data/multi30k/ (what
             configs/translate.py reads); offline it says where to put the files
@@ -39,6 +41,20 @@ if [[ $config == -h || $config == --help ]]; then usage; exit 0; fi
 if [[ $command == data ]]; then  # not an experiment: DATASET instead of CONFIG, no devices
   cd "$(dirname "$0")"
   exec "${PYTHON:-python}" -m tfm.data.download "$config" "$@"
+fi
+if [[ $command == generate && ( $config == --pretrained || $config == --pretrained=* ) ]]; then
+  # A Hugging Face folder instead of CONFIG: ./launch.sh generate --pretrained DIR --prompt ...
+  if [[ $config == --pretrained ]]; then
+    if [[ $# -lt 1 ]]; then echo "launch.sh: --pretrained needs a folder" >&2; exit 2; fi
+    folder=$1; shift
+  else
+    folder=${config#*=}
+  fi
+  if ! folder=$(cd "$folder" 2>/dev/null && pwd); then
+    echo "launch.sh: --pretrained folder '${folder}' not found" >&2; exit 2
+  fi
+  cd "$(dirname "$0")"
+  exec "${PYTHON:-python}" -m tfm.main generate --pretrained="$folder" "$@"
 fi
 case "$command" in
   train|eval|generate|average) ;;

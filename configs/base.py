@@ -56,6 +56,10 @@ def base_config() -> ml_collections.ConfigDict:
         EVAL_DEFAULTS, dict(splits=tuple, generation_metric=str, method=str)
     )
     config.generate = _dict_section(GENERATE_DEFAULTS)
+    # init.pretrained: a Hugging Face model folder (tfm.interop.hf) to start training from;
+    # its architecture replaces config.model except the implementation fields (dtype,
+    # param_dtype, scan_layers, remat, attention_backend). A workdir checkpoint wins on resume.
+    config.init = ml_collections.ConfigDict(dict(pretrained=config_dict.placeholder(str)))
     config.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
     config.logical_axis_rules = ()  # (("embed", None), ...) overrides tfm.sharding's defaults
     config.distributed = ml_collections.ConfigDict(

@@ -50,9 +50,11 @@ def test_encoder_decoder_cached_decoding_equals_full_forward(scheme):
     model = EncoderDecoder(config)
     source = jnp.array([[3, 4, 5, 6, 7, 0], [8, 9, 10, 4, 5, 6]])  # row 0 padded
     params = model.init(jax.random.PRNGKey(2), source, TOKENS)["params"]
-    full = model.apply({"params": params}, source, TOKENS)
+    full = model.apply({"params": params}, source, TOKENS, source_valid=source != 0)
 
-    encoded = model.apply({"params": params}, source, method=EncoderDecoder.encode)
+    encoded = model.apply(
+        {"params": params}, source, source_valid=source != 0, method=EncoderDecoder.encode
+    )
     cache = init_cache(config, batch_size=2, max_len=8, source_len=6)
     # A multi-token first call projects cross-attention keys/values into the cache ...
     logits, cache = model.apply(

@@ -20,6 +20,24 @@ from tfm.config import ConfigError, ModelConfig, from_dict, paper_base, paper_bi
         (dict(share_embeddings=True, source_vocab_size=300), "share_embeddings=True needs"),
         (dict(attention_backend="xla", attention_dropout_rate=0.1), "needs attention_backend="),
         (dict(attention_backend="xla", position_scheme="relative"), "relative_values=True needs"),
+        (dict(activation="gelu_new"), "activation='gelu_new' is unknown; choose one of: relu, "
+         "gelu, gelu_tanh, swiglu, geglu"),
+        (dict(final_norm="yes"), "final_norm='yes' must be one of: True, False or None"),
+        (dict(qkv_bias=1), "qkv_bias=1 must be one of: True, False or None"),
+        (dict(attention_out_bias="no"), "attention_out_bias='no' must be one of"),
+        (dict(mlp_bias=0.0), "mlp_bias=0.0 must be one of"),
+        (dict(lm_head_bias="x"), "lm_head_bias='x' must be one of"),
+        (dict(attention_scale=0.0), "attention_scale=0.0 must be None (the default) or a number"),
+        (dict(output_scale=-1), "output_scale=-1 must be None (the default) or a number > 0"),
+        (dict(pad_id=-1), "pad_id=-1 must be an integer >= 0"),
+        (dict(type_vocab_size=-2), "type_vocab_size=-2 must be an integer >= 0"),
+        (dict(embedding_norm=None), "embedding_norm=None must be one of: True or False"),
+        (dict(rope_scaling="yarn"), "rope_scaling='yarn' is unknown; choose one of: none, "
+         "linear, ntk, llama3"),
+        (dict(rope_scaling_factor=0), "rope_scaling_factor=0 must be a number > 0"),
+        (dict(rope_original_max_len=0), "rope_original_max_len=0 must be an integer > 0"),
+        (dict(rope_scaling="llama3", rope_low_freq_factor=4.0, rope_high_freq_factor=1.0),
+         "rope_high_freq_factor=1.0 must be > rope_low_freq_factor=4.0"),
     ],
 )
 def test_bad_values_name_the_field(changes, message):
@@ -46,3 +64,20 @@ def test_presets_match_the_paper_and_replace_revalidates():
     assert (big.d_model, big.d_ff, big.num_heads, big.dropout_rate) == (1024, 4096, 16, 0.3)
     with pytest.raises(ConfigError, match="num_heads"):
         base.replace(num_heads=7)
+
+
+def test_derived_knobs_resolve_their_defaults():
+    base = ModelConfig(d_model=64, num_heads=4)
+    assert base.resolved_attention_scale == 16**-0.5
+    assert base.replace(attention_scale=1.0).resolved_attention_scale == 1.0
+    assert not base.has_final_norm and base.replace(norm_placement="pre").has_final_norm
+    assert base.replace(final_norm=True).has_final_norm
+    assert not base.replace(norm_placement="pre", final_norm=False).has_final_norm
+    qwen = base.replace(use_bias=False, qkv_bias=True)
+    assert [qwen.has_bias(g) for g in ("qkv", "attention_out", "mlp", "lm_head")] == [
+        True, False, False, False
+    ]
+    assert base.has_bias("mlp") and not base.has_bias("lm_head")
+    assert ModelConfig(pad_id=None).pad_id is None
+    with pytest.raises(ConfigError, match="bias group='ffn' is unknown; choose one of: qkv"):
+        base.has_bias("ffn")

@@ -93,7 +93,13 @@ def full_forward(config: ModelConfig, seq2seq: bool):
     """The model without a cache, jitted once per config: logits [batch, len, vocab]."""
     if seq2seq:
         model = EncoderDecoder(config)
-        return jax.jit(lambda p, source, inputs: model.apply({"params": p}, source, inputs))
+        # The test sources are right-padded with PAD and hold no PAD inside: that is how
+        # their validity is known here (the model never infers it from token values).
+        return jax.jit(
+            lambda p, source, inputs: model.apply(
+                {"params": p}, source, inputs, source_valid=source != PAD
+            )
+        )
     model = DecoderLM(config)
     return jax.jit(lambda p, tokens: model.apply({"params": p}, tokens))
 
@@ -165,9 +171,11 @@ def test_lm_greedy_with_cache_equals_recomputation(scheme):
 @pytest.mark.parametrize("scheme", ["sinusoidal", "t5_bias"])
 def test_translate_greedy_with_cache_equals_recomputation(scheme):
     config, params = seq2seq_setup(scheme)
-    output = translate(params, config, SOURCE, method="greedy", extra_len=EXTRA_LEN)
-    forward = full_forward(config, True)
     source_lengths = (SOURCE != PAD).sum(axis=1)
+    output = translate(
+        params, config, SOURCE, source_lengths, method="greedy", extra_len=EXTRA_LEN
+    )
+    forward = full_forward(config, True)
     expected, _ = naive_greedy(
         lambda inputs: forward(params, SOURCE, inputs),
         np.full((len(SOURCE), 1), BOS, np.int32),
@@ -265,7 +273,9 @@ def test_translate_output_is_at_most_source_length_plus_extra_len():
     source_lengths = (SOURCE != PAD).sum(axis=1)
     extra_len = EXTRA_LEN  # as in the test above, so greedy reuses its compilation
     for method in ("greedy", "beam"):
-        output = translate(params, config, SOURCE, method=method, extra_len=extra_len)
+        output = translate(
+            params, config, SOURCE, source_lengths, method=method, extra_len=extra_len
+        )
         tokens, lengths = np.asarray(output.tokens), np.asarray(output.lengths)
         if method == "beam":
             tokens, lengths = tokens[:, 0], lengths[:, 0]
@@ -365,7 +375,9 @@ def test_generate_text_with_byte_tokenizer(kind):
         source = np.zeros((2, max(map(len, ids))), np.int32)
         for row, row_ids in enumerate(ids):
             source[row, : len(row_ids)] = row_ids
-        output = translate(params, config, source, method="greedy", **options)
+        output = translate(
+            params, config, source, [len(i) for i in ids], method="greedy", **options
+        )
     for (text, score), tokens, want_score in zip(first, output.tokens, output.scores, strict=True):
         assert text == tokenizer.decode(strip_special(np.asarray(tokens)))
         assert score == pytest.approx(float(want_score))

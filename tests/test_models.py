@@ -49,11 +49,12 @@ def test_encoder_real_tokens_ignore_padding(scheme):
     config = tiny(position_scheme=scheme)
     model = Encoder(config)
     real = tokens_from(2, (1, 5))
-    short = jnp.pad(real, ((0, 0), (0, 2)))  # pad id 0
-    long = jnp.pad(real, ((0, 0), (0, 6)))
+    short = jnp.pad(real, ((0, 0), (0, 2)), constant_values=7)  # padding marked by `valid`
+    long = jnp.pad(real, ((0, 0), (0, 6)), constant_values=9)
     params = init(model, long)
-    out_short = model.apply({"params": params}, short)
-    out_long = model.apply({"params": params}, long)
+    valid = lambda x: jnp.arange(x.shape[1])[None] < 5
+    out_short = model.apply({"params": params}, short, valid=valid(short))
+    out_long = model.apply({"params": params}, long, valid=valid(long))
     np.testing.assert_allclose(out_short[:, :5], out_long[:, :5], atol=1e-5)
 
 
@@ -106,8 +107,10 @@ def test_decoder_sees_source_only_through_cross_attention():
     np.testing.assert_allclose(a, b, atol=1e-6)
     # Source padding is masked: changing what sits behind it changes nothing.
     padded = source.at[:, 5:].set(0)
-    c = model.apply({"params": params}, padded, inputs)
-    d = model.apply({"params": params}, jnp.pad(padded[:, :5], ((0, 0), (0, 4))), inputs)
+    real = lambda x: jnp.broadcast_to(jnp.arange(x.shape[1]) < 5, x.shape)
+    c = model.apply({"params": params}, padded, inputs, source_valid=real(padded))
+    longer = jnp.pad(padded[:, :5], ((0, 0), (0, 4)), constant_values=3)
+    d = model.apply({"params": params}, longer, inputs, source_valid=real(longer))
     np.testing.assert_allclose(c, d, atol=1e-5)
 
 
@@ -198,3 +201,61 @@ def test_paper_base_parameter_count():
     )
     assert count == expected
     assert 60e6 < count < 66e6
+
+
+def _decode_step_by_step(model, params, config, tokens, valid, prefill):
+    """Cached decoding: prefill the first `prefill` tokens in one call, then one token a step."""
+    from tfm.cache import init_cache
+
+    cache = init_cache(config, tokens.shape[0], tokens.shape[1])
+    logits, cache = model.apply(
+        {"params": params}, tokens[:, :prefill], valid=valid[:, :prefill], cache=cache
+    )
+    steps = [logits]
+    for i in range(prefill, tokens.shape[1]):
+        logits, cache = model.apply(
+            {"params": params}, tokens[:, i : i + 1], valid=valid[:, i : i + 1], cache=cache
+        )
+        steps.append(logits)
+    return jnp.concatenate(steps, axis=1)
+
+
+@pytest.mark.parametrize("scheme", ["learned", "rope", "alibi"])
+def test_real_token_equal_to_pad_id_is_attended_like_any_other(scheme):
+    """pad_id=0 and 0 is a real token (GPT-2's "!"): the full forward pass and cached decoding
+    agree, and the logits differ from a model told those tokens are padding."""
+    config = tiny(num_encoder_layers=0, position_scheme=scheme, pad_id=0)
+    model = DecoderLM(config)
+    tokens = jnp.array([[5, 0, 7, 0, 0, 3], [0, 4, 0, 8, 9, 0]])
+    params = init(model, tokens)
+    full = model.apply({"params": params}, tokens)
+    valid = jnp.ones(tokens.shape, bool)
+    cached = _decode_step_by_step(model, params, config, tokens, valid, prefill=2)
+    np.testing.assert_allclose(cached, full, atol=1e-5)
+    no_pad = DecoderLM(config.replace(pad_id=None)).apply({"params": params}, tokens)
+    np.testing.assert_array_equal(no_pad, full)  # pad_id never enters the computation
+    masked = model.apply({"params": params}, tokens, valid=tokens != 0)
+    assert np.abs(np.asarray(masked - full))[:, 2:].max() > 1e-3
+
+
+@pytest.mark.parametrize("scheme", ["learned", "rope", "t5_bias", "alibi"])
+def test_left_padding_matches_the_unpadded_rows_in_full_and_cached_decoding(scheme):
+    """Left-padded rows (pad token = a real token id 0, marked by `valid`) give the unpadded
+    rows' logits, in the full forward pass and in cached decoding; the fully masked padding
+    queries read nothing (no NaN, nothing from the future)."""
+    config = tiny(num_encoder_layers=0, position_scheme=scheme, pad_id=0)
+    model = DecoderLM(config)
+    rows = [[0, 4, 6, 0, 9], [3, 0, 8]]  # 0 is also a real token
+    width = 7
+    tokens = jnp.array([[0] * (width - len(r)) + r for r in rows])
+    valid = jnp.array([[False] * (width - len(r)) + [True] * len(r) for r in rows])
+    params = init(model, tokens)
+    full = model.apply({"params": params}, tokens, valid=valid)
+    assert np.isfinite(np.asarray(full)).all()
+    for row, real in enumerate(rows):
+        alone = model.apply({"params": params}, jnp.array([real]))
+        np.testing.assert_allclose(full[row, width - len(real) :], alone[0], atol=1e-5)
+    cached = _decode_step_by_step(model, params, config, tokens, valid, prefill=4)
+    np.testing.assert_allclose(
+        np.where(valid[..., None], cached, 0), np.where(valid[..., None], full, 0), atol=1e-5
+    )

@@ -317,3 +317,28 @@ def test_registry_matches_config_and_rejects_unknown_names():
         "alibi",
     ):
         P.get_scheme("rotary")
+
+
+def test_rope_frequency_scalings():
+    from tfm.positions import rope_frequencies
+
+    plain = rope_frequencies(8, 10000.0)
+    np.testing.assert_allclose(plain, 10000.0 ** (-np.arange(0, 8, 2) / 8))
+    np.testing.assert_allclose(rope_frequencies(8, 10000.0, "linear", 4.0), plain / 4)
+    # NTK-aware: the highest frequency stays, the lowest is divided by exactly the factor.
+    ntk = rope_frequencies(8, 10000.0, "ntk", 4.0)
+    assert ntk[0] == plain[0] and ntk[-1] == pytest.approx(plain[-1] / 4, rel=1e-12)
+    assert np.all(ntk[1:-1] < plain[1:-1]) and np.all(ntk[1:-1] > plain[1:-1] / 4)
+    # Llama 3: wavelengths above original/low are divided by the factor, those below
+    # original/high kept, the band between blended.
+    llama3 = rope_frequencies(64, 500000.0, "llama3", 8.0, 8192, 1.0, 4.0)
+    plain = rope_frequencies(64, 500000.0)
+    wavelength = 2 * np.pi / plain
+    low, high = wavelength > 8192, wavelength < 2048
+    np.testing.assert_allclose(llama3[low], plain[low] / 8)
+    np.testing.assert_array_equal(llama3[high], plain[high])
+    middle = ~low & ~high
+    assert middle.any() and np.all((llama3[middle] < plain[middle]) &
+                                   (llama3[middle] > plain[middle] / 8))
+    with pytest.raises(ValueError, match="scaling='yarn' is unknown; choose one of: none, linear"):
+        rope_frequencies(8, scaling="yarn")

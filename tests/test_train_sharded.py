@@ -192,10 +192,10 @@ def test_decoding_under_a_mesh_equals_one_device(data_dir, one_device_run):
     _, shardings = train.state_shardings(exp)
     sharded_params = jax.device_put(trained.params, shardings.params)
     sources, _ = exp.data.eval_texts("validation")
-    tokens, _ = generate.pad_batch([exp.data.encode_prompt(s) for s in sources[:4]])
+    tokens, lengths = generate.pad_batch([exp.data.encode_prompt(s) for s in sources[:4]])
 
     def decode(params):
-        output = generate.translate(params, exp.model_config, tokens, method="greedy",
+        output = generate.translate(params, exp.model_config, tokens, lengths, method="greedy",
                                     max_new_tokens=6)
         return jax.device_get(output.tokens), jax.device_get(output.scores)
 

@@ -10,6 +10,8 @@ Layout (every leaf has batch on axis 0, so decoding algorithms can reorder beams
   Each layer writes its new tokens in place (`write_layer`); no step copies the whole cache.
 - `lengths`: [batch] int32, how many slots of each row are filled = where the next token is written.
   Rows advance independently (prompts of different lengths, rows that stopped at EOS).
+- `valid`: [batch, max_len] bool, which filled slots hold real tokens (False for left padding
+  written by a prefill with an explicit valid mask); slots are attended to when filled and valid.
 - `cross_keys`, `cross_values`: like keys and values with source_len slots, the
   encoder-decoder's cross-attention keys/values, projected once from the encoder output.
 - `source_valid`: [batch, source_len] bool, which source positions are real tokens.
@@ -30,6 +32,7 @@ class DecoderCache:
     keys: jax.Array  # [batch, num_layers, num_kv_heads, head_dim, max_len]
     values: jax.Array  # [batch, num_layers, num_kv_heads, max_len, head_dim]
     lengths: jax.Array  # [batch] int32
+    valid: jax.Array | None = None  # [batch, max_len] bool; None = every filled slot is real
     cross_keys: jax.Array | None = None  # [batch, num_layers, num_kv_heads, head_dim, source_len]
     cross_values: jax.Array | None = None
     source_valid: jax.Array | None = None  # [batch, source_len] bool
@@ -76,6 +79,7 @@ def init_cache(
         keys=jnp.zeros(key_shape, dtype),
         values=jnp.zeros(value_shape, dtype),
         lengths=jnp.zeros((batch_size,), jnp.int32),
+        valid=jnp.ones((batch_size, max_len), bool),
         **cross,
     )
 
@@ -138,6 +142,18 @@ def write_layer(
         return jax.lax.dynamic_update_slice(row_slots, row_new[None].astype(row_slots.dtype), index)
 
     return jax.vmap(write_row)(slots, new, start.astype(jnp.int32))
+
+
+def write_valid(
+    valid: jax.Array,  # [batch, max_len] bool
+    new: jax.Array,  # [batch, new_len] bool
+    start: jax.Array,  # [batch] int32
+) -> jax.Array:  # [batch, max_len] bool
+    """Marks slots [start, start + new_len) of each row real or padding."""
+    write_row = lambda row, row_new, row_start: jax.lax.dynamic_update_slice(
+        row, row_new, (row_start,)
+    )
+    return jax.vmap(write_row)(valid, new.astype(bool), start.astype(jnp.int32))
 
 
 def read_layer(

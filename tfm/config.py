@@ -11,13 +11,17 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 
 POSITION_SCHEMES = ("none", "sinusoidal", "learned", "rope", "relative", "t5_bias", "alibi")
 SINUSOIDAL_LAYOUTS = ("paper", "concat")
 ROPE_LAYOUTS = ("interleaved", "rotate_half")
 NORM_TYPES = ("layernorm", "rmsnorm")
 NORM_PLACEMENTS = ("post", "pre")
-ACTIVATIONS = ("relu", "gelu", "swiglu")
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "swiglu", "geglu")
+GATED_ACTIVATIONS = ("swiglu", "geglu")
+BIAS_GROUPS = ("qkv", "attention_out", "mlp", "lm_head")
+ROPE_SCALINGS = ("none", "linear", "ntk", "llama3")  # tfm.positions.ROPE_SCALINGS
 ATTENTION_BACKENDS = ("reference", "xla", "cudnn")
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -37,6 +41,12 @@ def _positive(field: str, value: Any, allow_zero: bool = False) -> None:
     if not ok:
         bound = ">= 0" if allow_zero else "> 0"
         raise ConfigError(f"{field}={value!r} must be an integer {bound}")
+
+
+def _boolean(field: str, value: Any, optional: bool = False) -> None:
+    if not (isinstance(value, bool) or (optional and value is None)):
+        allowed = "True, False or None" if optional else "True or False"
+        raise ConfigError(f"{field}={value!r} must be one of: {allowed}")
 
 
 def _rate(field: str, value: Any) -> None:
@@ -62,7 +72,14 @@ class ModelConfig:
     # Std of the token-embedding init; None = d_model ** -0.5. With a tied output, a small value
     # (GPT-2: 0.02) starts a language model near loss ln(vocab_size).
     embedding_init_stddev: float | None = None
-    pad_id: int = 0
+    # Which token id pads (None: the model has no pad token). Only decoding uses it, to fill
+    # the outputs after EOS: validity always comes from lengths / segment ids / valid masks,
+    # never from token values, so a real token equal to pad_id is attended to like any other.
+    pad_id: int | None = 0
+    # BERT-style encoder inputs: token-type (segment A/B) embeddings added to the token
+    # embeddings (0 = none), and a norm after the embedding sum.
+    type_vocab_size: int = 0
+    embedding_norm: bool = False
 
     # Sizes.
     d_model: int = 512
@@ -84,6 +101,13 @@ class ModelConfig:
     rope_base: float = 10000.0
     rope_layout: str = "rotate_half"
     rope_fraction: float = 1.0  # fraction of head_dim rotated (partial rotary, GPT-NeoX)
+    # Long-context RoPE scaling (positions.rope_frequencies): none, linear, ntk, llama3, by
+    # rope_scaling_factor; llama3 also reads the original context and its two band edges.
+    rope_scaling: str = "none"
+    rope_scaling_factor: float = 1.0
+    rope_original_max_len: int = 8192
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
     relative_max_distance: int = 16  # Shaw et al. clipping distance k
     relative_values: bool = True  # Shaw et al. also add relative embeddings to values
     t5_num_buckets: int = 32
@@ -96,6 +120,21 @@ class ModelConfig:
     norm_eps: float = 1e-6
     activation: str = "relu"
     use_bias: bool = True  # biases in dense layers (the paper has them; Llama-style has none)
+    # Per-group overrides of use_bias (None = use_bias): query/key/value projections, the
+    # attention output projection, the feed-forward layers. Qwen2 has biases on q/k/v only;
+    # GPT-2 and BERT everywhere. The untied LM head has a bias only when lm_head_bias=True.
+    qkv_bias: bool | None = None
+    attention_out_bias: bool | None = None
+    mlp_bias: bool | None = None
+    lm_head_bias: bool | None = False
+    # Norm after the last block: None = pre-LN has one and post-LN has none (the paper);
+    # True after post-LN is torch.nn.Transformer's default; False drops it after pre-LN.
+    final_norm: bool | None = None
+    # Attention logit scale: None = head_dim ** -0.5 (the paper); T5 uses 1.0.
+    attention_scale: float | None = None
+    # Multiplies the decoder output before the LM head (T5 v1.0: d_model ** -0.5 with tied
+    # embeddings); None = 1.
+    output_scale: float | None = None
     local_window: int | None = None  # restricted self-attention radius r (paper Table 1)
 
     # Implementation.
@@ -114,7 +153,6 @@ class ModelConfig:
                 f"share_embeddings=True needs source_vocab_size == vocab_size; got "
                 f"source_vocab_size={self.source_vocab_size}, vocab_size={self.vocab_size}"
             )
-        _positive("pad_id", self.pad_id, allow_zero=True)
         if self.embedding_init_stddev is not None and not (
             isinstance(self.embedding_init_stddev, int | float) and self.embedding_init_stddev > 0
         ):
@@ -122,6 +160,22 @@ class ModelConfig:
                 f"embedding_init_stddev={self.embedding_init_stddev!r} must be a number > 0 "
                 "(or None for d_model ** -0.5)"
             )
+        if self.pad_id is not None:
+            _positive("pad_id", self.pad_id, allow_zero=True)
+        _positive("type_vocab_size", self.type_vocab_size, allow_zero=True)
+        for field in ("share_embeddings", "tie_output", "scale_embeddings", "embedding_norm"):
+            _boolean(field, getattr(self, field))
+        for field in ("use_bias", "relative_values", "t5_shared_across_layers"):
+            _boolean(field, getattr(self, field))
+        for group in BIAS_GROUPS:
+            _boolean(f"{group}_bias", getattr(self, f"{group}_bias"), optional=True)
+        _boolean("final_norm", self.final_norm, optional=True)
+        for field in ("attention_scale", "output_scale"):
+            value = getattr(self, field)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int | float) or not value > 0
+            ):
+                raise ConfigError(f"{field}={value!r} must be None (the default) or a number > 0")
         for field in ("d_model", "num_heads", "d_ff"):
             _positive(field, getattr(self, field))
         _positive("num_encoder_layers", self.num_encoder_layers, allow_zero=True)
@@ -149,6 +203,19 @@ class ModelConfig:
         _choice("rope_layout", self.rope_layout, ROPE_LAYOUTS)
         if not self.rope_base > 1:
             raise ConfigError(f"rope_base={self.rope_base!r} must be > 1")
+        _choice("rope_scaling", self.rope_scaling, ROPE_SCALINGS)
+        for field in ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ConfigError(f"{field}={value!r} must be a number > 0")
+        _positive("rope_original_max_len", self.rope_original_max_len)
+        if self.rope_scaling == "llama3" and not (
+            self.rope_high_freq_factor > self.rope_low_freq_factor
+        ):
+            raise ConfigError(
+                f"rope_high_freq_factor={self.rope_high_freq_factor} must be > "
+                f"rope_low_freq_factor={self.rope_low_freq_factor} for rope_scaling='llama3'"
+            )
         if not 0.0 < self.rope_fraction <= 1.0:
             raise ConfigError(f"rope_fraction={self.rope_fraction!r} must be in (0, 1]")
         rotated = round(self.resolved_head_dim * self.rope_fraction)
@@ -191,6 +258,37 @@ class ModelConfig:
     @property
     def resolved_head_dim(self) -> int:
         return self.head_dim if self.head_dim is not None else self.d_model // self.num_heads
+
+    def has_bias(self, group: str) -> bool:
+        """Whether the dense layers of `group` (one of BIAS_GROUPS) have a bias."""
+        _choice("bias group", group, BIAS_GROUPS)
+        value = getattr(self, f"{group}_bias")
+        return self.use_bias if value is None else value
+
+    @property
+    def has_final_norm(self) -> bool:
+        return self.norm_placement == "pre" if self.final_norm is None else self.final_norm
+
+    @property
+    def resolved_attention_scale(self) -> float:
+        if self.attention_scale is None:
+            return self.resolved_head_dim**-0.5
+        return float(self.attention_scale)
+
+    @property
+    def rope_frequencies(self) -> np.ndarray:
+        """RoPE's rotation frequencies (float64, static) with this config's scaling."""
+        from tfm.positions import rope_frequencies
+
+        return rope_frequencies(
+            round(self.resolved_head_dim * self.rope_fraction),
+            self.rope_base,
+            self.rope_scaling,
+            self.rope_scaling_factor,
+            self.rope_original_max_len,
+            self.rope_low_freq_factor,
+            self.rope_high_freq_factor,
+        )
 
     @property
     def resolved_num_kv_heads(self) -> int:

@@ -92,14 +92,15 @@ def _attention_counts(config: ModelConfig) -> tuple[int, int, int]:
     """(query/output weights, key/value weights, biases) of one attention layer."""
     d, head_dim = config.d_model, config.resolved_head_dim
     q_width, kv_width = config.num_heads * head_dim, config.resolved_num_kv_heads * head_dim
-    bias = q_width + 2 * kv_width + d if config.use_bias else 0
+    bias = (q_width + 2 * kv_width) * config.has_bias("qkv")
+    bias += d * config.has_bias("attention_out")
     return 2 * d * q_width, 2 * d * kv_width, bias
 
 
 def _mlp_counts(config: ModelConfig) -> tuple[int, int]:
     """(weights, biases) of one FFN: two matrices, or three for SwiGLU (gate, up, down)."""
-    matrices = 3 if config.activation == "swiglu" else 2
-    bias = (matrices - 1) * config.d_ff + config.d_model if config.use_bias else 0
+    matrices = 3 if config.activation in ("swiglu", "geglu") else 2
+    bias = (matrices - 1) * config.d_ff + config.d_model if config.has_bias("mlp") else 0
     return matrices * config.d_model * config.d_ff, bias
 
 

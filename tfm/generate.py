@@ -23,6 +23,12 @@ METHODS = ("greedy", "sample", "beam")
 BOS_ID, EOS_ID = 1, 2
 
 
+def fill_id(config: ModelConfig) -> int:
+    """The id written after EOS and into padded rows: pad_id, or 0 for a model without one
+    (rows carry their lengths, so the filler is never read as a token)."""
+    return 0 if config.pad_id is None else config.pad_id
+
+
 def _check_request(config: ModelConfig, method: str, total_len: int, beam_size: int) -> None:
     if method not in METHODS:
         raise ValueError(f"method={method!r} is unknown; choose one of: {', '.join(METHODS)}")
@@ -92,7 +98,7 @@ def _lm_generate_jit(params, prompts, prompt_lengths, rng, config, method, optio
 def lm_generate(
     params: Any,
     config: ModelConfig,
-    prompts: np.ndarray,  # [batch, prompt_len] int, right-padded with pad_id
+    prompts: np.ndarray,  # [batch, prompt_len] int, right-padded
     prompt_lengths: np.ndarray,  # [batch] int, >= 1
     *,
     max_new_tokens: int,
@@ -119,7 +125,7 @@ def lm_generate(
     options = dict(
         max_new_tokens=max_new_tokens,
         eos_id=eos_id,
-        pad_id=config.pad_id,
+        pad_id=fill_id(config),
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
@@ -139,12 +145,14 @@ def lm_generate(
 
 
 @functools.partial(jax.jit, static_argnames=("config", "method", "options_items"))
-def _translate_jit(params, source, rng, config, method, options_items):
+def _translate_jit(params, source, source_lengths, rng, config, method, options_items):
     options = dict(options_items)
     model = EncoderDecoder(config)
     batch, source_len = source.shape
-    source_valid = source != config.pad_id
-    encoded = model.apply({"params": params}, source, method=EncoderDecoder.encode)
+    source_valid = jnp.arange(source_len)[None, :] < source_lengths[:, None]
+    encoded = model.apply(
+        {"params": params}, source, source_valid=source_valid, method=EncoderDecoder.encode
+    )
     cache = init_cache(config, batch, options["max_new_tokens"] + 1, source_len=source_len)
     bos = jnp.full((batch, 1), options["bos_id"], jnp.int32)
     logits, cache = model.apply(
@@ -171,7 +179,8 @@ def _translate_jit(params, source, rng, config, method, options_items):
 def translate(
     params: Any,
     config: ModelConfig,
-    source: np.ndarray,  # [batch, src_len] int, right-padded with pad_id
+    source: np.ndarray,  # [batch, src_len] int, right-padded
+    source_lengths: np.ndarray | None = None,  # [batch] real tokens per row; None = all
     *,
     method: str = "beam",
     beam_size: int = 4,
@@ -190,13 +199,20 @@ def translate(
     source = np.asarray(source)
     if source.ndim != 2:
         raise ValueError(f"source must be [batch, len]; got shape {source.shape}")
+    if source_lengths is None:
+        source_lengths = np.full(source.shape[:1], source.shape[1])
+    source_lengths = np.asarray(source_lengths)
+    if source_lengths.shape != source.shape[:1]:
+        raise ValueError(
+            f"source_lengths must be [batch]={source.shape[:1]}; got {source_lengths.shape}"
+        )
     if max_new_tokens is None:
         max_new_tokens = source.shape[1] + extra_len
     _check_request(config, method, max_new_tokens + 1, beam_size)
     options = dict(
         max_new_tokens=max_new_tokens,
         eos_id=eos_id,
-        pad_id=config.pad_id,
+        pad_id=fill_id(config),
         bos_id=bos_id,
         extra_len=extra_len,
         temperature=temperature,
@@ -207,7 +223,13 @@ def translate(
     )
     rng = jax.random.PRNGKey(0) if rng is None else rng
     return _translate_jit(
-        params, jnp.asarray(source), rng, config, method, tuple(sorted(options.items()))
+        params,
+        jnp.asarray(source),
+        jnp.asarray(source_lengths, jnp.int32),
+        rng,
+        config,
+        method,
+        tuple(sorted(options.items())),
     )
 
 
@@ -250,20 +272,19 @@ def generate_text(
     **options: Any,
 ) -> list[tuple[str, float]]:
     """Text in, (text, score) out. kind='lm' continues each text; kind='seq2seq' translates it."""
+    pad_id = fill_id(config)
     if kind == "lm":
-        prompts, lengths = pad_batch(
-            [[BOS_ID, *tokenizer.encode(t)] for t in texts], config.pad_id
-        )
+        prompts, lengths = pad_batch([[BOS_ID, *tokenizer.encode(t)] for t in texts], pad_id)
         output = lm_generate(params, config, prompts, lengths, **options)
     elif kind == "seq2seq":
         encode = (source_tokenizer or tokenizer).encode
-        source, _ = pad_batch([[*encode(t), EOS_ID] for t in texts], config.pad_id)
-        output = translate(params, config, source, **options)
+        source, source_lengths = pad_batch([[*encode(t), EOS_ID] for t in texts], pad_id)
+        output = translate(params, config, source, source_lengths, **options)
     else:
         raise ValueError(f"kind={kind!r} is unknown; choose one of: lm, seq2seq")
     tokens, scores = best_sequences(output)
     eos_id = options.get("eos_id", EOS_ID)
     return [
-        (tokenizer.decode(strip_special(row, eos_id, config.pad_id)), float(s))
+        (tokenizer.decode(strip_special(row, eos_id, pad_id)), float(s))
         for row, s in zip(tokens, scores, strict=True)
     ]

@@ -41,6 +41,7 @@ class Projection(nn.Module):
     in_features: tuple[int, ...]
     features: tuple[int, ...]
     names: tuple[str | None, ...]
+    bias_group: str = "mlp"  # which of config.BIAS_GROUPS switches this layer's bias
 
     def setup(self) -> None:
         config, n_in, n_out = self.config, len(self.in_features), len(self.features)
@@ -50,7 +51,7 @@ class Projection(nn.Module):
         shape = (*self.in_features, *self.features)
         self.kernel = self.param("kernel", _kernel(self.names, init), shape, config.params_dtype)
         self.bias = None
-        if config.use_bias:
+        if config.has_bias(self.bias_group):
             self.bias = self.param(
                 "bias", _zeros(self.names[n_in:]), self.features, config.params_dtype
             )
@@ -71,6 +72,8 @@ def project_together(config: ModelConfig, x: Array, projections: list[Projection
     kernels = [p.kernel.reshape(*p.in_features, math.prod(p.features)) for p in projections]
     kernel = kernels[0] if len(kernels) == 1 else jnp.concatenate(kernels, axis=-1)
     has_bias = projections[0].bias is not None
+    if any((p.bias is not None) != has_bias for p in projections):
+        raise ValueError("project_together needs projections that all have a bias or all none")
     y = ops.linear(
         x,
         kernel,
@@ -88,14 +91,27 @@ def project_together(config: ModelConfig, x: Array, projections: list[Projection
     ]
 
 
-def _dense(config: ModelConfig, in_features: Any, features: Any, names: tuple, name: str):
+def _dense(
+    config: ModelConfig,
+    in_features: Any,
+    features: Any,
+    names: tuple,
+    name: str,
+    bias_group: str = "mlp",
+) -> Projection:
     """A Projection from `in_features` (int or tuple) onto `features` (int or tuple)."""
     as_tuple = lambda f: (f,) if isinstance(f, int) else tuple(f)
-    return Projection(config, as_tuple(in_features), as_tuple(features), names, name=name)
+    return Projection(
+        config, as_tuple(in_features), as_tuple(features), names, bias_group, name=name
+    )
 
 
 class Norm(nn.Module):
-    """LayerNorm (Ba et al. 2016) or RMSNorm (Zhang & Sennrich 2019), statistics in float32."""
+    """LayerNorm (Ba et al. 2016) or RMSNorm (Zhang & Sennrich 2019), statistics in float32.
+
+    LayerNorm's variance is the exact two-pass mean((x - mean)^2): the fast E[x^2] - E[x]^2
+    cancels catastrophically when a token's mean is large against its spread (mean 100, std 1
+    loses about 3e-3 in float32)."""
 
     config: ModelConfig
 
@@ -109,7 +125,12 @@ class Norm(nn.Module):
             scale_init=nn.with_logical_partitioning(nn.initializers.ones_init(), ("embed",)),
         )
         if config.norm_type == "layernorm":
-            norm = nn.LayerNorm(bias_init=_zeros(("embed",)), name="layer_norm", **kwargs)
+            norm = nn.LayerNorm(
+                bias_init=_zeros(("embed",)),
+                use_fast_variance=False,
+                name="layer_norm",
+                **kwargs,
+            )
         else:
             norm = nn.RMSNorm(name="rms_norm", **kwargs)
         return norm(x.astype(jnp.float32)).astype(config.compute_dtype)
@@ -245,10 +266,15 @@ class MultiHeadAttention(nn.Module):
         head_dim, d_model = config.resolved_head_dim, config.d_model
         kv_names = ("embed", "kv_heads", "head_dim")
         query_proj = _dense(
-            config, d_model, (num_heads, head_dim), kv_names[:1] + ("heads", "head_dim"), "query"
+            config,
+            d_model,
+            (num_heads, head_dim),
+            kv_names[:1] + ("heads", "head_dim"),
+            "query",
+            "qkv",
         )
-        key_proj = _dense(config, d_model, (num_kv_heads, head_dim), kv_names, "key")
-        value_proj = _dense(config, d_model, (num_kv_heads, head_dim), kv_names, "value")
+        key_proj = _dense(config, d_model, (num_kv_heads, head_dim), kv_names, "key", "qkv")
+        value_proj = _dense(config, d_model, (num_kv_heads, head_dim), kv_names, "value", "qkv")
         if inputs_kv is inputs_q:
             query, key, value = project_together(
                 config, inputs_q, [query_proj, key_proj, value_proj]
@@ -259,7 +285,9 @@ class MultiHeadAttention(nn.Module):
                 key, value = project_together(config, inputs_kv, [key_proj, value_proj])
         if config.position_scheme == "rope" and not self.is_cross:
             rope_args = dict(
-                base=config.rope_base, layout=config.rope_layout, fraction=config.rope_fraction
+                layout=config.rope_layout,
+                fraction=config.rope_fraction,
+                frequencies=config.rope_frequencies,
             )
             query = positions.apply_rope(query, query_positions, **rope_args)
             key = positions.apply_rope(key, query_positions, **rope_args)
@@ -281,7 +309,7 @@ class MultiHeadAttention(nn.Module):
                 cache_layout = True
 
         relative = config.position_scheme == "relative" and not self.is_cross
-        scale = head_dim**-0.5
+        scale = config.resolved_attention_scale
         if relative:
             distance = config.relative_max_distance
             rel_idx = positions.relative_indices(query_positions, key_positions, distance)
@@ -320,14 +348,20 @@ class MultiHeadAttention(nn.Module):
         else:
             out = result
         out_proj = _dense(
-            config, (num_heads, head_dim), d_model, ("heads", "head_dim", "embed"), "out"
+            config,
+            (num_heads, head_dim),
+            d_model,
+            ("heads", "head_dim", "embed"),
+            "out",
+            "attention_out",
         )
         return out_proj(out), new_slots
 
 
 class FeedForward(nn.Module):
-    """Position-wise FFN (Vaswani et al. 2017 eq. 2): ReLU as in the paper, GELU, or SwiGLU
-    (Shazeer 2020), whose gate makes it three matrices."""
+    """Position-wise FFN (Vaswani et al. 2017 eq. 2): ReLU as in the paper, GELU (exact erf, or
+    the tanh approximation of GPT-2's "gelu_new"), or the gated SwiGLU / GEGLU (Shazeer 2020;
+    T5 v1.1's gated GELU uses the tanh approximation), whose gate makes it three matrices."""
 
     config: ModelConfig
 
@@ -335,14 +369,17 @@ class FeedForward(nn.Module):
     def __call__(self, x: Array) -> Array:  # x: [batch, len, d_model]
         config = self.config
         wi = _dense(config, config.d_model, config.d_ff, ("embed", "mlp"), "wi")
-        if config.activation == "swiglu":
+        if config.activation in ("swiglu", "geglu"):
             wi_gate = _dense(config, config.d_model, config.d_ff, ("embed", "mlp"), "wi_gate")
             hidden, gate = project_together(config, x, [wi, wi_gate])
-            hidden = nn.silu(gate) * hidden
+            gate = nn.silu(gate) if config.activation == "swiglu" else nn.gelu(gate, True)
+            hidden = gate * hidden
         else:
             hidden = wi(x)
             if config.activation == "relu":
                 hidden = nn.relu(hidden)
-            else:
+            elif config.activation == "gelu":
                 hidden = ops.gelu(hidden)
+            else:  # gelu_tanh (GPT-2's "gelu_new")
+                hidden = nn.gelu(hidden, approximate=True)
         return _dense(config, config.d_ff, config.d_model, ("mlp", "embed"), "wo")(hidden)

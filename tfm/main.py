@@ -29,6 +29,13 @@ _PROMPTS = flags.DEFINE_multi_string("prompt", [], "generate: an input text (rep
 _STEP = flags.DEFINE_integer("step", None, "eval/generate: checkpoint step (default: latest)")
 _LAST_K = flags.DEFINE_integer("last_k", 5, "average: how many of the newest checkpoints")
 _OUTPUT = flags.DEFINE_string("output", None, "average: the new workdir for the averaged model")
+_PRETRAINED = flags.DEFINE_string(
+    "pretrained", None, "generate: a Hugging Face model folder instead of a config and workdir"
+)
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 32, "generate --pretrained: tokens per prompt")
+_PROMPT_IDS = flags.DEFINE_bool(
+    "prompt_ids", False, "generate --pretrained: prompts and outputs are space-separated ids"
+)
 
 
 def default_workdir(config_arg: str) -> Path:
@@ -42,6 +49,12 @@ def main(argv: list[str]) -> None:
         raise app.UsageError(
             f"expected one command, one of: {', '.join(COMMANDS)}; got {argv[1:] or 'none'}"
         )
+    if _PRETRAINED.value is not None:
+        if argv[1] != "generate":
+            raise app.UsageError("--pretrained=DIR goes with generate; to fine-tune, use "
+                                 "train CONFIG --config.init.pretrained=DIR")
+        _generate_pretrained(_PRETRAINED.value)
+        return
     if _CONFIG.value is None:
         raise app.UsageError("--config=configs/FILE.py[:ARG] is required")
     command = argv[1]
@@ -73,6 +86,30 @@ def main(argv: list[str]) -> None:
         sys.exit(1)
 
 
+def _read_prompts() -> list[str]:
+    prompts = _PROMPTS.value or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    if not prompts:  # a usage error, but without absl's 20 lines of flag help
+        sys.stderr.write("tfm.main generate: no prompt: give --prompt TEXT (repeatable) or "
+                         "non-empty lines on stdin\n")
+        sys.exit(2)
+    return prompts
+
+
+def _generate_pretrained(directory: str) -> None:
+    from tfm.interop import hf
+
+    prompts = _read_prompts()
+    try:
+        outputs = hf.generate_pretrained(
+            directory, prompts, max_new_tokens=_MAX_NEW.value, prompt_ids=_PROMPT_IDS.value
+        )
+    except (hf.UnsupportedCheckpoint, FileNotFoundError) as error:
+        sys.stderr.write(f"tfm.main generate: {type(error).__name__}: {error}\n")
+        sys.exit(1)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        print(f"{prompt}\t->\t{output}")
+
+
 def os_error_line(error: OSError) -> str:
     """One line naming the operation, the path and the reason of an OSError, e.g.
     "PermissionError: cannot mkdir /runs/x: Permission denied". The operation is the innermost
@@ -95,11 +132,7 @@ def _run(command: str, config: Any, workdir: Path, config_arg: str) -> None:
         results = train.evaluate_checkpoint(config, workdir, _STEP.value)
         _print(json.dumps(results, indent=1))
     elif command == "generate":
-        prompts = _PROMPTS.value or [line.rstrip("\n") for line in sys.stdin if line.strip()]
-        if not prompts:  # a usage error, but without absl's 20 lines of flag help
-            sys.stderr.write("tfm.main generate: no prompt: give --prompt TEXT (repeatable) or "
-                             "non-empty lines on stdin\n")
-            sys.exit(2)
+        prompts = _read_prompts()
         outputs = train.generate_from_checkpoint(config, workdir, prompts, _STEP.value)
         for prompt, output in zip(prompts, outputs, strict=True):
             _print(f"{prompt}\t->\t{output}")

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from tfm import attention
+from tfm import cache as cache_lib
 from tfm.cache import DecoderCache, check_cache, check_room
 from tfm.config import ModelConfig
 from tfm.layers import (
@@ -150,7 +151,7 @@ class Stack(nn.Module):
                 (x, caches), _ = block(
                     config, self.has_cross, self.bidirectional, name=f"layer_{i}"
                 )((x, caches), i, ctx, deterministic)
-        if config.norm_placement == "pre":
+        if config.has_final_norm:
             x = Norm(config, name="final_norm")(x)
         return x, caches
 
@@ -158,6 +159,53 @@ class Stack(nn.Module):
 def _default_positions(tokens: Array, offset: Array | None = None) -> Array:
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
     return positions if offset is None else positions + offset[:, None]
+
+
+def _resolve_valid(
+    tokens: Array, valid: Array | None, segment_ids: Array | None
+) -> Array | None:
+    """[batch, len] bool validity: given explicitly, else segment id > 0 (packed rows, 0 =
+    padding), else None (every token is real). Never inferred from token values."""
+    if valid is not None:
+        if valid.shape != tokens.shape:
+            raise ValueError(f"valid must be {tokens.shape} like the tokens; got {valid.shape}")
+        return jnp.asarray(valid, bool)
+    if segment_ids is not None:
+        return jnp.asarray(segment_ids) > 0
+    return None
+
+
+def _positions_from_valid(valid: Array, offset: Array | int = 0) -> Array:
+    """Each token's position = how many real tokens precede it (+ offset), so left padding
+    does not shift positions; padding gets its neighbour's position (it is never attended)."""
+    counted = jnp.cumsum(valid.astype(jnp.int32), axis=1) - valid.astype(jnp.int32)
+    return counted + jnp.asarray(offset, jnp.int32).reshape(-1, 1)
+
+
+def _embed(
+    config: ModelConfig,
+    module: nn.Module,
+    embedding: nn.Module,
+    tokens: Array,
+    positions: Array,
+    token_types: Array | None,
+) -> Array:
+    """Token (+ position, + token-type) embeddings, then the embedding norm if configured."""
+    x = PositionEmbedding(config, name="position_embedding")(embedding(tokens), positions)
+    if config.type_vocab_size:
+        table = module.param(
+            "token_type_embedding",
+            nn.with_logical_partitioning(nn.initializers.normal(stddev=0.02), (None, "embed")),
+            (config.type_vocab_size, config.d_model),
+            config.params_dtype,
+        )
+        types = jnp.zeros_like(tokens) if token_types is None else token_types
+        x = x + jnp.take(table, types, axis=0).astype(x.dtype)
+    elif token_types is not None:
+        raise ValueError("token_types needs model.type_vocab_size > 0")
+    if config.embedding_norm:
+        x = Norm(config, name="embedding_norm")(x)
+    return x
 
 
 def _self_attention_context(
@@ -200,17 +248,23 @@ class Encoder(nn.Module):
         *,
         positions: Array | None = None,  # [batch, src_len]
         segment_ids: Array | None = None,  # [batch, src_len]
+        valid: Array | None = None,  # [batch, src_len] bool; None = segment_ids > 0 or all
+        token_types: Array | None = None,  # [batch, src_len] (BERT segments A/B)
         deterministic: bool = True,
     ) -> Array:  # [batch, src_len, d_model]
         config = self.config
         embedding = self.shared_embedding
         if embedding is None:
             embedding = TokenEmbedding(config, config.resolved_source_vocab_size, name="embed")
-        positions = _default_positions(tokens) if positions is None else positions
-        x = PositionEmbedding(config, name="position_embedding")(embedding(tokens), positions)
+        valid = _resolve_valid(tokens, valid, segment_ids)
+        if positions is None:
+            positions = _default_positions(tokens)
+            if valid is not None and segment_ids is None:
+                positions = _positions_from_valid(valid)
+        x = _embed(config, self, embedding, tokens, positions, token_types)
         x = self.perturb("embedded", x)  # lets tests take gradients w.r.t. the input embeddings
         x = nn.Dropout(config.dropout_rate)(x, deterministic=deterministic)
-        masks = [attention.padding_mask(attention.valid_from_ids(tokens, config.pad_id))]
+        masks = [None if valid is None else attention.padding_mask(valid)]
         if segment_ids is not None:
             masks.append(attention.segment_mask(segment_ids, segment_ids))
         ctx = _self_attention_context(
@@ -242,6 +296,7 @@ class Decoder(nn.Module):
         *,
         positions: Array | None = None,  # [batch, len]
         segment_ids: Array | None = None,  # [batch, len]
+        valid: Array | None = None,  # [batch, len] bool; None = segment_ids > 0, or all real
         cache: DecoderCache | None = None,
         encoded: Array | None = None,  # [batch, src_len, d_model]
         source_valid: Array | None = None,  # [batch, src_len] bool
@@ -249,13 +304,18 @@ class Decoder(nn.Module):
         deterministic: bool = True,
     ) -> tuple[Array, DecoderCache | None]:
         config = self.config
-        write_index = None
+        write_index, new_valid = None, None
+        valid = _resolve_valid(tokens, valid, segment_ids)
         if cache is None:
-            positions = _default_positions(tokens) if positions is None else positions
+            if positions is None:
+                positions = _default_positions(tokens)
+                if valid is not None and segment_ids is None:
+                    positions = _positions_from_valid(valid)
             key_positions = positions
+            order = _default_positions(tokens)  # causal by index, whatever the positions
             masks = [
-                attention.causal_mask(positions, positions),
-                attention.padding_mask(attention.valid_from_ids(tokens, config.pad_id)),
+                attention.causal_mask(order, order),
+                None if valid is None else attention.padding_mask(valid),
             ]
             if segment_ids is not None:
                 masks.append(attention.segment_mask(segment_ids, segment_ids))
@@ -270,17 +330,25 @@ class Decoder(nn.Module):
                 )
             check_room(cache, tokens.shape[1])
             write_index = cache.lengths
-            positions = (
-                _default_positions(tokens, cache.lengths) if positions is None else positions
-            )
-            key_positions = _default_positions(cache.values[:, 0, 0, :, 0])
+            slots = _default_positions(cache.values[:, 0, 0, :, 0])  # [batch, max_len]
             filled = attention.valid_from_lengths(cache.lengths + tokens.shape[1], cache.max_len)
+            key_valid, key_positions = filled, slots
+            if cache.valid is not None:
+                written = jnp.ones(tokens.shape, bool) if valid is None else valid
+                new_valid = cache_lib.write_valid(cache.valid, written, write_index)
+                key_valid = filled & new_valid
+                # A slot's position counts the real tokens before it (left padding aside).
+                key_positions = _positions_from_valid(new_valid)
+            if positions is None:
+                positions = jnp.take_along_axis(
+                    key_positions, _default_positions(tokens, write_index), axis=1
+                )
             masks = [
-                attention.causal_mask(positions, key_positions),
-                attention.padding_mask(filled),
+                attention.causal_mask(_default_positions(tokens, write_index), slots),
+                attention.padding_mask(key_valid),
             ]
 
-        x = PositionEmbedding(config, name="position_embedding")(self.embedding(tokens), positions)
+        x = _embed(config, self, self.embedding, tokens, positions, None)
         x = self.perturb("embedded", x)
         x = nn.Dropout(config.dropout_rate)(x, deterministic=deterministic)
         ctx = _self_attention_context(
@@ -322,12 +390,14 @@ class Decoder(nn.Module):
         x, caches = Stack(config, config.num_decoder_layers, self.has_cross, False, name="stack")(
             x, caches, ctx, deterministic
         )
+        if config.output_scale is not None:
+            x = x * jnp.asarray(config.output_scale, x.dtype)
         if config.tie_output:
             logits = self.embedding.attend(x)
         else:
             logits = nn.DenseGeneral(
                 self.embedding.vocab_size,
-                use_bias=False,
+                use_bias=config.lm_head_bias,
                 dtype=config.compute_dtype,
                 param_dtype=config.params_dtype,
                 kernel_init=nn.with_logical_partitioning(
@@ -344,6 +414,7 @@ class Decoder(nn.Module):
                 keys=caches["keys"],
                 values=caches["values"],
                 lengths=cache.lengths + tokens.shape[1],
+                valid=new_valid,
             )
             if self.has_cross:
                 new.update(
@@ -368,6 +439,7 @@ class DecoderLM(nn.Module):
         *,
         positions: Array | None = None,  # [batch, len]
         segment_ids: Array | None = None,  # [batch, len]
+        valid: Array | None = None,  # [batch, len] bool (e.g. left padding); None = all real
         cache: DecoderCache | None = None,
         deterministic: bool = True,
     ) -> Array | tuple[Array, DecoderCache]:  # logits [batch, len, vocab] float32
@@ -377,6 +449,7 @@ class DecoderLM(nn.Module):
             tokens,
             positions=positions,
             segment_ids=segment_ids,
+            valid=valid,
             cache=cache,
             deterministic=deterministic,
         )
@@ -407,12 +480,14 @@ class EncoderDecoder(nn.Module):
         *,
         source_positions: Array | None = None,
         source_segment_ids: Array | None = None,
+        source_valid: Array | None = None,  # [batch, src_len] bool
         deterministic: bool = True,
     ) -> Array:  # [batch, src_len, d_model]
         return self.encoder(
             source,
             positions=source_positions,
             segment_ids=source_segment_ids,
+            valid=source_valid,
             deterministic=deterministic,
         )
 
@@ -425,6 +500,7 @@ class EncoderDecoder(nn.Module):
         positions: Array | None = None,
         segment_ids: Array | None = None,
         source_segment_ids: Array | None = None,
+        valid: Array | None = None,  # [batch, len] bool
         cache: DecoderCache | None = None,
         deterministic: bool = True,
     ) -> Array | tuple[Array, DecoderCache]:  # logits [batch, len, vocab] float32
@@ -432,6 +508,7 @@ class EncoderDecoder(nn.Module):
             tokens,
             positions=positions,
             segment_ids=segment_ids,
+            valid=valid,
             cache=cache,
             encoded=encoded,
             source_valid=source_valid,
@@ -449,15 +526,18 @@ class EncoderDecoder(nn.Module):
         source_segment_ids: Array | None = None,
         positions: Array | None = None,
         segment_ids: Array | None = None,
+        source_valid: Array | None = None,  # [batch, src_len] bool; None = segment ids > 0
+        valid: Array | None = None,  # [batch, len] bool; None = segment ids > 0
         deterministic: bool = True,
     ) -> Array:  # logits [batch, len, vocab] float32
+        source_valid = _resolve_valid(source, source_valid, source_segment_ids)
         encoded = self.encode(
             source,
             source_positions=source_positions,
             source_segment_ids=source_segment_ids,
+            source_valid=source_valid,
             deterministic=deterministic,
         )
-        source_valid = attention.valid_from_ids(source, self.config.pad_id)
         return self.decode(
             inputs,
             encoded=encoded,
@@ -465,6 +545,7 @@ class EncoderDecoder(nn.Module):
             positions=positions,
             segment_ids=segment_ids,
             source_segment_ids=source_segment_ids,
+            valid=valid,
             deterministic=deterministic,
         )
 

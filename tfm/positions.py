@@ -95,6 +95,48 @@ def learned_lookup(table: Array, positions: ArrayLike) -> Array:
     return jnp.take(table, positions, axis=0, mode="fill", fill_value=jnp.nan)
 
 
+ROPE_SCALINGS = ("none", "linear", "ntk", "llama3")
+
+
+def rope_frequencies(
+    rotated: int,
+    base: float = 10000.0,
+    scaling: str = "none",
+    factor: float = 1.0,
+    original_max_len: int = 8192,
+    low_freq_factor: float = 1.0,
+    high_freq_factor: float = 4.0,
+) -> np.ndarray:
+    """RoPE's rotation frequencies [rotated // 2] (float64), base^(-2i/rotated), optionally
+    rescaled for long context by `factor`:
+    - linear: frequencies / factor, i.e. positions interpolated (Chen et al. 2023);
+    - ntk: the "NTK-aware" base change base * factor^(d / (d - 2)) (bloc97, 2023), static;
+    - llama3: low frequencies (wavelength > original_max_len / low_freq_factor) divided by
+      factor, high ones (wavelength < original_max_len / high_freq_factor) kept, and a smooth
+      blend between (Meta's Llama 3.1 recipe, as in Hugging Face's `rope_type="llama3"`).
+    """
+    if scaling not in ROPE_SCALINGS:
+        allowed = ", ".join(ROPE_SCALINGS)
+        raise ValueError(f"scaling={scaling!r} is unknown; choose one of: {allowed}")
+    if scaling == "ntk":
+        base = base * factor ** (rotated / (rotated - 2))
+    inv_freq = base ** (-np.arange(0, rotated, 2, dtype=np.float64) / rotated)
+    if scaling == "linear":
+        return inv_freq / factor
+    if scaling == "llama3":
+        wavelength = 2 * np.pi / inv_freq
+        low_wavelength = original_max_len / low_freq_factor
+        high_wavelength = original_max_len / high_freq_factor
+        scaled = np.where(wavelength > low_wavelength, inv_freq / factor, inv_freq)
+        smooth = (original_max_len / wavelength - low_freq_factor) / (
+            high_freq_factor - low_freq_factor
+        )
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelength >= high_wavelength) & (wavelength <= low_wavelength)
+        return np.where(medium, blended, scaled)
+    return inv_freq
+
+
 def apply_rope(
     x: Array,
     positions: ArrayLike,
@@ -102,13 +144,15 @@ def apply_rope(
     base: float = 10000.0,
     layout: str = "rotate_half",
     fraction: float = 1.0,
+    frequencies: np.ndarray | None = None,
 ) -> Array:
     """Rotary position embedding (Su et al. 2021); x: [B, T, N, H], positions: [B, T] -> x's shape.
 
     The first d = round(fraction * H) dims (even) are rotated by angles pos * base^(-2i/d);
     the rest pass through. layout="interleaved" rotates pairs (2i, 2i+1) (paper, GPT-J);
-    layout="rotate_half" rotates pairs (i, i + d/2) (GPT-NeoX, Llama). Computed in float32,
-    returned in x's dtype.
+    layout="rotate_half" rotates pairs (i, i + d/2) (GPT-NeoX, Llama). `frequencies` [d / 2]
+    (static, e.g. from `rope_frequencies` with long-context scaling) replace base^(-2i/d).
+    Computed in float32, returned in x's dtype.
     """
     if layout not in ("interleaved", "rotate_half"):
         raise ValueError(f"layout={layout!r} is unknown; choose one of: interleaved, rotate_half")
@@ -123,7 +167,11 @@ def apply_rope(
             "that must be an even number >= 2 with 0 < fraction <= 1"
         )
     half = rotated // 2
-    sin, cos = _sin_cos(positions, base ** (-2.0 * np.arange(half) / rotated))
+    if frequencies is None:
+        frequencies = base ** (-2.0 * np.arange(half) / rotated)
+    if np.shape(frequencies) != (half,):
+        raise ValueError(f"frequencies must have shape ({half},); got {np.shape(frequencies)}")
+    sin, cos = _sin_cos(positions, frequencies)
     sin, cos = sin[:, :, None, :], cos[:, :, None, :]  # [B, T, 1, half]
     rot, rest = x[..., :rotated].astype(jnp.float32), x[..., rotated:]
     if layout == "rotate_half":

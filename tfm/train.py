@@ -43,7 +43,10 @@ TOP_LEVEL_SECTIONS = (
     "mesh",
     "logical_axis_rules",
     "distributed",
+    "init",
 )
+# Fields of config.model that still apply when init.pretrained supplies the architecture.
+IMPLEMENTATION_FIELDS = ("dtype", "param_dtype", "scan_layers", "remat", "attention_backend")
 TRAIN_DEFAULTS: dict[str, Any] = {
     "seed": 0,
     "num_steps": 1000,
@@ -259,6 +262,7 @@ class Experiment:
     schedule: optax.Schedule
     mesh: jax.sharding.Mesh
     rules: Any
+    pretrained: str | None = None  # a Hugging Face folder the first state's params come from
 
     @property
     def model(self) -> nn.Module:
@@ -342,6 +346,9 @@ def setup(
         model_values["source_vocab_size"] = data.source_vocab_size
         if data.source_vocab_size != data.vocab_size:
             model_values["share_embeddings"] = False
+    pretrained = _pretrained_folder(config)
+    if pretrained is not None:
+        model_values = _pretrained_model_values(pretrained, model_values, task, data)
     model_config = from_dict(model_values)
     if (warning := flops.bf16_warning(model_config)) and jax.process_index() == 0:
         logger.warning(warning)
@@ -360,6 +367,7 @@ def setup(
         schedule,
         mesh,
         rules,
+        pretrained,
     )
     for split in eval_options["splits"] or ():
         if split not in data.sources:
@@ -375,6 +383,71 @@ def setup(
         )
     check_lengths(experiment)
     return experiment
+
+
+def _pretrained_folder(config: ml_collections.ConfigDict) -> str | None:
+    init = config.get("init")
+    folder = None if init is None else init.get("pretrained")
+    if folder is None:
+        return None
+    if not isinstance(folder, str) or not (Path(folder) / "config.json").is_file():
+        raise ConfigError(
+            f"init.pretrained={folder!r} must be a Hugging Face model folder holding config.json"
+        )
+    return folder
+
+
+def _pretrained_model_values(
+    folder: str, model_values: dict[str, Any], task: str, data: Data
+) -> dict[str, Any]:
+    """The model section of a run that starts from the pretrained folder's architecture."""
+    from tfm.interop import hf
+
+    pretrained = hf.config_from_hf(hf.read_config(folder))
+    kind = "seq2seq" if pretrained.num_encoder_layers and pretrained.num_decoder_layers else (
+        "lm" if pretrained.num_decoder_layers else "encoder")
+    if kind != task:
+        raise ConfigError(
+            f"init.pretrained={folder!r} holds a {kind} model but the data is for a {task} task"
+        )
+    if data.vocab_size > pretrained.vocab_size:
+        raise ConfigError(
+            f"init.pretrained={folder!r} has vocab_size={pretrained.vocab_size}, smaller than the "
+            f"data's tokenizer ({data.vocab_size} ids)"
+        )
+    values = dataclasses.asdict(pretrained)
+    values.update({field: model_values[field] for field in IMPLEMENTATION_FIELDS})
+    return values
+
+
+def _with_pretrained_params(experiment: Experiment, state: TrainState, shardings: Any):
+    """`state` with the pretrained folder's parameters (placed by `shardings`, on any mesh and
+    any number of processes) and a fresh optimizer state for them."""
+    from tfm.interop import hf
+    from tfm.models import stack_layer_params
+
+    _, params = hf.load_pretrained(experiment.pretrained)
+    if experiment.model_config.scan_layers:
+        params = stack_layer_params(params)
+    want = jax.tree.structure(state.params)
+    if jax.tree.structure(params) != want:
+        raise ConfigError(
+            f"init.pretrained={experiment.pretrained!r}: its parameters do not fit the model "
+            "built from its config (a bug in tfm.interop.hf)"
+        )
+
+    def place(value: np.ndarray, like: jax.Array, where: Any) -> jax.Array:
+        value = np.asarray(value, like.dtype)
+        if value.shape != like.shape:
+            raise ConfigError(
+                f"init.pretrained: a parameter has shape {value.shape}, the model wants "
+                f"{like.shape}"
+            )
+        return jax.make_array_from_callback(value.shape, where, lambda index: value[index])
+
+    params = jax.tree.map(place, params, state.params, shardings.params)
+    opt_state = jax.jit(experiment.optimizer.init, out_shardings=shardings.opt_state)(params)
+    return TrainState(state.step, params, opt_state, state.rng)
 
 
 def required_lengths(experiment: Experiment) -> list[tuple[int, str]]:
@@ -484,7 +557,10 @@ def init_state(experiment: Experiment, shardings: Any) -> TrainState:
     init = _init_fn(experiment)
     rng = jax.random.PRNGKey(experiment.train_options["seed"])
     with sharding.sharding_context(experiment.mesh, experiment.rules):
-        return jax.jit(lambda r: nn.meta.unbox(init(r)), out_shardings=shardings)(rng)
+        state = jax.jit(lambda r: nn.meta.unbox(init(r)), out_shardings=shardings)(rng)
+    if experiment.pretrained is not None:
+        state = _with_pretrained_params(experiment, state, shardings)
+    return state
 
 
 class _InShardingContext:
@@ -794,7 +870,13 @@ def decode_texts(
         tokens = np.pad(tokens, ((0, 0), (0, width - tokens.shape[1])))
         if experiment.task == "seq2seq":
             output = generate.translate(
-                params, config, tokens, method=method, max_new_tokens=max_new_tokens, **options
+                params,
+                config,
+                tokens,
+                lengths,
+                method=method,
+                max_new_tokens=max_new_tokens,
+                **options,
             )
         else:
             output = generate.lm_generate(

@@ -1,0 +1,1 @@
+"""Checkpoint interop with other libraries (Hugging Face: tfm.interop.hf)."""
