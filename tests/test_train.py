@@ -529,8 +529,11 @@ def test_char_lm_learns(data_dir, tmp_path):
                         progress_bar=False)
     config.eval.max_batches = 2
     result = train.train_and_evaluate(config, tmp_path / "run")
-    assert_loss_falls(list(train_losses(tmp_path / "run").values()), factor=0.8)
+    losses_seen = list(train_losses(tmp_path / "run").values())
+    # The LM init starts at ~ln(vocab) (not above it), so 24 steps take off less than 20%.
+    assert_loss_falls(losses_seen, factor=0.9)
     vocab_size = len(set(corpus.read_text())) + 4
+    assert abs(losses_seen[0] - math.log(vocab_size)) < 0.25
     assert result["eval_loss"] < 0.9 * math.log(vocab_size)
     assert "eval_bleu" not in result and "eval_exact_match" not in result
 
