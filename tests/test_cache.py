@@ -114,3 +114,28 @@ def test_tokens_past_the_cache_end_raise_or_give_nan():
     # Row 1's tokens at positions 2..5 equal the full forward pass.
     full = model.apply({"params": params}, TOKENS)
     np.testing.assert_allclose(logits[1], full[1, 2:6], atol=1e-5)
+
+
+def test_cache_form_per_layer_or_stacked_and_both_decode_exactly():
+    """Per-layer buffers at batch >= 2 unrolled; one stacked array under scan_layers and at
+    batch 1. A batch-1 (stacked) and a batch-2 (per-layer) cache decode the same row alike."""
+    config = config_for("alibi")
+    per_layer = init_cache(config, batch_size=2, max_len=8)
+    assert isinstance(per_layer.keys, tuple) and len(per_layer.keys) == config.num_decoder_layers
+    head_dim = config.d_model // config.num_heads
+    assert per_layer.keys[0].shape == (2, config.resolved_num_kv_heads, head_dim, 8)
+    assert per_layer.values[0].shape == (2, config.resolved_num_kv_heads, 8, head_dim)
+    stacked = init_cache(config, batch_size=1, max_len=8)
+    assert stacked.keys.shape == (1, config.num_decoder_layers, config.resolved_num_kv_heads,
+                                  head_dim, 8)
+    assert not isinstance(init_cache(config.replace(scan_layers=True), 2, 8).keys, tuple)
+
+    model = DecoderLM(config)
+    params = model.init(jax.random.PRNGKey(1), TOKENS)["params"]
+    full = model.apply({"params": params}, TOKENS)
+    step = jax.jit(lambda tokens, cache: model.apply({"params": params}, tokens, cache=cache))
+    for cache, rows in ((per_layer, TOKENS), (stacked, TOKENS[:1])):
+        logits, cache = step(rows[:, :4], cache)
+        for position in range(4, 8):
+            logits, cache = step(rows[:, position : position + 1], cache)
+            np.testing.assert_allclose(logits[:, 0], full[: len(rows), position], atol=1e-5)

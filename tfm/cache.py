@@ -3,11 +3,18 @@
 Layout (every leaf has batch on axis 0, so decoding algorithms can reorder beams with
 `jax.tree.map(lambda x: x[indices], cache)` without knowing the model):
 
-- `keys`: [batch, num_layers, num_kv_heads, head_dim, max_len] and `values`: [batch, num_layers,
-  num_kv_heads, max_len, head_dim]. Slot i of row b holds the key/value of that row's token at
-  position i (RoPE keys are stored already rotated). These are the layouts the decode step's two
-  attention matmuls (q . K and weights . V) read as they are, so no step transposes the cache.
-  Each layer writes its new tokens in place (`write_layer`); no step copies the whole cache.
+- `keys`: per layer a [batch, num_kv_heads, head_dim, max_len] array, and `values`: per layer a
+  [batch, num_kv_heads, max_len, head_dim] array, as tuples with one entry per layer. Slot i of
+  row b holds the key/value of that row's token at position i (RoPE keys are stored already
+  rotated). These are the layouts the decode step's two attention matmuls (q . K and weights . V)
+  read as they are, and one buffer per layer means a layer reads its slots without a copy and
+  writes its new tokens in place (`write_layer`): no step copies or transposes the cache.
+  Two cases instead stack the layers into one array on axis 1, [batch, num_layers, ...], where
+  a layer reads a copy of its slots (XLA materialises the slice) and writes in place:
+  `scan_layers` (nn.scan indexes layers with a traced index) and batch size 1 (there XLA
+  drops the unit batch axis before the attention matmul and then duplicates each per-layer
+  write into that reader and the loop carry: four whole-layer copies per layer and step in
+  the compiled decode loop, against one slice copy when stacked).
 - `lengths`: [batch] int32, how many slots of each row are filled = where the next token is written.
   Rows advance independently (prompts of different lengths, rows that stopped at EOS).
 - `valid`: [batch, max_len] bool, which filled slots hold real tokens (False for left padding
@@ -26,24 +33,27 @@ from flax import struct
 
 from tfm.config import ModelConfig
 
+# One layer's slots per entry (a tuple), or all layers stacked on axis 1 (scan_layers).
+LayerSlots = tuple[jax.Array, ...] | jax.Array
+
 
 @struct.dataclass
 class DecoderCache:
-    keys: jax.Array  # [batch, num_layers, num_kv_heads, head_dim, max_len]
-    values: jax.Array  # [batch, num_layers, num_kv_heads, max_len, head_dim]
+    keys: LayerSlots  # per layer [batch, num_kv_heads, head_dim, max_len]
+    values: LayerSlots  # per layer [batch, num_kv_heads, max_len, head_dim]
     lengths: jax.Array  # [batch] int32
     valid: jax.Array | None = None  # [batch, max_len] bool; None = every filled slot is real
-    cross_keys: jax.Array | None = None  # [batch, num_layers, num_kv_heads, head_dim, source_len]
-    cross_values: jax.Array | None = None
+    cross_keys: LayerSlots | None = None  # per layer [batch, num_kv_heads, head_dim, source_len]
+    cross_values: LayerSlots | None = None  # per layer [batch, num_kv_heads, source_len, head_dim]
     source_valid: jax.Array | None = None  # [batch, source_len] bool
 
     @property
     def max_len(self) -> int:
-        return self.keys.shape[4]
+        return read_layer(self.keys, 0).shape[-1]
 
     @property
     def batch_size(self) -> int:
-        return self.keys.shape[0]
+        return self.lengths.shape[0]
 
 
 def init_cache(
@@ -61,23 +71,24 @@ def init_cache(
     if config.num_decoder_layers < 1:
         raise ValueError("the model config has num_decoder_layers=0: an encoder has no KV cache")
     dtype = jnp.dtype(dtype or config.dtype)
-    def shapes(slots: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        heads = (batch_size, config.num_decoder_layers, config.resolved_num_kv_heads)
-        head_dim = config.resolved_head_dim
-        return (*heads, head_dim, slots), (*heads, slots, head_dim)
+    layers = config.num_decoder_layers
+    heads, head_dim = config.resolved_num_kv_heads, config.resolved_head_dim
 
-    key_shape, value_shape = shapes(max_len)
+    def empty(shape: tuple[int, ...]) -> LayerSlots:  # shape of one layer's slots
+        if config.scan_layers or batch_size == 1:  # stacked: see the module docstring
+            return jnp.zeros((shape[0], layers, *shape[1:]), dtype)
+        return tuple(jnp.zeros(shape, dtype) for _ in range(layers))
+
     cross = {}
     if source_len is not None:
-        cross_key_shape, cross_value_shape = shapes(source_len)
         cross = dict(
-            cross_keys=jnp.zeros(cross_key_shape, dtype),
-            cross_values=jnp.zeros(cross_value_shape, dtype),
+            cross_keys=empty((batch_size, heads, head_dim, source_len)),
+            cross_values=empty((batch_size, heads, source_len, head_dim)),
             source_valid=jnp.zeros((batch_size, source_len), bool),
         )
     return DecoderCache(
-        keys=jnp.zeros(key_shape, dtype),
-        values=jnp.zeros(value_shape, dtype),
+        keys=empty((batch_size, heads, head_dim, max_len)),
+        values=empty((batch_size, heads, max_len, head_dim)),
         lengths=jnp.zeros((batch_size,), jnp.int32),
         valid=jnp.ones((batch_size, max_len), bool),
         **cross,
@@ -91,12 +102,18 @@ def check_cache(cache: DecoderCache, config: ModelConfig, has_cross: bool) -> No
         config.resolved_num_kv_heads,
         config.resolved_head_dim,
     )
-    got = (cache.keys.shape[1], cache.keys.shape[2], cache.keys.shape[3])
-    if cache.keys.ndim != 5 or got != expected:
+    stacked = not isinstance(cache.keys, tuple | list)
+    if stacked:
+        got = tuple(cache.keys.shape[1:4]) if cache.keys.ndim == 5 else cache.keys.shape
+    else:
+        got = (len(cache.keys), *cache.keys[0].shape[1:3]) if cache.keys else (0,)
+    if got != expected or (config.scan_layers and not stacked):
+        form = "stacked" if stacked else "per-layer"
         raise ValueError(
             "cache was built for another model config: (num_decoder_layers, num_kv_heads, "
-            f"head_dim) is {got} in the cache but {expected} in the model config; "
-            "build it with tfm.cache.init_cache(config, ...)"
+            f"head_dim) is {got} ({form} slots) in the cache but {expected} in the model "
+            f"config (scan_layers={config.scan_layers}); build it with "
+            "tfm.cache.init_cache(config, ...)"
         )
     if has_cross and cache.cross_keys is None:
         raise ValueError(
@@ -121,27 +138,35 @@ def check_room(cache: DecoderCache, new_len: int) -> None:
 
 
 def write_layer(
-    slots: jax.Array,  # keys [batch, layers, kv_heads, head_dim, slots] or values [.., slots, hd]
+    slots: LayerSlots,  # keys: per layer [batch, kv_heads, head_dim, slots]; values [.., slots, hd]
     new: jax.Array,  # [batch, kv_heads, new_len, head_dim]
-    layer: jax.Array | int,
+    layer: jax.Array | int,  # a Python int for per-layer slots; may be traced for stacked ones
     start: jax.Array,  # [batch] int32
     *,
     transposed: bool,  # slots hold keys (slot axis last)
-) -> jax.Array:
+) -> LayerSlots:
     """Writes `new` into layer `layer`, slots [start, start + new_len) of each row, in place
     (under jit, when `slots` is not used afterwards). The caller checks bounds: inside jit an
     out-of-range start would be clamped by dynamic_update_slice."""
     if transposed:
         new = new.swapaxes(-1, -2)
+    stacked = not isinstance(slots, tuple | list)
+    target = slots if stacked else slots[layer]
 
     def write_row(row_slots: jax.Array, row_new: jax.Array, row_start: jax.Array) -> jax.Array:
         zero = jnp.int32(0)
-        index = (jnp.asarray(layer, jnp.int32), zero) + (
-            (zero, row_start) if transposed else (row_start, zero)
-        )
-        return jax.lax.dynamic_update_slice(row_slots, row_new[None].astype(row_slots.dtype), index)
+        index = (zero, row_start) if transposed else (row_start, zero)
+        if stacked:
+            index = (jnp.asarray(layer, jnp.int32), zero, *index)
+            row_new = row_new[None]
+        else:
+            index = (zero, *index)
+        return jax.lax.dynamic_update_slice(row_slots, row_new.astype(row_slots.dtype), index)
 
-    return jax.vmap(write_row)(slots, new, start.astype(jnp.int32))
+    written = jax.vmap(write_row)(target, new, start.astype(jnp.int32))
+    if stacked:
+        return written
+    return (*slots[:layer], written, *slots[layer + 1 :])
 
 
 def write_valid(
@@ -156,9 +181,8 @@ def write_valid(
     return jax.vmap(write_row)(valid, new.astype(bool), start.astype(jnp.int32))
 
 
-def read_layer(
-    slots: jax.Array,  # [batch, num_layers, ...]
-    layer: jax.Array | int,
-) -> jax.Array:  # [batch, ...]
-    """One layer's slots."""
+def read_layer(slots: LayerSlots, layer: jax.Array | int) -> jax.Array:  # [batch, ...]
+    """One layer's slots: its own buffer, or (stacked) a slice of the stacked array."""
+    if isinstance(slots, tuple | list):
+        return slots[layer]
     return jax.lax.dynamic_index_in_dim(slots, layer, axis=1, keepdims=False)

@@ -330,7 +330,7 @@ class Decoder(nn.Module):
                 )
             check_room(cache, tokens.shape[1])
             write_index = cache.lengths
-            slots = _default_positions(cache.values[:, 0, 0, :, 0])  # [batch, max_len]
+            slots = _default_positions(jnp.zeros((cache.batch_size, cache.max_len), jnp.int32))
             filled = attention.valid_from_lengths(cache.lengths + tokens.shape[1], cache.max_len)
             key_valid, key_positions = filled, slots
             if cache.valid is not None:
