@@ -239,8 +239,8 @@ def write_report(root: Path, metrics: Sequence[str] | None = None, x_field: str 
     sections = [f"# {heading}", "", table]
     for metric in metrics:
         lengths, length_rows = length_table(runs, fields, metric)
-        if not lengths:
-            continue
+        if all(row[n] is None for row in length_rows for n in lengths):
+            continue  # no run evaluated this metric at several lengths
         header = [*fields, *(f"len {n}" for n in lengths)]
         lines = [f"{metric} by evaluation length (`eval --eval_seq_len`):", "",
                  "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
