@@ -22,6 +22,7 @@ import dataclasses
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -29,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 import matplotlib  # noqa: E402
 
 matplotlib.use("Agg")
+import jax  # noqa: E402
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
@@ -36,14 +38,15 @@ from tfm import attention, positions  # noqa: E402
 
 
 @contextlib.contextmanager
-def recorded_attention() -> Iterator[list[tuple[str, np.ndarray]]]:
+def recorded_attention() -> Iterator[list[tuple[str, Any]]]:
     """Within the block, every attention call also returns its weights, recorded as (module
-    path, weights [batch, heads, q_len, kv_len]); the model sees the usual output. Eager only
-    (run model.apply outside jit; layers unrolled, not scanned)."""
+    path, weights [batch, heads, q_len, kv_len]); the model sees the usual output. Inside jit
+    the weights are tracers: return them (`attention_weights` does). Layers must be unrolled
+    (model.scan_layers=False)."""
     from flax.linen.module import _context
 
     original = attention.dot_product_attention
-    records: list[tuple[str, np.ndarray]] = []
+    records: list[tuple[str, Any]] = []
 
     def recording(*args, **kwargs):
         wanted = kwargs.get("return_weights", False)
@@ -51,7 +54,7 @@ def recorded_attention() -> Iterator[list[tuple[str, np.ndarray]]]:
         out, weights = original(*args, **kwargs)
         module = _context.module_stack[-1] if _context.module_stack else None
         path = "/".join(module.path) if module is not None and module.scope else "attention"
-        records.append((path, np.asarray(weights)))
+        records.append((path, weights))
         return (out, weights) if wanted else out
 
     attention.dot_product_attention = recording
@@ -59,6 +62,21 @@ def recorded_attention() -> Iterator[list[tuple[str, np.ndarray]]]:
         yield records
     finally:
         attention.dot_product_attention = original
+
+
+def attention_weights(model, variables, *inputs) -> list[tuple[str, np.ndarray]]:
+    """(module path, weights [batch, heads, q_len, kv_len]) of every attention call of
+    `model.apply(variables, *inputs)`, in call order (one compilation, not op by op)."""
+    paths: list[str] = []
+
+    def forward(variables, *inputs):
+        with recorded_attention() as records:
+            model.apply(variables, *inputs)
+        paths[:] = [path for path, _ in records]
+        return [weights for _, weights in records]
+
+    weights = jax.jit(forward)(variables, *inputs)
+    return [(path, np.asarray(w)) for path, w in zip(paths, weights, strict=True)]
 
 
 def _token_labels(tokenizer, ids) -> list[str]:
@@ -92,20 +110,19 @@ def model_attention(config_arg: str, overrides: list[str], workdir: str, text: s
     model = train.model_for(model_config, experiment.task)
     prompt = data.encode_prompt(text)
     target = data.tokenizer.encode(output)
-    with recorded_attention() as records:
-        if experiment.task == "seq2seq":
-            inputs = [BOS_ID, *target]
-            model.apply({"params": params}, jnp.asarray([prompt]), jnp.asarray([inputs]))
-            source_labels = _token_labels(data.source_tokenizer or data.tokenizer, prompt)
-            target_labels = _token_labels(data.tokenizer, inputs)
-            labels = {"encoder": (source_labels, source_labels),
-                      "self": (target_labels, target_labels), "cross": (target_labels,
-                                                                         source_labels)}
-        else:
-            tokens = [*prompt, *target]
-            model.apply({"params": params}, jnp.asarray([tokens]))
-            token_labels = _token_labels(data.tokenizer, tokens)
-            labels = {"self": (token_labels, token_labels)}
+    variables = {"params": params}
+    if experiment.task == "seq2seq":
+        inputs = [BOS_ID, *target]
+        records = attention_weights(model, variables, jnp.asarray([prompt]), jnp.asarray([inputs]))
+        source_labels = _token_labels(data.source_tokenizer or data.tokenizer, prompt)
+        target_labels = _token_labels(data.tokenizer, inputs)
+        labels = {"encoder": (source_labels, source_labels),
+                  "self": (target_labels, target_labels), "cross": (target_labels, source_labels)}
+    else:
+        tokens = [*prompt, *target]
+        records = attention_weights(model, variables, jnp.asarray([tokens]))
+        token_labels = _token_labels(data.tokenizer, tokens)
+        labels = {"self": (token_labels, token_labels)}
     print(f"{text!r} -> {output!r}")
     return records, labels
 

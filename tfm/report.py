@@ -94,7 +94,7 @@ def aggregate(runs: Sequence[dict[str, Any]], metrics: Sequence[str] | None = No
     return fields, list(metrics), rows
 
 
-def _cell(value: tuple[float, float], seeds: int) -> str:
+def format_cell(value: tuple[float, float], seeds: int) -> str:
     mean, std = value
     if math.isnan(mean):
         return "n/a"
@@ -107,7 +107,7 @@ def markdown_table(fields: Sequence[str], metrics: Sequence[str], rows: Sequence
     for row in rows:
         seeds = row["seeds"] if not row["failed"] else f"{row['seeds']} ({row['failed']} failed)"
         cells = [str(row[f]) for f in fields] + [str(seeds)]
-        cells += [_cell(row[m], row["seeds"]) for m in metrics]
+        cells += [format_cell(row[m], row["seeds"]) for m in metrics]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -246,7 +246,7 @@ def write_report(root: Path, metrics: Sequence[str] | None = None, x_field: str 
                  "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         for row in length_rows:
             cells = [str(row[f]) for f in fields]
-            cells += ["n/a" if row[n] is None else _cell(row[n], 2) for n in lengths]
+            cells += ["n/a" if row[n] is None else format_cell(row[n], 2) for n in lengths]
             lines.append("| " + " | ".join(cells) + " |")
         sections += ["", *lines]
         path = root / f"report_eval_seq_len_{metric}.png"
