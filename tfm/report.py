@@ -132,6 +132,18 @@ def _pyplot():
     return plt
 
 
+def _save(plt, figure, axes, xlabel: str, ylabel: str, path: Path, legend: bool = True) -> None:
+    """Labels, grid and legend, then the PNG; closes the figure."""
+    axes.set_xlabel(xlabel)
+    axes.set_ylabel(ylabel)
+    axes.grid(alpha=0.3)
+    if legend:
+        axes.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
 def _as_number(text: str) -> float | None:
     try:
         return float(text)
@@ -159,15 +171,9 @@ def plot_metric(rows: Sequence[dict], fields: Sequence[str], metric: str, x_fiel
         name = ", ".join(f"{f}={v}" for f, v in zip(others, label, strict=True)) or metric
         axes.errorbar(xs, means, yerr=stds, marker="o", capsize=3, label=name,
                       linestyle="-" if numeric else "none")
-    axes.set_xlabel(x_field)
-    axes.set_ylabel(metric)
-    axes.grid(alpha=0.3)
-    if len(lines) > 1:
-        axes.legend(fontsize=7)
-    figure.autofmt_xdate() if any(len(str(r[x_field])) > 6 for r in rows) else None
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    if any(len(str(row[x_field])) > 6 for row in rows):
+        figure.autofmt_xdate()  # long category names: slanted
+    _save(plt, figure, axes, x_field, metric, path, legend=len(lines) > 1)
 
 
 def plot_curves(runs: Sequence[dict], metric: str, path: Path) -> bool:
@@ -185,13 +191,9 @@ def plot_curves(runs: Sequence[dict], metric: str, path: Path) -> bool:
             axes.plot(steps, values, marker="." if len(points) < 20 else None, label=run["name"])
             drawn = True
     if drawn:
-        axes.set_xlabel("step")
-        axes.set_ylabel(metric)
-        axes.grid(alpha=0.3)
-        axes.legend(fontsize=6)
-        figure.tight_layout()
-        figure.savefig(path, dpi=120)
-    plt.close(figure)
+        _save(plt, figure, axes, "step", metric, path)
+    else:
+        plt.close(figure)
     return drawn
 
 
@@ -284,13 +286,7 @@ def _plot_lengths(lengths: Sequence[int], rows: Sequence[dict], fields: Sequence
                       label=", ".join(f"{f}={row[f]}" for f in fields) or metric)
     axes.set_xscale("log", base=2)
     axes.set_xticks(list(lengths), [str(n) for n in lengths])
-    axes.set_xlabel("evaluation length (tokens)")
-    axes.set_ylabel(metric)
-    axes.grid(alpha=0.3)
-    axes.legend(fontsize=7)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    _save(plt, figure, axes, "evaluation length (tokens)", metric, path)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
