@@ -129,15 +129,15 @@ def run_name(overrides: Overrides) -> str:
     """A readable, filesystem-safe, stable directory name: `position_scheme=rope,seed=0`.
 
     Keys are the last part of the field path unless two overrides share it; values keep
-    letters, digits, `.` and `-` (other characters become `-`). Over 120 characters, the name is
-    cut and ends with a hash of the overrides."""
+    letters, digits, `.`, `_` and `-` (other characters become `-`). Over 120 characters, the
+    name is cut and ends with a hash of the overrides."""
     if not overrides:
         return "default"
     short = [key.rsplit(".", 1)[-1] for key in overrides]
     keys = short if len(set(short)) == len(short) else [key.replace(".", "-") for key in overrides]
     parts = []
     for key, value in zip(keys, overrides.values(), strict=True):
-        text = re.sub(r"[^A-Za-z0-9.\-]+", "-", format_value(value)).strip("-") or "empty"
+        text = re.sub(r"[^A-Za-z0-9._\-]+", "-", format_value(value)).strip("-") or "empty"
         parts.append(f"{key}={text}")
     name = ",".join(parts)
     if len(name) > 120:
