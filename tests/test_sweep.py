@@ -8,6 +8,7 @@ import json
 import os
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -205,3 +206,13 @@ def test_cpu_slots_split_the_cores():
     slots = sweep.cpu_slots(len(cpus))
     assert sorted(c for slot in slots for c in slot) == cpus
     assert all(slot for slot in sweep.cpu_slots(len(cpus) + 3))
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="Linux CPU affinity")
+def test_a_parallel_run_is_pinned_to_its_cpus(tmp_path):
+    cpu = min(os.sched_getaffinity(0))
+    show = "import os; print(sorted(os.sched_getaffinity(0)), os.environ['OMP_NUM_THREADS'])"
+    run = sweep.Run(0, {}, "pinned", tmp_path / "pinned", [sys.executable, "-c", show])
+    record = sweep.execute(run, [cpu])
+    assert record["status"] == "done"
+    assert (run.workdir / "train.log").read_text().strip() == f"[{cpu}] 1"

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import dataclasses
 import hashlib
 import importlib.util
@@ -244,7 +245,6 @@ def execute(run: Run, cpus: Sequence[int] | None = None) -> dict[str, Any]:
         # so pinning splits the cores between parallel runs.
         env["OMP_NUM_THREADS"] = str(len(cpus))
     env["PYTHONUNBUFFERED"] = "1"
-    preexec = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
     steps = [] if trained else [("train", run.command + ["--config.train.progress_bar=False"])]
     if run.eval_command:
         steps.append(("eval", run.eval_command))
@@ -253,10 +253,14 @@ def execute(run: Run, cpus: Sequence[int] | None = None) -> dict[str, Any]:
     for step, command in steps:
         log_path = run.workdir / f"{step}.log"
         with log_path.open("w") as log:
-            completed = subprocess.run(command, cwd=REPO, env=env, stdout=log,
-                                       stderr=subprocess.STDOUT, preexec_fn=preexec)
-        record["returncode"] = completed.returncode
-        if completed.returncode != 0:
+            process = subprocess.Popen(command, cwd=REPO, env=env, stdout=log,
+                                       stderr=subprocess.STDOUT)
+            if cpus:  # before launch.sh has started Python (a preexec_fn is unsafe in threads)
+                with contextlib.suppress(OSError):
+                    os.sched_setaffinity(process.pid, cpus)
+            returncode = process.wait()
+        record["returncode"] = returncode
+        if returncode != 0:
             record["status"] = "failed" if step == "train" else "eval_failed"
             record["error"] = _error_line(log_path.read_text(errors="replace"))
             break
