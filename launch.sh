@@ -45,14 +45,14 @@ if [[ $# -lt 2 ]]; then
   echo "launch.sh: expected a COMMAND and a CONFIG" >&2; usage >&2; exit 2
 fi
 command=$1; config=$2; shift 2
+if [[ $command == sweep || $command == report ]]; then  # many runs: no devices here
+  cd "$(dirname "$0")"
+  exec "${PYTHON:-python}" -m "tfm.$command" "$config" "$@"  # --help: their own options
+fi
 if [[ $config == -h || $config == --help ]]; then usage; exit 0; fi
 if [[ $command == data ]]; then  # not an experiment: DATASET instead of CONFIG, no devices
   cd "$(dirname "$0")"
   exec "${PYTHON:-python}" -m tfm.data.download "$config" "$@"
-fi
-if [[ $command == sweep || $command == report ]]; then  # many runs: no devices here
-  cd "$(dirname "$0")"
-  exec "${PYTHON:-python}" -m "tfm.$command" "$config" "$@"
 fi
 if [[ $command == generate && ( $config == --pretrained || $config == --pretrained=* ) ]]; then
   # A Hugging Face folder instead of CONFIG: ./launch.sh generate --pretrained DIR --prompt ...
