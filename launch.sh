@@ -15,6 +15,12 @@ commands:
   average   average the last K checkpoints (--last_k 5) into a new workdir (--output DIR)
   data      ./launch.sh data multi30k: download Multi30k into data/multi30k/ (what
             configs/translate.py reads); offline it says where to put the files
+  sweep     train every run of CONFIG's get_sweep(ARG), one workdir each (resumable):
+            [--seeds 0,1,2] [--parallel N] [--dry_run] [--workdir ROOT] [--slurm [--submit]]
+  report    ./launch.sh report ROOT [--metrics a,b] [--x FIELD]: table (mean ± std over
+            seeds; .md, .csv, .json) and PNG plots of a sweep
+
+eval options: --step N; --eval_seq_len 64,128,256 evaluates at those row lengths
 
 CONFIG is a file in configs/; ARG picks a variant (configs/char_lm.py:runlocal).
 Override any field: --config.model.position_scheme=rope --config.train.num_steps=500
@@ -29,6 +35,8 @@ examples:
   ./launch.sh train configs/synthetic_seq2seq.py
   ./launch.sh generate configs/synthetic_seq2seq.py --prompt 31415
   ./launch.sh train configs/char_lm.py:runlocal --config.model.position_scheme=alibi
+  ./launch.sh sweep configs/synthetic_lm.py:runlocal --seeds 0,1 --parallel 2
+  ./launch.sh report workdirs/sweeps/synthetic_lm_runlocal
 EOF
 }
 
@@ -37,6 +45,10 @@ if [[ $# -lt 2 ]]; then
   echo "launch.sh: expected a COMMAND and a CONFIG" >&2; usage >&2; exit 2
 fi
 command=$1; config=$2; shift 2
+if [[ $command == sweep || $command == report ]]; then  # many runs: no devices here
+  cd "$(dirname "$0")"
+  exec "${PYTHON:-python}" -m "tfm.$command" "$config" "$@"  # --help: their own options
+fi
 if [[ $config == -h || $config == --help ]]; then usage; exit 0; fi
 if [[ $command == data ]]; then  # not an experiment: DATASET instead of CONFIG, no devices
   cd "$(dirname "$0")"
@@ -58,7 +70,7 @@ if [[ $command == generate && ( $config == --pretrained || $config == --pretrain
 fi
 case "$command" in
   train|eval|generate|average) ;;
-  *) echo "launch.sh: unknown command '$command'; choose one of: train, eval, generate, average, data" >&2
+  *) echo "launch.sh: unknown command '$command'; choose one of: train, eval, generate, average, data, sweep, report" >&2
      exit 2 ;;
 esac
 # Relative paths (CONFIG, --workdir, --output, data paths inside configs) are relative to the
@@ -81,7 +93,7 @@ while [[ $# -gt 0 ]]; do
     --num_processes=*) num_processes=${1#*=}; shift ;;
     --devices_per_process) needs_value $# "$1"; devices_per_process=$2; shift 2 ;;
     --devices_per_process=*) devices_per_process=${1#*=}; shift ;;
-    --workdir|--prompt|--step|--last_k|--output) needs_value $# "$1"; args+=("$1=$2"); shift 2 ;;
+    --workdir|--prompt|--step|--last_k|--output|--eval_seq_len) needs_value $# "$1"; args+=("$1=$2"); shift 2 ;;
     *) args+=("$1"); shift ;;
   esac
 done

@@ -88,6 +88,30 @@ def apply_variants(config: ml_collections.ConfigDict, arg: str | None, variants:
             )
 
 
+def position_sweep() -> list[dict]:
+    """Every position scheme (`model.position_scheme`), one run each."""
+    from tfm.config import POSITION_SCHEMES
+    from tfm.sweep import sweep
+
+    return sweep("model.position_scheme", POSITION_SCHEMES)
+
+
+SWEEP_TASKS = ("copy", "reverse", "addition")
+
+
+def synthetic_sweep(arg: str | None) -> list[dict]:
+    """The length-generalisation sweep of the synthetic configs: every position scheme, on the
+    task named in ARG, or on copy, reverse and addition when ARG names none. The sweep's ARG is
+    also the config's, so `reverse,runlocal` applies to every run."""
+    from tfm.data.synthetic import TASKS
+    from tfm.sweep import product, sweep
+
+    names = set(filter(None, (arg or "").split(",")))
+    if names & set(TASKS):
+        return position_sweep()
+    return product(sweep("data.task", SWEEP_TASKS), position_sweep())
+
+
 def synthetic_config(mode: str, seq_len: int) -> ml_collections.ConfigDict:
     """The data section shared by the synthetic-task configs: train on lengths 1-12 ("validation"
     holds unseen examples of those lengths), test on 13-24 (length generalisation)."""

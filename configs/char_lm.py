@@ -12,9 +12,17 @@ on a shared 2-core CPU, 33 min): eval_loss 1.985 / 1.832 / 1.798 nats per charac
 200 / 400 / 600. Measure it again with
 `python experiments/measure_quickstart.py --config configs/char_lm.py --prompt ROMEO:`
 (writes experiments/results/char_lm.{json,md}).
+
+Length extrapolation (Press et al. 2022, Fig. 1): every position scheme trained at context
+128, each checkpoint then evaluated on every validation window of 64 ... 1,024 characters
+(`get_sweep`; learned positions are n/a past model.max_len):
+
+    ./launch.sh sweep configs/char_lm.py --seeds 0 --parallel 2 --config.eval.max_batches=0 \
+        --eval_seq_len 64,128,256,512,1024
+    ./launch.sh report workdirs/sweeps/char_lm --metrics eval_loss,eval_perplexity
 """
 
-from configs.base import apply_variants, base_config
+from configs.base import apply_variants, base_config, position_sweep
 from tfm.data import ASSETS
 
 
@@ -74,3 +82,8 @@ def get_config(arg: str | None = None):
 
     apply_variants(config, arg, {"runlocal": runlocal, "bf16": bf16, "small": small})
     return config
+
+
+def get_sweep(arg: str | None = None):
+    """Every position scheme, at the variant ARG (`./launch.sh sweep configs/char_lm.py`)."""
+    return position_sweep()

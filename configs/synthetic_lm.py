@@ -3,12 +3,16 @@
     ./launch.sh train configs/synthetic_lm.py:reverse,alibi
     ./launch.sh generate configs/synthetic_lm.py:reverse,alibi --prompt 12345
 
-The position-scheme sweep (experiments/position_sweep.py) trains this config once per
-scheme and compares exact match on "validation" (training lengths 1-12) and "test" (13-24).
+The position-scheme sweep trains this config once per scheme (and seed) and compares exact
+match on "validation" (training lengths 1-12) and "test" (13-24):
+
+    ./launch.sh sweep configs/synthetic_lm.py:reverse --seeds 0,1,2 --parallel 2
+    ./launch.sh report workdirs/sweeps/synthetic_lm_reverse \
+        --metrics eval_exact_match,eval_test_exact_match
 Variants: a task (copy, reverse, sort, addition), a position scheme, `runlocal`.
 """
 
-from configs.base import apply_variants, synthetic_config, synthetic_variants
+from configs.base import apply_variants, synthetic_config, synthetic_sweep, synthetic_variants
 
 
 def get_config(arg: str | None = None):
@@ -27,3 +31,9 @@ def get_config(arg: str | None = None):
     variants = synthetic_variants()
     apply_variants(config, arg, variants)
     return config
+
+
+def get_sweep(arg: str | None = None):
+    """`./launch.sh sweep configs/synthetic_lm.py[:ARG] --seeds 0,1,2`: every position scheme on the
+    task in ARG, or on copy, reverse and addition (`configs.base.synthetic_sweep`)."""
+    return synthetic_sweep(arg)

@@ -9,10 +9,11 @@ Trains on lengths 1-12; "validation" holds unseen examples of those lengths, "te
 13-24 (length generalisation). Expected result (experiments/measure_quickstart.py, results in
 experiments/results/quickstart.md; 3-4 minutes on a shared 2-core CPU): eval_exact_match 95.9% at
 step 500 and 100% at step 1,000; eval_test_exact_match 2.1% (sinusoidal positions do not
-generalise to longer strings).
+generalise to longer strings). Every position scheme, on each task, 3 seeds:
+`./launch.sh sweep configs/synthetic_seq2seq.py --seeds 0,1,2` (`get_sweep`).
 """
 
-from configs.base import apply_variants, synthetic_config, synthetic_variants
+from configs.base import apply_variants, synthetic_config, synthetic_sweep, synthetic_variants
 
 
 def get_config(arg: str | None = None):
@@ -31,3 +32,9 @@ def get_config(arg: str | None = None):
     variants = synthetic_variants()
     apply_variants(config, arg, variants)
     return config
+
+
+def get_sweep(arg: str | None = None):
+    """`./launch.sh sweep configs/synthetic_seq2seq.py[:ARG] --seeds 0,1,2`: every position
+    scheme on the task in ARG, or on copy, reverse and addition (`configs.base.synthetic_sweep`)."""
+    return synthetic_sweep(arg)

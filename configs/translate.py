@@ -13,9 +13,15 @@ Adam(0.9, 0.98, 1e-9) with the warmup-4000 inverse-sqrt schedule, label smoothin
 alpha 0.6, max output = input + 50 (Vaswani et al. 2017 sec. 5-6). Evaluation reports
 validation loss and sacreBLEU of beam-search translations. Expected result: not measured yet
 (the base model needs an accelerator; `runlocal` is a smoke test and learns only a little).
+
+The paper's Table 3 row (E), sinusoidal vs learned positions at the same budget (`get_sweep`):
+
+    ./launch.sh sweep configs/translate.py:small --seeds 0
+    ./launch.sh report workdirs/sweeps/translate_small --metrics eval_perplexity,eval_bleu
 """
 
 from configs.base import apply_variants, base_config
+from tfm.sweep import sweep
 
 
 def get_config(arg: str | None = None):
@@ -78,3 +84,8 @@ def get_config(arg: str | None = None):
 
     apply_variants(config, arg, {"small": small, "runlocal": runlocal, "wmt": wmt})
     return config
+
+
+def get_sweep(arg: str | None = None):
+    """Table 3 row (E) of Vaswani et al. 2017: learned positions instead of sinusoids."""
+    return sweep("model.position_scheme", ["sinusoidal", "learned"])

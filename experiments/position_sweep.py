@@ -1,43 +1,35 @@
-"""Sweep: length generalisation of every position scheme on a synthetic task.
+"""Length generalisation of every position scheme on a synthetic task: a thin wrapper over
+`./launch.sh sweep` and `./launch.sh report` (tfm.sweep, tfm.report) that writes one table.
 
     python experiments/position_sweep.py                          # decoder-only, reverse
     python experiments/position_sweep.py --config configs/synthetic_seq2seq.py --task sort
     python experiments/position_sweep.py --schemes rope,alibi --steps 500 --seeds 0,1
 
-Trains the config once per (scheme, seed) in its own workdir (resumable: finished runs are
-read back, not retrained), then tabulates exact match on "validation" (unseen examples of the
-training lengths) and "test" (longer sequences). Writes experiments/results/
+The same runs with the general tools (every scheme is the configs' `get_sweep`):
+
+    ./launch.sh sweep configs/synthetic_lm.py:reverse --seeds 0,1,2 --parallel 2
+    ./launch.sh report workdirs/sweeps/synthetic_lm_reverse
+
+Each (scheme, seed) trains in its own workdir (resumable: finished runs are read back, not
+retrained), then exact match on "validation" (unseen examples of the training lengths) and
+"test" (longer sequences) is tabulated, mean ± std over seeds. Writes experiments/results/
 position_sweep_<config>_<task>.{json,md}.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import statistics
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tfm import report, sweep  # noqa: E402
 from tfm.config import POSITION_SCHEMES  # noqa: E402
-from tfm.metrics import read_metrics  # noqa: E402
-from tfm.train import train_and_evaluate  # noqa: E402
 
-
-def load_config(path: str, arg: str):
-    spec = importlib.util.spec_from_file_location("sweep_config", ROOT / path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config(arg)
-
-
-def final_eval(workdir: Path) -> dict[str, float]:
-    """The last eval record a finished run wrote."""
-    records = [r for r in read_metrics(workdir) if "eval_exact_match" in r]
-    return records[-1] if records else {}
+METRICS = ("eval_exact_match", "eval_test_exact_match", "eval_loss", "eval_test_loss")
 
 
 def main() -> None:
@@ -48,53 +40,48 @@ def main() -> None:
     parser.add_argument("--seeds", default="0")
     parser.add_argument("--steps", type=int, default=None, help="override train.num_steps")
     parser.add_argument("--runlocal", action="store_true", help="use the runlocal variant")
+    parser.add_argument("--parallel", type=int, default=1)
     parser.add_argument("--workdir", default="workdirs/position_sweep")
     parser.add_argument("--out", default=str(ROOT / "experiments" / "results"))
     args = parser.parse_args()
 
-    rows = []
-    for scheme in args.schemes.split(","):
-        runs = []
-        for seed in (int(s) for s in args.seeds.split(",")):
-            variant = ",".join([args.task, scheme] + (["runlocal"] if args.runlocal else []))
-            config = load_config(args.config, variant)
-            config.train.seed = seed
-            config.train.progress_bar = False
-            if args.steps:
-                config.train.num_steps = args.steps
-                config.optimizer.total_steps = args.steps
-                config.train.eval_every = args.steps
-                config.train.checkpoint_every = args.steps
-            workdir = Path(args.workdir) / f"{Path(args.config).stem}_{args.task}_{scheme}_s{seed}"
-            done = (workdir / "metrics.jsonl").exists() and final_eval(workdir).get(
-                "step") == config.train.num_steps
-            if not done:
-                train_and_evaluate(config, workdir)
-            runs.append(final_eval(workdir))
-        row = {"scheme": scheme, "seeds": len(runs)}
-        for key in ("eval_exact_match", "eval_test_exact_match", "eval_loss", "eval_test_loss"):
-            values = [r[key] for r in runs if key in r]
-            row[key] = statistics.mean(values) if values else float("nan")
-        rows.append(row)
-        print(json.dumps(row))
+    config_arg = f"{args.config}:{args.task}" + (",runlocal" if args.runlocal else "")
+    overrides = sweep.product(
+        sweep.sweep("model.position_scheme", args.schemes.split(",")),
+        sweep.sweep(sweep.SEED_FIELD, [int(s) for s in args.seeds.split(",")]),
+    )
+    extra = []
+    if args.steps:
+        extra = [f"--config.{field}={args.steps}" for field in (
+            "train.num_steps", "optimizer.total_steps", "train.eval_every",
+            "train.checkpoint_every")]
+    root = Path(args.workdir)
+    if not root.is_absolute():
+        root = ROOT / root
+    runs = sweep.make_runs(config_arg, overrides, root, extra)
+    sweep.run_sweep(runs, root, args.parallel)
 
+    fields, metrics, rows = report.aggregate(report.find_runs(root), METRICS)
     title = f"Position schemes on {args.task} ({args.config}, seeds {args.seeds})"
     lines = [f"# {title}", "",
-             "| scheme | exact match, train lengths | exact match, longer | loss | loss, longer |",
-             "|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['scheme']} | {r['eval_exact_match']:.1f}% | "
-                     f"{r['eval_test_exact_match']:.1f}% | {r['eval_loss']:.3f} | "
-                     f"{r['eval_test_loss']:.3f} |")
+             "| scheme | seeds | exact match, train lengths | exact match, longer | loss | "
+             "loss, longer |", "|---|---|---|---|---|---|"]
+    for row in rows:
+        cells = [report.format_cell(row[m], row["seeds"]) for m in metrics]
+        lines.append(f"| {row['model.position_scheme']} | {row['seeds']} | "
+                     f"{cells[0]}% | {cells[1]}% | {cells[2]} | {cells[3]} |")
     command = " ".join(["python", "experiments/position_sweep.py", *sys.argv[1:]])
     lines += ["", f"Command: `{command}`"]
-    report = "\n".join(lines)
-    print(report)
+    table = "\n".join(lines)
+    print(table)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"position_sweep_{Path(args.config).stem}_{args.task}"
-    (out / f"{stem}.json").write_text(json.dumps(rows, indent=1))
-    (out / f"{stem}.md").write_text(report + "\n")
+    (out / f"{stem}.json").write_text(json.dumps(
+        [{"scheme": row["model.position_scheme"], "seeds": row["seeds"],
+          **{m: row[m][0] for m in metrics}, **{f"{m}_std": row[m][1] for m in metrics}}
+         for row in rows], indent=1))
+    (out / f"{stem}.md").write_text(table + "\n")
 
 
 if __name__ == "__main__":

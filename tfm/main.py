@@ -27,6 +27,10 @@ _WORKDIR = flags.DEFINE_string(
 )
 _PROMPTS = flags.DEFINE_multi_string("prompt", [], "generate: an input text (repeatable)")
 _STEP = flags.DEFINE_integer("step", None, "eval/generate: checkpoint step (default: latest)")
+_EVAL_SEQ_LEN = flags.DEFINE_list(
+    "eval_seq_len", [], "eval: row lengths to evaluate at (64,128,...); results are also merged "
+    "into WORKDIR/eval_seq_len.json"
+)
 _LAST_K = flags.DEFINE_integer("last_k", 5, "average: how many of the newest checkpoints")
 _OUTPUT = flags.DEFINE_string("output", None, "average: the new workdir for the averaged model")
 _PRETRAINED = flags.DEFINE_string(
@@ -128,6 +132,9 @@ def _run(command: str, config: Any, workdir: Path, config_arg: str) -> None:
     if command == "train":
         final = train.train_and_evaluate(config, workdir)
         _print(json.dumps({"workdir": str(workdir), **final}, indent=1, default=str))
+    elif command == "eval" and _EVAL_SEQ_LEN.value:
+        _print(json.dumps(evaluate_lengths(config, workdir, _EVAL_SEQ_LEN.value, _STEP.value),
+                          indent=1))
     elif command == "eval":
         results = train.evaluate_checkpoint(config, workdir, _STEP.value)
         _print(json.dumps(results, indent=1))
@@ -146,6 +153,37 @@ def _run(command: str, config: Any, workdir: Path, config_arg: str) -> None:
         print(f"averaged the last {_LAST_K.value} checkpoints of {workdir} into "
               f"{_OUTPUT.value} (step {step}); evaluate with: ./launch.sh eval {config_arg} "
               f"--workdir {_OUTPUT.value}")
+
+
+def evaluate_lengths(
+    config: Any, workdir: Path, lengths: list[str], step: int | None = None
+) -> dict[str, dict[str, Any]]:
+    """Eval metrics of a checkpoint with the eval rows cut to each length (data.eval_seq_len;
+    a text LM's eval text is cut into windows of that length), e.g. a model trained at context
+    128 evaluated at 64..1024. Learned positions past model.max_len are "n/a" with the reason.
+    Returns {length: metrics}, also merged into WORKDIR/eval_seq_len.json."""
+    import jax
+
+    from tfm import train
+
+    if not all(text.isdigit() and int(text) > 0 for text in lengths):
+        raise app.UsageError(f"--eval_seq_len takes whole numbers >= 1; got {','.join(lengths)}")
+    results: dict[str, dict[str, Any]] = {}
+    for length in map(int, lengths):
+        scheme, max_len = config.model.position_scheme, config.model.max_len
+        if scheme == "learned" and length > max_len:
+            results[str(length)] = {"n/a": f"position_scheme='learned' has no positions past "
+                                            f"model.max_len={max_len}"}
+            continue
+        with config.unlocked():
+            variant = config.copy_and_resolve_references()
+        variant.data.eval_seq_len = length
+        results[str(length)] = train.evaluate_checkpoint(variant, workdir, step)
+    if jax.process_index() == 0:
+        path = workdir / "eval_seq_len.json"
+        saved = json.loads(path.read_text()) if path.exists() else {}
+        path.write_text(json.dumps({**saved, **results}, indent=1) + "\n")
+    return results
 
 
 def _print(text: str) -> None:

@@ -1,0 +1,312 @@
+"""`./launch.sh report ROOT`: one table and plots for any sweep (tfm.sweep) or folder of runs.
+
+Reads each run's overrides from ROOT/sweep.json (or ROOT/*/sweep_run.json) and its metrics from
+ROOT/NAME/metrics.jsonl (the last value of each metric). Runs that differ only in train.seed
+form a group; the table has mean ± std (sample std over seeds) per group. Writes
+ROOT/report.{md,csv,json}, ROOT/report_<metric>.png (metric vs the swept field, error bars =
+std) and ROOT/curves_<metric>.png (the metric over steps, a line per run). With runs evaluated
+at several lengths (`./launch.sh eval ... --eval_seq_len 64,128,...` writes eval_seq_len.json),
+also ROOT/report_eval_seq_len_<metric>.png: the metric vs eval length, a line per group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import math
+import statistics
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tfm.metrics import read_metrics
+from tfm.sweep import RUN_FILE, SEED_FIELD, SWEEP_FILE, format_value, read_json
+
+LENGTHS_FILE = "eval_seq_len.json"
+
+
+def find_runs(root: Path) -> list[dict[str, Any]]:
+    """[{name, overrides, workdir, status}] of the sweep under `root`."""
+    manifest = read_json(root / SWEEP_FILE)
+    if manifest:
+        runs = manifest["runs"]
+        for run in runs:
+            status = read_json(root / run["name"] / RUN_FILE) or {}
+            run["status"] = status.get("status", run.get("status", "pending"))
+            if "error" in status:
+                run["error"] = status["error"]
+            run["workdir"] = str(root / run["name"])
+        return runs
+    runs = []
+    for folder in sorted(p for p in root.iterdir() if p.is_dir()):
+        status = read_json(folder / RUN_FILE)
+        if status or (folder / "metrics.jsonl").exists():
+            status = status or {"overrides": {}, "status": "done"}
+            runs.append({**status, "name": folder.name, "workdir": str(folder)})
+    return runs
+
+
+def final_metrics(workdir: Path) -> dict[str, float]:
+    """The last logged value of every metric of a run ({} without metrics.jsonl)."""
+    if not (workdir / "metrics.jsonl").exists():
+        return {}
+    final: dict[str, float] = {}
+    for record in read_metrics(workdir):
+        final.update(record)
+    return final
+
+
+def mean_std(values: Sequence[float]) -> tuple[float, float]:
+    """(mean, sample standard deviation); std is 0 for one value, NaN for none."""
+    if not values:
+        return math.nan, math.nan
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def aggregate(runs: Sequence[dict[str, Any]], metrics: Sequence[str] | None = None
+              ) -> tuple[list[str], list[str], list[dict[str, Any]]]:
+    """(group fields, metric names, rows): a row per group of runs that differ only in their
+    seed, with `<metric>` = (mean, std) over the runs that have it and `seeds` = how many."""
+    for run in runs:
+        run["final"] = final_metrics(Path(run["workdir"]))
+    if metrics is None:
+        names = {key for run in runs for key in run["final"] if key.startswith("eval_")}
+        metrics = sorted(names)
+    fields: list[str] = []
+    for run in runs:
+        fields += [key for key in run["overrides"] if key != SEED_FIELD and key not in fields]
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for run in runs:
+        key = tuple(format_value(run["overrides"].get(field, "")) for field in fields)
+        groups.setdefault(key, []).append(run)
+    rows = []
+    for key, members in groups.items():
+        row: dict[str, Any] = dict(zip(fields, key, strict=True))
+        done = [m for m in members if m["final"]]
+        row["seeds"] = len(done)
+        row["failed"] = sum(m.get("status") == "failed" for m in members)
+        for metric in metrics:
+            row[metric] = mean_std([m["final"][metric] for m in done if metric in m["final"]])
+        rows.append(row)
+    return fields, list(metrics), rows
+
+
+def format_cell(value: tuple[float, float], seeds: int) -> str:
+    mean, std = value
+    if math.isnan(mean):
+        return "n/a"
+    return f"{mean:.4g} ± {std:.2g}" if seeds > 1 else f"{mean:.4g}"
+
+
+def markdown_table(fields: Sequence[str], metrics: Sequence[str], rows: Sequence[dict]) -> str:
+    header = [*fields, "seeds", *metrics]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in rows:
+        seeds = row["seeds"] if not row["failed"] else f"{row['seeds']} ({row['failed']} failed)"
+        cells = [str(row[f]) for f in fields] + [str(seeds)]
+        cells += [format_cell(row[m], row["seeds"]) for m in metrics]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def csv_table(fields: Sequence[str], metrics: Sequence[str], rows: Sequence[dict]) -> str:
+    out = io.StringIO()
+    writer = csv.writer(out)
+    writer.writerow([*fields, "seeds", "failed",
+                     *(f"{m}_{part}" for m in metrics for part in ("mean", "std"))])
+    for row in rows:
+        writer.writerow([row[f] for f in fields] + [row["seeds"], row["failed"]]
+                        + [v for m in metrics for v in row[m]])
+    return out.getvalue()
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(plt, figure, axes, xlabel: str, ylabel: str, path: Path, legend: bool = True) -> None:
+    """Labels, grid and legend, then the PNG; closes the figure."""
+    axes.set_xlabel(xlabel)
+    axes.set_ylabel(ylabel)
+    axes.grid(alpha=0.3)
+    if legend:
+        axes.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def _as_number(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def plot_metric(rows: Sequence[dict], fields: Sequence[str], metric: str, x_field: str,
+                path: Path) -> None:
+    """metric (mean ± std) vs `x_field`, a line per value of the other fields."""
+    plt = _pyplot()
+    others = [f for f in fields if f != x_field]
+    lines: dict[tuple, list[dict]] = {}
+    for row in rows:
+        lines.setdefault(tuple(row[f] for f in others), []).append(row)
+    figure, axes = plt.subplots(figsize=(6, 4))
+    for label, members in lines.items():
+        xs = [row[x_field] for row in members]
+        numeric = all(_as_number(x) is not None for x in xs)
+        if numeric:
+            members = sorted(members, key=lambda row: float(row[x_field]))
+            xs = [float(row[x_field]) for row in members]
+        means = [row[metric][0] for row in members]
+        stds = [row[metric][1] for row in members]
+        name = ", ".join(f"{f}={v}" for f, v in zip(others, label, strict=True)) or metric
+        axes.errorbar(xs, means, yerr=stds, marker="o", capsize=3, label=name,
+                      linestyle="-" if numeric else "none")
+    if any(len(str(row[x_field])) > 6 for row in rows):
+        figure.autofmt_xdate()  # long category names: slanted
+    _save(plt, figure, axes, x_field, metric, path, legend=len(lines) > 1)
+
+
+def plot_curves(runs: Sequence[dict], metric: str, path: Path) -> bool:
+    """The metric over training steps, a line per run; False if no run logged it."""
+    plt = _pyplot()
+    figure, axes = plt.subplots(figsize=(6, 4))
+    drawn = False
+    for run in runs:
+        workdir = Path(run["workdir"])
+        if not (workdir / "metrics.jsonl").exists():
+            continue
+        points = [(r["step"], r[metric]) for r in read_metrics(workdir) if metric in r]
+        if points:
+            steps, values = zip(*points, strict=True)
+            axes.plot(steps, values, marker="." if len(points) < 20 else None, label=run["name"])
+            drawn = True
+    if drawn:
+        _save(plt, figure, axes, "step", metric, path)
+    else:
+        plt.close(figure)
+    return drawn
+
+
+def length_table(runs: Sequence[dict], fields: Sequence[str], metric: str
+                 ) -> tuple[list[int], list[dict[str, Any]]]:
+    """From each run's eval_seq_len.json: (lengths, a row per group with `metric` (mean, std)
+    per length; None where the length is n/a, e.g. learned positions past max_len)."""
+    lengths: set[int] = set()
+    per_run = {}
+    for run in runs:
+        results = read_json(Path(run["workdir"]) / LENGTHS_FILE)
+        if results:
+            per_run[run["name"]] = {int(k): v for k, v in results.items()}
+            lengths |= set(per_run[run["name"]])
+    groups: dict[tuple, list[dict]] = {}
+    for run in runs:
+        if run["name"] in per_run:
+            key = tuple(format_value(run["overrides"].get(f, "")) for f in fields)
+            groups.setdefault(key, []).append(per_run[run["name"]])
+    rows = []
+    for key, members in groups.items():
+        row: dict[str, Any] = dict(zip(fields, key, strict=True))
+        for length in sorted(lengths):
+            values = [m[length][metric] for m in members if metric in m.get(length, {})]
+            row[length] = mean_std(values) if values else None
+        rows.append(row)
+    return sorted(lengths), rows
+
+
+def write_report(root: Path, metrics: Sequence[str] | None = None, x_field: str | None = None,
+                 title: str | None = None) -> dict[str, Any]:
+    """Writes the table and plots; returns {"fields", "metrics", "rows", "files"}."""
+    runs = find_runs(root)
+    if not runs:
+        raise FileNotFoundError(f"no runs under {root} (no sweep.json, no */metrics.jsonl)")
+    fields, metrics, rows = aggregate(runs, metrics)
+    if x_field is None:
+        varying = [f for f in fields if len({row[f] for row in rows}) > 1]
+        x_field = varying[0] if varying else (fields[0] if fields else None)
+    elif x_field not in fields:
+        raise ValueError(f"--x={x_field!r} is not a swept field; swept: {', '.join(fields)}")
+    files = []
+    table = markdown_table(fields, metrics, rows)
+    heading = title or f"Sweep {root}"
+    sections = [f"# {heading}", "", table]
+    for metric in metrics:
+        lengths, length_rows = length_table(runs, fields, metric)
+        if all(row[n] is None for row in length_rows for n in lengths):
+            continue  # no run evaluated this metric at several lengths
+        header = [*fields, *(f"len {n}" for n in lengths)]
+        lines = [f"{metric} by evaluation length (`eval --eval_seq_len`):", "",
+                 "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        for row in length_rows:
+            cells = [str(row[f]) for f in fields]
+            cells += ["n/a" if row[n] is None else format_cell(row[n], 2) for n in lengths]
+            lines.append("| " + " | ".join(cells) + " |")
+        sections += ["", *lines]
+        path = root / f"report_eval_seq_len_{metric}.png"
+        _plot_lengths(lengths, length_rows, fields, metric, path)
+        files.append(path)
+    (root / "report.md").write_text("\n".join(sections) + "\n")
+    (root / "report.csv").write_text(csv_table(fields, metrics, rows))
+    (root / "report.json").write_text(json.dumps(
+        {"fields": fields, "metrics": metrics, "rows": rows}, indent=1, default=str))
+    files += [root / "report.md", root / "report.csv", root / "report.json"]
+    for metric in metrics:
+        if x_field is not None and any(not math.isnan(row[metric][0]) for row in rows):
+            path = root / f"report_{metric}.png"
+            plot_metric(rows, fields, metric, x_field, path)
+            files.append(path)
+        path = root / f"curves_{metric}.png"
+        if plot_curves(runs, metric, path):
+            files.append(path)
+    if plot_curves(runs, "train_loss", root / "curves_train_loss.png"):
+        files.append(root / "curves_train_loss.png")
+    return {"fields": fields, "metrics": metrics, "rows": rows, "files": files, "table": table}
+
+
+def _plot_lengths(lengths: Sequence[int], rows: Sequence[dict], fields: Sequence[str],
+                  metric: str, path: Path) -> None:
+    plt = _pyplot()
+    figure, axes = plt.subplots(figsize=(6, 4))
+    for row in rows:
+        points = [(n, row[n]) for n in lengths if row[n] is not None]
+        if not points:
+            continue
+        xs = [n for n, _ in points]
+        axes.errorbar(xs, [v[0] for _, v in points], yerr=[v[1] for _, v in points],
+                      marker="o", capsize=3,
+                      label=", ".join(f"{f}={row[f]}" for f in fields) or metric)
+    axes.set_xscale("log", base=2)
+    axes.set_xticks(list(lengths), [str(n) for n in lengths])
+    _save(plt, figure, axes, "evaluation length (tokens)", metric, path)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="./launch.sh report", description=__doc__.splitlines()[0])
+    parser.add_argument("root", help="the sweep's root folder (holds sweep.json or run folders)")
+    parser.add_argument("--metrics", default=None,
+                        help="comma-separated metric names (default: every eval_* metric)")
+    parser.add_argument("--x", default=None, help="the swept field on the plots' x axis")
+    parser.add_argument("--title", default=None)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    metrics = args.metrics.split(",") if args.metrics else None
+    try:
+        result = write_report(Path(args.root), metrics, args.x, args.title)
+    except (FileNotFoundError, ValueError) as error:
+        sys.stderr.write(f"launch.sh report: {error}\n")
+        return 2
+    print(result["table"])
+    print("wrote " + ", ".join(str(path) for path in result["files"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
