@@ -13,6 +13,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from tfm import attention
 from tfm import cache as cache_lib
@@ -30,14 +31,37 @@ from tfm.layers import (
 Array = jax.Array
 
 
+@struct.dataclass
+class LayerContext:
+    """What every block of one stack call shares, computed once before the layers.
+
+    self_mask: [batch, 1, q_len, kv_len] bool or None; self_bias: [batch | 1, heads, q_len,
+    kv_len] (a position scheme's shared logit bias) or None; query_positions: [batch, q_len];
+    key_positions: [batch, kv_len]; write_index: [batch] cache slot of the first new token (None
+    without a cache); causal: no cache and causal masking (attention may skip future blocks).
+    Cross-attention (encoder-decoder only): encoded [batch, src_len, d_model] (None: read the
+    cache), cross_mask [batch, 1, q_len, src_len], source_positions [batch, src_len].
+    """
+
+    self_mask: Array | None
+    self_bias: Array | None
+    query_positions: Array
+    key_positions: Array
+    write_index: Array | None = None
+    causal: bool = struct.field(pytree_node=False, default=False)
+    encoded: Array | None = None
+    cross_mask: Array | None = None
+    source_positions: Array | None = None
+
+
 class Block(nn.Module):
     """Self-attention, optional cross-attention, FFN; each wrapped in a residual with dropout.
 
     post-LN (the paper's "Add & Norm"): x = Norm(x + Dropout(Sublayer(x)));
     pre-LN: x = x + Dropout(Sublayer(Norm(x))), with a final norm after the stack.
-    Call signature fits nn.scan: ((x, caches), layer index, broadcast context) -> ((x, caches),
-    None). `caches` holds every layer's KV slots (tfm/cache.py layout); this block reads and
-    writes its own layer's slots in place.
+    Call signature fits nn.scan: ((x, cache), layer index, LayerContext) -> ((x, cache), None).
+    `cache` is the DecoderCache of every layer (tfm/cache.py layout) or None; this block reads
+    and writes its own layer's slots in place and returns the same cache form.
     """
 
     config: ModelConfig
@@ -45,11 +69,11 @@ class Block(nn.Module):
     bidirectional: bool
 
     @nn.compact
-    def __call__(self, carry: tuple, layer: Array | int, ctx: dict, deterministic: bool):
-        # carry: (x [batch, len, d_model], caches {"keys", "values"[, "cross_keys",
-        # "cross_values"]} of every layer in tfm/cache.py's layout, or None);
-        # ctx: masks, biases, positions (see Stack).
-        x, caches = carry
+    def __call__(
+        self, carry: tuple, layer: Array | int, ctx: LayerContext, deterministic: bool
+    ) -> tuple[tuple[Array, DecoderCache | None], None]:
+        # carry: (x [batch, len, d_model], the DecoderCache or None)
+        x, cache = carry
         config = self.config
         drop = nn.Dropout(config.dropout_rate)
 
@@ -62,65 +86,63 @@ class Block(nn.Module):
                 x + drop(y, deterministic=deterministic)
             ), extra
 
-        self_bias = ctx["self_bias"]
-        if config.position_scheme == "t5_bias" and not config.t5_shared_across_layers:
+        self_bias = ctx.self_bias
+        if config.scheme.bias_per_layer(config):
             self_bias = PositionBias(config, self.bidirectional, name="position_bias")(
-                ctx["query_positions"], ctx["key_positions"]
+                ctx.query_positions, ctx.key_positions
             )
-        self_slots = None if caches is None else (caches["keys"], caches["values"])
+        self_slots = None if cache is None else (cache.keys, cache.values)
         self_attention = MultiHeadAttention(config, name="self_attention")
         x, new_self = residual(
             x,
             lambda h: self_attention(
                 h,
                 h,
-                mask=ctx["self_mask"],
+                mask=ctx.self_mask,
                 bias=self_bias,
-                query_positions=ctx["query_positions"],
-                key_positions=ctx["key_positions"],
+                query_positions=ctx.query_positions,
+                key_positions=ctx.key_positions,
                 cache_slots=self_slots,
                 layer=layer,
-                write_index=ctx["write_index"],
-                causal=ctx["causal"],
+                write_index=ctx.write_index,
+                causal=ctx.causal,
                 deterministic=deterministic,
             ),
             "self_attention",
         )
-        if caches is not None:
-            caches = {**caches, "keys": new_self[0], "values": new_self[1]}
+        if cache is not None:
+            cache = cache.replace(keys=new_self[0], values=new_self[1])
 
         if self.has_cross:
-            cross_slots = None
-            if caches is not None:
-                cross_slots = (caches["cross_keys"], caches["cross_values"])
+            cross_slots = None if cache is None else (cache.cross_keys, cache.cross_values)
             cross_attention = MultiHeadAttention(config, is_cross=True, name="cross_attention")
             x, new_cross = residual(
                 x,
                 lambda h: cross_attention(
                     h,
-                    ctx["encoded"],
-                    mask=ctx["cross_mask"],
+                    ctx.encoded,
+                    mask=ctx.cross_mask,
                     bias=None,
-                    query_positions=ctx["query_positions"],
-                    key_positions=ctx["source_positions"],
+                    query_positions=ctx.query_positions,
+                    key_positions=ctx.source_positions,
                     cache_slots=cross_slots,
                     layer=layer,
                     deterministic=deterministic,
                 ),
                 "cross_attention",
             )
-            if caches is not None:
-                caches = {**caches, "cross_keys": new_cross[0], "cross_values": new_cross[1]}
+            if cache is not None:
+                cache = cache.replace(cross_keys=new_cross[0], cross_values=new_cross[1])
 
         feed_forward = FeedForward(config, name="feed_forward")
         x, _ = residual(x, lambda h: (feed_forward(h), None), "feed_forward")
-        return (x, caches), None
+        return (x, cache), None
 
 
 class Stack(nn.Module):
     """`num_layers` blocks, unrolled or under nn.scan (compile time flat in depth), plus the
-    final norm of pre-LN. The KV slots of all layers travel through the stack as one carry
-    ([batch, layers, ...]) that each block updates in place."""
+    final norm of pre-LN. The DecoderCache of all layers travels through the stack as the carry
+    ([batch, layers, ...] slots) that each block updates in place."""
 
     config: ModelConfig
     num_layers: int
@@ -128,7 +150,9 @@ class Stack(nn.Module):
     bidirectional: bool
 
     @nn.compact
-    def __call__(self, x: Array, caches: dict | None, ctx: dict, deterministic: bool):
+    def __call__(
+        self, x: Array, cache: DecoderCache | None, ctx: LayerContext, deterministic: bool
+    ) -> tuple[Array, DecoderCache | None]:
         config = self.config
         block = Block
         if config.remat:
@@ -143,17 +167,17 @@ class Stack(nn.Module):
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )
             layers = jnp.arange(self.num_layers, dtype=jnp.int32)
-            (x, caches), _ = scanned(config, self.has_cross, self.bidirectional, name="layers")(
-                (x, caches), layers, ctx, deterministic
+            (x, cache), _ = scanned(config, self.has_cross, self.bidirectional, name="layers")(
+                (x, cache), layers, ctx, deterministic
             )
         else:
             for i in range(self.num_layers):
-                (x, caches), _ = block(
+                (x, cache), _ = block(
                     config, self.has_cross, self.bidirectional, name=f"layer_{i}"
-                )((x, caches), i, ctx, deterministic)
+                )((x, cache), i, ctx, deterministic)
         if config.has_final_norm:
             x = Norm(config, name="final_norm")(x)
-        return x, caches
+        return x, cache
 
 
 def _default_positions(tokens: Array, offset: Array | None = None) -> Array:
@@ -216,16 +240,16 @@ def _self_attention_context(
     masks: list[Array | None],
     write_index: Array | None,
     causal: bool,
-) -> dict:
+) -> LayerContext:
     """Masks and shared position biases for one stack's self-attention. `causal`: no cache
     and causal masking, so query i sees no key after i (attention may skip those blocks)."""
     if config.local_window is not None:
         masks.append(
             attention.local_window_mask(query_positions, key_positions, config.local_window)
         )
-    layer_bias = config.position_scheme == "t5_bias" and not config.t5_shared_across_layers
+    layer_bias = config.scheme.bias_per_layer(config)
     shared_bias = None if layer_bias else position_bias(query_positions, key_positions)
-    return dict(
+    return LayerContext(
         self_mask=attention.combine_masks(*masks),
         self_bias=shared_bias,
         query_positions=query_positions,
@@ -376,20 +400,15 @@ class Decoder(nn.Module):
             cross_masks = [attention.padding_mask(source_valid)]
             if segment_ids is not None and source_segment_ids is not None:
                 cross_masks.append(attention.segment_mask(segment_ids, source_segment_ids))
-            ctx.update(
+            ctx = ctx.replace(
                 encoded=encoded,
                 cross_mask=attention.combine_masks(*cross_masks),
                 source_positions=_default_positions(source_valid),
             )
 
-        caches = None
-        if cache is not None:
-            caches = {"keys": cache.keys, "values": cache.values}
-            if self.has_cross:
-                caches.update(cross_keys=cache.cross_keys, cross_values=cache.cross_values)
-        x, caches = Stack(config, config.num_decoder_layers, self.has_cross, False, name="stack")(
-            x, caches, ctx, deterministic
-        )
+        x, new_cache = Stack(
+            config, config.num_decoder_layers, self.has_cross, False, name="stack"
+        )(x, cache, ctx, deterministic)
         if config.output_scale is not None:
             x = x * jnp.asarray(config.output_scale, x.dtype)
         if config.tie_output:
@@ -410,20 +429,10 @@ class Decoder(nn.Module):
             # not known in advance) gets NaN logits rather than silently wrong ones.
             overflow = cache.lengths + tokens.shape[1] > cache.max_len  # [batch]
             logits = jnp.where(overflow[:, None, None], jnp.nan, logits)
-            new = dict(
-                keys=caches["keys"],
-                values=caches["values"],
-                lengths=cache.lengths + tokens.shape[1],
-                valid=new_valid,
-            )
+            new_cache = new_cache.replace(lengths=cache.lengths + tokens.shape[1], valid=new_valid)
             if self.has_cross:
-                new.update(
-                    cross_keys=caches["cross_keys"],
-                    cross_values=caches["cross_values"],
-                    source_valid=source_valid,
-                )
-            cache = cache.replace(**new)
-        return logits, cache
+                new_cache = new_cache.replace(source_valid=source_valid)
+        return logits, new_cache
 
 
 class DecoderLM(nn.Module):
