@@ -31,7 +31,7 @@ from tfm.experiment import (
     state_shardings,
 )
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("tfm.train")  # the training system's log name, as before the split
 
 
 class PromptError(ValueError):

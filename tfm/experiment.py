@@ -60,7 +60,7 @@ TOP_LEVEL_SECTIONS = (
 # Fields of config.model that still apply when init.pretrained supplies the architecture.
 IMPLEMENTATION_FIELDS = ("dtype", "param_dtype", "scan_layers", "remat", "attention_backend")
 GENERATION_METRICS = ("none", "exact_match", "bleu")
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("tfm.train")  # the training system's log name, as before the split
 
 
 class TrainingError(RuntimeError):
@@ -452,7 +452,7 @@ def _pretrained_model_values(
         "lm" if pretrained.num_decoder_layers else "encoder")
     if kind != mode:
         raise ConfigError(
-            f"init.pretrained={folder!r} holds a {kind} model but the data is for a {mode} model"
+            f"init.pretrained={folder!r} holds a {kind} model but the data is for a {mode} task"
         )
     if data.vocab_size > pretrained.vocab_size:
         raise ConfigError(
