@@ -40,7 +40,8 @@ class LayerContext:
     key_positions: [batch, kv_len]; write_index: [batch] cache slot of the first new token (None
     without a cache); causal: no cache and causal masking (attention may skip future blocks).
     Cross-attention (encoder-decoder only): encoded [batch, src_len, d_model] (None: read the
-    cache), cross_mask [batch, 1, q_len, src_len], source_positions [batch, src_len].
+    cache), cross_mask [batch, 1, q_len, src_len], source_positions, source_valid [batch,
+    src_len].
     """
 
     self_mask: Array | None
@@ -52,6 +53,7 @@ class LayerContext:
     encoded: Array | None = None
     cross_mask: Array | None = None
     source_positions: Array | None = None
+    source_valid: Array | None = None
 
 
 class Block(nn.Module):
@@ -259,6 +261,80 @@ def _self_attention_context(
     )
 
 
+def _causal_inputs(
+    tokens: Array, positions: Array | None, valid: Array | None, segment_ids: Array | None
+) -> tuple[Array, Array, list[Array | None]]:
+    """(positions, key positions, masks) of causal self-attention over `tokens` alone."""
+    if positions is None:
+        positions = _default_positions(tokens)
+        if valid is not None and segment_ids is None:
+            positions = _positions_from_valid(valid)
+    order = _default_positions(tokens)  # causal by index, whatever the positions
+    masks = [
+        attention.causal_mask(order, order),
+        None if valid is None else attention.padding_mask(valid),
+    ]
+    if segment_ids is not None:
+        masks.append(attention.segment_mask(segment_ids, segment_ids))
+    return positions, positions, masks
+
+
+def _cached_inputs(
+    cache: DecoderCache, tokens: Array, positions: Array | None, valid: Array | None
+) -> tuple[Array, Array, list[Array | None], Array | None]:
+    """(positions, key positions [batch, max_len], masks, the cache's new `valid`) of new
+    tokens attending to every filled slot of `cache` and to each other, causally."""
+    if tokens.shape[1] > cache.max_len:
+        raise ValueError(
+            f"{tokens.shape[1]} tokens are longer than the cache (max_len="
+            f"{cache.max_len}); build a larger cache with init_cache"
+        )
+    check_room(cache, tokens.shape[1])
+    write_index, new_valid = cache.lengths, None
+    slots = _default_positions(cache.values[:, 0, 0, :, 0])  # [batch, max_len]
+    filled = attention.valid_from_lengths(cache.lengths + tokens.shape[1], cache.max_len)
+    key_valid, key_positions = filled, slots
+    if cache.valid is not None:
+        written = jnp.ones(tokens.shape, bool) if valid is None else valid
+        new_valid = cache_lib.write_valid(cache.valid, written, write_index)
+        key_valid = filled & new_valid
+        # A slot's position counts the real tokens before it (left padding aside).
+        key_positions = _positions_from_valid(new_valid)
+    if positions is None:
+        positions = jnp.take_along_axis(
+            key_positions, _default_positions(tokens, write_index), axis=1
+        )
+    masks = [
+        attention.causal_mask(_default_positions(tokens, write_index), slots),
+        attention.padding_mask(key_valid),
+    ]
+    return positions, key_positions, masks, new_valid
+
+
+def _with_cross_attention(
+    ctx: LayerContext,
+    encoded: Array | None,  # [batch, src_len, d_model]; None: the cache holds keys/values
+    source_valid: Array | None,  # [batch, src_len] bool; None = every source token is real
+    segment_ids: Array | None,
+    source_segment_ids: Array | None,
+) -> LayerContext:
+    """`ctx` with the cross-attention inputs: encoder output, padding (+ packing) mask."""
+    if source_valid is None:
+        source_len = encoded.shape[1]
+        source_valid = attention.valid_from_lengths(
+            jnp.full(encoded.shape[:1], source_len), source_len
+        )
+    cross_masks = [attention.padding_mask(source_valid)]
+    if segment_ids is not None and source_segment_ids is not None:
+        cross_masks.append(attention.segment_mask(segment_ids, source_segment_ids))
+    return ctx.replace(
+        encoded=encoded,
+        cross_mask=attention.combine_masks(*cross_masks),
+        source_positions=_default_positions(source_valid),
+        source_valid=source_valid,
+    )
+
+
 class Encoder(nn.Module):
     """Bidirectional Transformer encoder (Vaswani et al. 2017 sec. 3.1)."""
 
@@ -331,46 +407,15 @@ class Decoder(nn.Module):
         write_index, new_valid = None, None
         valid = _resolve_valid(tokens, valid, segment_ids)
         if cache is None:
-            if positions is None:
-                positions = _default_positions(tokens)
-                if valid is not None and segment_ids is None:
-                    positions = _positions_from_valid(valid)
-            key_positions = positions
-            order = _default_positions(tokens)  # causal by index, whatever the positions
-            masks = [
-                attention.causal_mask(order, order),
-                None if valid is None else attention.padding_mask(valid),
-            ]
-            if segment_ids is not None:
-                masks.append(attention.segment_mask(segment_ids, segment_ids))
+            positions, key_positions, masks = _causal_inputs(tokens, positions, valid, segment_ids)
         else:
             check_cache(cache, config, self.has_cross)
             if segment_ids is not None:
                 raise ValueError("segment_ids (packing) cannot be combined with a KV cache")
-            if tokens.shape[1] > cache.max_len:
-                raise ValueError(
-                    f"{tokens.shape[1]} tokens are longer than the cache (max_len="
-                    f"{cache.max_len}); build a larger cache with init_cache"
-                )
-            check_room(cache, tokens.shape[1])
             write_index = cache.lengths
-            slots = _default_positions(cache.values[:, 0, 0, :, 0])  # [batch, max_len]
-            filled = attention.valid_from_lengths(cache.lengths + tokens.shape[1], cache.max_len)
-            key_valid, key_positions = filled, slots
-            if cache.valid is not None:
-                written = jnp.ones(tokens.shape, bool) if valid is None else valid
-                new_valid = cache_lib.write_valid(cache.valid, written, write_index)
-                key_valid = filled & new_valid
-                # A slot's position counts the real tokens before it (left padding aside).
-                key_positions = _positions_from_valid(new_valid)
-            if positions is None:
-                positions = jnp.take_along_axis(
-                    key_positions, _default_positions(tokens, write_index), axis=1
-                )
-            masks = [
-                attention.causal_mask(_default_positions(tokens, write_index), slots),
-                attention.padding_mask(key_valid),
-            ]
+            positions, key_positions, masks, new_valid = _cached_inputs(
+                cache, tokens, positions, valid
+            )
 
         x = _embed(config, self, self.embedding, tokens, positions, None)
         x = self.perturb("embedded", x)
@@ -387,24 +432,8 @@ class Decoder(nn.Module):
         if self.has_cross:
             if encoded is None and cache is None:
                 raise ValueError("the encoder-decoder's decoder needs `encoded` or a filled cache")
-            if encoded is not None:
-                source_valid = (
-                    attention.valid_from_lengths(
-                        jnp.full(encoded.shape[:1], encoded.shape[1]), encoded.shape[1]
-                    )
-                    if source_valid is None
-                    else source_valid
-                )
-            else:
-                source_valid = cache.source_valid
-            cross_masks = [attention.padding_mask(source_valid)]
-            if segment_ids is not None and source_segment_ids is not None:
-                cross_masks.append(attention.segment_mask(segment_ids, source_segment_ids))
-            ctx = ctx.replace(
-                encoded=encoded,
-                cross_mask=attention.combine_masks(*cross_masks),
-                source_positions=_default_positions(source_valid),
-            )
+            source_valid = cache.source_valid if encoded is None else source_valid
+            ctx = _with_cross_attention(ctx, encoded, source_valid, segment_ids, source_segment_ids)
 
         x, new_cache = Stack(
             config, config.num_decoder_layers, self.has_cross, False, name="stack"
@@ -431,7 +460,7 @@ class Decoder(nn.Module):
             logits = jnp.where(overflow[:, None, None], jnp.nan, logits)
             new_cache = new_cache.replace(lengths=cache.lengths + tokens.shape[1], valid=new_valid)
             if self.has_cross:
-                new_cache = new_cache.replace(source_valid=source_valid)
+                new_cache = new_cache.replace(source_valid=ctx.source_valid)
         return logits, new_cache
 
 
