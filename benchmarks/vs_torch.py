@@ -328,10 +328,10 @@ def report(info: dict, peaks: dict, bandwidth: float, rows: list[dict], command:
         "",
         f"CPU: {info['model']}, {info['cores']} cores; bf16 units: "
         f"{', '.join(info['bf16_units'])}; jax {info['jax']}, torch {info['torch']}.",
-        "Matmul peak (2048^3, GFLOP/s): "
-        + "; ".join(f"{d} jax {p['jax'] / 1e9:.0f}, torch {p['torch'] / 1e9:.0f}"
-                    for d, p in peaks.items())
-        + f". Memory bandwidth (512 MiB sum): {bandwidth / 1e9:.1f} GB/s.",
+        ("Matmul peak (2048^3, GFLOP/s): "
+         + "; ".join(f"{d} jax {p['jax'] / 1e9:.0f}, torch {p['torch'] / 1e9:.0f}"
+                     for d, p in peaks.items()) + ". " if peaks else "")
+        + f"Memory bandwidth (512 MiB sum): {bandwidth / 1e9:.1f} GB/s.",
         "",
     ]
     train_rows = [r for r in rows if r["work"] == "train"]
@@ -394,7 +394,9 @@ def main() -> None:
     if not info["bf16_native"]:
         print("warning: this CPU has no native bfloat16 (no AMX / AVX512-BF16); bfloat16 runs "
               "emulated and is expected to be slower than float32 on both sides", flush=True)
-    peaks, bandwidth = matmul_peaks(), memory_bandwidth()
+    # The matmul peaks are only for training MFU (torch's emulated bf16 peak alone takes minutes).
+    peaks = matmul_peaks() if args.only != "decode" else {}
+    bandwidth = memory_bandwidth()
     rows = []
     if args.only in (None, "train"):
         rows += bench_train(args, peaks)

@@ -164,15 +164,15 @@ def evaluate_lengths(
     Returns {length: metrics}, also merged into WORKDIR/eval_seq_len.json."""
     import jax
 
-    from tfm import train
+    from tfm import positions, train
 
     if not all(text.isdigit() and int(text) > 0 for text in lengths):
         raise app.UsageError(f"--eval_seq_len takes whole numbers >= 1; got {','.join(lengths)}")
     results: dict[str, dict[str, Any]] = {}
     for length in map(int, lengths):
         scheme, max_len = config.model.position_scheme, config.model.max_len
-        if scheme == "learned" and length > max_len:
-            results[str(length)] = {"n/a": f"position_scheme='learned' has no positions past "
+        if positions.SCHEMES[scheme].bounded_by_max_len and length > max_len:
+            results[str(length)] = {"n/a": f"position_scheme={scheme!r} has no positions past "
                                             f"model.max_len={max_len}"}
             continue
         with config.unlocked():

@@ -144,7 +144,7 @@ class Block(nn.Module):
 class Stack(nn.Module):
     """`num_layers` blocks, unrolled or under nn.scan (compile time flat in depth), plus the
     final norm of pre-LN. The DecoderCache of all layers travels through the stack as the carry
-    ([batch, layers, ...] slots) that each block updates in place."""
+    (per-layer or stacked slots, see tfm/cache.py); each block updates its layer's in place."""
 
     config: ModelConfig
     num_layers: int
