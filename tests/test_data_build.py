@@ -25,6 +25,10 @@ def test_unknown_field_and_bad_values_name_the_data_field():
         DataConfig(kind="synthetic", path="x.txt")
     with pytest.raises(ConfigError, match=r"data.train_lengths=\(5, 2\) must be"):
         DataConfig(train_lengths=(5, 2))
+    with pytest.raises(ConfigError, match=r"data.long_eval_lengths=\(30, 20\) must be"):
+        DataConfig(long_eval_lengths=(30, 20))
+    with pytest.raises(ConfigError, match=r"data.long_eval_lengths=\(3, 4\) is only used by"):
+        DataConfig(kind="text", path="a.txt", long_eval_lengths=(3, 4))
     with pytest.raises(ConfigError, match=r"data.batch_size=0 must be an integer > 0"):
         DataConfig(batch_size=0)
     with pytest.raises(ConfigError, match=r"data.length_policy='split' only applies"):
@@ -45,6 +49,9 @@ def test_config_dict_input_and_resolved_defaults():
     assert config.resolved_tokenizer == "char"
     assert config.resolved_length_policy == "filter"
     assert config.resolved_eval_splits == ("validation", "test")
+    longer = DataConfig.from_dict({"kind": "synthetic", "long_eval_lengths": [33, 64]})
+    assert longer.long_eval_lengths == (33, 64)
+    assert longer.resolved_eval_splits == ("validation", "test", "test_long")
     text = DataConfig(kind="text", path="a.txt")
     assert (text.resolved_tokenizer, text.resolved_length_policy) == ("byte", "split")
 
@@ -93,6 +100,26 @@ def test_synthetic_seq2seq_end_to_end(tmp_path):
         assert data.tokenizer.decode(batch["source"][row]) == source
         assert data.decode(batch["targets"][row]) == target
         assert batch["source"][row].tolist()[: len(source) + 1] == data.encode_prompt(source)
+
+
+def test_synthetic_long_test_split(tmp_path):
+    """long_eval_lengths adds test_long, its own examples at its own lengths; the other splits
+    stay what they were without it (same examples, same prepared directory)."""
+    plain = build_data(_synthetic(tmp_path, mode="lm"))
+    data = build_data(_synthetic(tmp_path, mode="lm", long_eval_lengths=(8, 10)))
+    assert data.eval_splits == ("validation", "test", "test_long")
+    assert "test_long" not in plain.sources
+    for split in ("validation", "test"):
+        assert plain.eval_texts(split) == data.eval_texts(split)
+    sources, targets = data.eval_texts("test_long")
+    assert len(sources) == 7 and sources != data.eval_texts("test")[0]
+    for source, target in zip(sources, targets, strict=True):
+        assert synthetic.check_example("addition", source, target, lengths=(8, 10)) is None
+    # Eval rows fit the longest example although seq_len is shorter.
+    batch = next(data.eval_batches("test_long"))
+    answers = map(len, targets)
+    longest = max(len(data.encode_prompt(s)) + n for s, n in zip(sources, answers, strict=True))
+    assert batch["inputs"].shape[1] == longest > data.config.seq_len
 
 
 def test_synthetic_decoder_only_weights_the_answer(tmp_path):

@@ -9,17 +9,19 @@ Fields (default), by topic; a kind-specific field may only differ from its defau
       mode become prompt + separator + answer + eos with loss weights on answer and eos only
       (separator "=" for synthetic tasks, eos otherwise).
   synthetic: task ("reverse"; copy | reverse | sort | addition), num_symbols (10),
-      train_lengths ((1, 16)), eval_lengths ((17, 32)), num_train_examples (10000),
-      num_eval_examples (1000). Splits: train; validation (training lengths, other examples,
-      which may repeat training ones at short lengths); test (eval lengths).
+      train_lengths ((1, 16)), eval_lengths ((17, 32)), long_eval_lengths (None: a second test
+      range, e.g. (33, 64)), num_train_examples (10000), num_eval_examples (1000, per eval
+      split). Splits: train; validation (training lengths, other examples, which may repeat
+      training ones at short lengths); test (eval lengths); test_long (long_eval_lengths, only
+      when set; its metrics are eval_test_long_*).
   text: path (required), text_unit ("paragraph" | "line"), validation_fraction (0.1: the last
       tenth of the paragraphs/lines is the validation split).
   parallel: source_path, target_path (required; plain or .gz; line i of each is a pair),
       eval_source_path, eval_target_path (None: hold out the last validation_fraction of pairs).
   tfds: name (e.g. "wmt14_translate/de-en", "lm1b"), features (our field -> feature key:
       {"source": "de", "target": "en"} or {"text": "text"}), download (False).
-  splits: train_split ("train"), eval_splits (None = ("validation", "test") for synthetic,
-      ("validation",) otherwise).
+  splits: train_split ("train"), eval_splits (None = ("validation", "test") for synthetic, plus
+      "test_long" when long_eval_lengths is set; ("validation",) otherwise).
   tokenizer (None = char over the task alphabet for synthetic, byte otherwise): "byte" | "char" |
       "sentencepiece"; vocab_size (8000) and sentencepiece_model_type ("unigram" | "bpe") for
       SentencePiece; shared_vocab (True): one vocabulary for source and target.
@@ -84,6 +86,7 @@ _KIND_FIELDS = {
         "num_symbols",
         "train_lengths",
         "eval_lengths",
+        "long_eval_lengths",
         "num_train_examples",
         "num_eval_examples",
     ),
@@ -105,6 +108,7 @@ class DataConfig:
     num_symbols: int = 10
     train_lengths: tuple[int, int] = (1, 16)
     eval_lengths: tuple[int, int] = (17, 32)
+    long_eval_lengths: tuple[int, int] | None = None
     num_train_examples: int = 10_000
     num_eval_examples: int = 1_000
     # text
@@ -154,7 +158,7 @@ class DataConfig:
                 f"data.{unknown[0]} is unknown; known data fields: {', '.join(known)}"
             )
         values = dict(values)
-        for key in ("train_lengths", "eval_lengths", "eval_splits"):
+        for key in ("train_lengths", "eval_lengths", "long_eval_lengths", "eval_splits"):
             if isinstance(values.get(key), list):
                 values[key] = tuple(values[key])
         return cls(**values)
@@ -174,8 +178,10 @@ class DataConfig:
             _choice("task", self.task, synthetic.TASKS)
             if not (isinstance(self.num_symbols, int) and 2 <= self.num_symbols <= 36):
                 raise ConfigError(f"data.num_symbols={self.num_symbols!r} must be in [2, 36]")
-            for field in ("train_lengths", "eval_lengths"):
+            for field in ("train_lengths", "eval_lengths", "long_eval_lengths"):
                 value = getattr(self, field)
+                if value is None and field == "long_eval_lengths":
+                    continue
                 ok = isinstance(value, tuple) and len(value) == 2
                 ok = ok and all(isinstance(v, int) for v in value) and 1 <= value[0] <= value[1]
                 if not ok:
@@ -274,7 +280,9 @@ class DataConfig:
     def resolved_eval_splits(self) -> tuple[str, ...]:
         if self.eval_splits is not None:
             return self.eval_splits
-        return ("validation", "test") if self.kind == "synthetic" else ("validation",)
+        if self.kind != "synthetic":
+            return ("validation",)
+        return ("validation", "test", *(("test_long",) if self.long_eval_lengths else ()))
 
     @property
     def resolved_data_dir(self) -> Path:
@@ -324,6 +332,7 @@ def _prepare_sources(config: DataConfig) -> tuple[dict[str, Any], str]:
             num_symbols=config.num_symbols,
             train_lengths=config.train_lengths,
             eval_lengths=config.eval_lengths,
+            long_eval_lengths=config.long_eval_lengths,
             num_train=config.num_train_examples,
             num_validation=config.num_eval_examples,
             num_test=config.num_eval_examples,
