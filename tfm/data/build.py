@@ -14,8 +14,13 @@ Fields (default), by topic; a kind-specific field may only differ from its defau
       split). Splits: train; validation (training lengths, other examples, which may repeat
       training ones at short lengths); test (eval lengths); test_long (long_eval_lengths, only
       when set; its metrics are eval_test_long_*).
-  text: path (required), text_unit ("paragraph" | "line"), validation_fraction (0.1: the last
-      tenth of the paragraphs/lines is the validation split).
+  text: path (required), text_unit ("paragraph" | "line" | "block"), validation_fraction (0.1:
+      the last tenth of the units is the validation split). "block" keeps the text contiguous:
+      pieces of builders.TEXT_BLOCK_CHARS characters, so training windows of seq_len run across
+      lines and paragraphs, and evaluation reads the whole validation text as one stream cut
+      into every non-overlapping window of exactly eval_seq_len (or seq_len) tokens, dropping
+      the shorter remainder: every eval row has the full context (Press et al. 2022's
+      extrapolation evaluation). Paragraphs and lines are each cut into windows instead.
   parallel: source_path, target_path (required; plain or .gz; line i of each is a pair),
       eval_source_path, eval_target_path (None: hold out the last validation_fraction of pairs).
   tfds: name (e.g. "wmt14_translate/de-en", "lm1b"), features (our field -> feature key:
@@ -487,11 +492,22 @@ class Data:
         self._check_split(split)
         if split not in self._eval_cache:
             windows = self.config.resolved_length_policy == "split"
-            self._eval_cache[split] = pipeline.eval_examples(
-                self.sources[split],
-                self.encoder,
-                split_length=(self.config.eval_seq_len or self.config.seq_len) if windows else None,
-            )
+            length = self.config.eval_seq_len or self.config.seq_len
+            if windows and self.config.text_unit == "block":
+                try:
+                    examples = pipeline.contiguous_windows(
+                        self.sources[split], self.encoder, length
+                    )
+                except ValueError as error:
+                    field = "eval_seq_len" if self.config.eval_seq_len else "seq_len"
+                    raise ConfigError(
+                        f"data.{field}={length}: split {split!r} is too short ({error})"
+                    ) from None
+            else:
+                examples = pipeline.eval_examples(
+                    self.sources[split], self.encoder, split_length=length if windows else None
+                )
+            self._eval_cache[split] = examples
         return self._eval_cache[split]
 
     def eval_lengths(self, split: str) -> dict[str, int]:

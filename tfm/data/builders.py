@@ -6,7 +6,8 @@ Three local builders, prepared in `array_record` format and read back with `as_d
     TfmSynthetic      copy / reverse / sort / addition (see synthetic.py); splits train, validation
                       (training lengths, other examples), test (evaluation lengths) and, when
                       `long_eval_lengths` is set, test_long (a second, longer test range)
-    TfmTextFile       one UTF-8 text file (plain or .gz); examples are paragraphs or lines; the last
+    TfmTextFile       one UTF-8 text file (plain or .gz); examples are paragraphs, lines or
+                      contiguous blocks of TEXT_BLOCK_CHARS characters; the last
                       `validation_fraction` of them is the validation split (deterministic)
     TfmParallelFiles  aligned source/target files (line i of each is a pair; plain or .gz); the
                       validation split comes from separate files or the last fraction of the pairs
@@ -53,7 +54,11 @@ from tfm.data import synthetic
 metrics.silence_absl_message("Using custom data configuration")
 
 VERSION = "1.0.0"
-TEXT_UNITS = ("paragraph", "line")
+TEXT_UNITS = ("paragraph", "line", "block")
+# text_unit="block": the text cut into pieces of this many characters, nothing dropped, so the
+# pieces of a split joined back are its text exactly. With bos, a block is 1,024 tokens (char
+# tokenizer): training windows of any power of two up to 1,024 tile it without a remainder.
+TEXT_BLOCK_CHARS = 1023
 
 
 class DataError(ValueError):
@@ -115,7 +120,10 @@ def split_lines(text: str) -> list[str]:
 
 
 def split_units(text: str, unit: str) -> list[str]:
-    """Paragraphs (blocks separated by blank lines) or non-blank lines of `text`."""
+    """Paragraphs (separated by blank lines), non-blank lines, or consecutive blocks of
+    TEXT_BLOCK_CHARS characters (all of the text, in order) of `text`."""
+    if unit == "block":
+        return [text[i : i + TEXT_BLOCK_CHARS] for i in range(0, len(text), TEXT_BLOCK_CHARS)]
     if unit == "paragraph":
         return [p.strip("\n") for p in re.split(r"\n[ \t]*\n", text) if p.strip()]
     if unit == "line":
@@ -255,7 +263,8 @@ class TextFileConfig(tfds.core.BuilderConfig):
 
 
 class TfmTextFile(_LocalBuilder):
-    """Paragraphs or lines of one local text file; the last fraction is the validation split."""
+    """Paragraphs, lines or blocks of one local text file; the last fraction is the validation
+    split."""
 
     def _info(self) -> tfds.core.DatasetInfo:
         return _text_info(self, "text")
