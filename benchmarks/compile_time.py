@@ -28,6 +28,8 @@ import optax  # noqa: E402
 
 from tfm import flops, generate, train  # noqa: E402
 from tfm.config import ModelConfig  # noqa: E402
+from tfm.data.tokenizers import EOS_ID  # noqa: E402
+from tfm.decoding import DecodeConfig  # noqa: E402
 from tfm.models import DecoderLM  # noqa: E402
 
 
@@ -52,7 +54,7 @@ def train_compile_seconds(config: ModelConfig, batch: int = 8, block: int = 256)
     data = {"inputs": tokens, "targets": tokens, "weights": jnp.ones(tokens.shape),
             "positions": tokens, "segment_ids": tokens + 1}
     step = jax.jit(lambda s, b: train.train_step(
-        s, b, model=model, task="lm", optimizer=optimizer,
+        s, b, model=model, mode="lm", optimizer=optimizer,
         schedule=optax.constant_schedule(1e-3), label_smoothing=0.0))
     start = time.perf_counter()
     step.lower(state, data).compile()
@@ -66,12 +68,11 @@ def decode_compile_seconds(config: ModelConfig, batch: int = 1, new_tokens: int 
     )["params"]
     params = jax.tree.map(lambda x: getattr(x, "value", x), params,
                           is_leaf=lambda x: hasattr(x, "value"))
-    options = dict(max_new_tokens=new_tokens, eos_id=2, pad_id=0, temperature=1.0, top_k=0,
-                   top_p=1.0, beam_size=4, alpha=0.6)
+    decode = DecodeConfig("greedy", max_new_tokens=new_tokens)
     start = time.perf_counter()
     generate._lm_generate_jit.lower(
         params, jnp.zeros((batch, 8), jnp.int32), jnp.full((batch,), 8), jax.random.PRNGKey(0),
-        config, "greedy", tuple(sorted(options.items())),
+        config, decode, EOS_ID,
     ).compile()
     return time.perf_counter() - start
 

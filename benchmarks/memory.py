@@ -67,7 +67,8 @@ def experiment(mesh_name: str, batch: int, seq_len: int, scan_layers: bool) -> t
     rules = sharding.resolve_rules()
     sharding.check_divisibility(model_config, mesh, batch, rules)
     config = ml_collections.ConfigDict({"optimizer": {"name": "adam_paper"}})
-    optimizer, schedule = optim.make_optimizer(config.optimizer, d_model=model_config.d_model)
+    optimizer_config = optim.OptimizerConfig.from_config(config.optimizer)
+    optimizer, schedule = optim.make_optimizer(optimizer_config, d_model=model_config.d_model)
     data = types.SimpleNamespace(
         train_lengths=feature_lengths(seq_len, seq_len),
         config=types.SimpleNamespace(batch_size=batch, seq_len=seq_len),
@@ -76,11 +77,12 @@ def experiment(mesh_name: str, batch: int, seq_len: int, scan_layers: bool) -> t
         config=config,
         workdir=Path("/nonexistent"),
         model_config=model_config,
-        task="seq2seq",
+        mode="seq2seq",
         data=data,  # type: ignore[arg-type]
-        train_options={**train.TRAIN_DEFAULTS, "label_smoothing": 0.1},
-        eval_options=dict(train.EVAL_DEFAULTS),
-        generate_options=dict(train.GENERATE_DEFAULTS),
+        train=train.TrainConfig(label_smoothing=0.1),
+        eval=train.EvalConfig(),
+        generate=train.GenerateConfig(),
+        optimizer_config=optimizer_config,
         optimizer=optimizer,
         schedule=schedule,
         mesh=mesh,

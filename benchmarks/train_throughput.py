@@ -45,7 +45,7 @@ def measure(config, dtype: str, steps: int, repeats: int, workdir: Path) -> dict
     state = train.init_state(experiment, shardings)
     step_fn = jax.jit(
         lambda s, b: train.train_step(
-            s, b, model=experiment.model, task=experiment.task,
+            s, b, model=experiment.model, mode=experiment.mode,
             optimizer=experiment.optimizer, schedule=experiment.schedule, label_smoothing=0.0,
         ),
         donate_argnums=(0,),
@@ -68,7 +68,7 @@ def measure(config, dtype: str, steps: int, repeats: int, workdir: Path) -> dict
     data_config = experiment.data.config
     tokens = data_config.batch_size * data_config.seq_len
     per_token = flops.flops_per_token(experiment.model_config, data_config.seq_len,
-                                      experiment.task)
+                                      experiment.mode)
     peak = flops.device_peak_flops(jax.devices()[0], jnp.dtype(dtype))
     result = {
         "dtype": dtype,

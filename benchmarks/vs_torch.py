@@ -166,7 +166,7 @@ def tfm_train_runner(args, dtype: str, batch: dict):
     )
     step = jax.jit(
         lambda s, b: train.train_step(
-            s, b, model=model, task="lm", optimizer=optimizer,
+            s, b, model=model, mode="lm", optimizer=optimizer,
             schedule=optax.constant_schedule(1e-3), label_smoothing=0.0,
         ),
         donate_argnums=(0,),

@@ -14,8 +14,8 @@ from ml_collections import config_dict
 
 from tfm.config import ModelConfig
 from tfm.data.build import DataConfig
+from tfm.experiment import GENERATE_DEFAULTS, EvalConfig, TrainConfig
 from tfm.optim import DEFAULTS as OPTIMIZER_DEFAULTS
-from tfm.train import EVAL_DEFAULTS, GENERATE_DEFAULTS, TRAIN_DEFAULTS
 
 _OPTIONAL_TYPES = {"int": int, "float": float, "str": str, "tuple": tuple, "bool": bool}
 
@@ -51,10 +51,8 @@ def base_config() -> ml_collections.ConfigDict:
         OPTIMIZER_DEFAULTS,
         dict(schedule=str, learning_rate=float, total_steps=int, b1=float, b2=float, eps=float),
     )
-    config.train = _dict_section(TRAIN_DEFAULTS, dict(keep_best_metric=str))
-    config.eval = _dict_section(
-        EVAL_DEFAULTS, dict(splits=tuple, generation_metric=str, method=str)
-    )
+    config.train = _dataclass_section(TrainConfig)
+    config.eval = _dataclass_section(EvalConfig)
     config.generate = _dict_section(GENERATE_DEFAULTS)
     # init.pretrained: a Hugging Face model folder (tfm.interop.hf) to start training from;
     # its architecture replaces config.model except the implementation fields (dtype,
@@ -74,7 +72,7 @@ def apply_variants(config: ml_collections.ConfigDict, arg: str | None, variants:
     `variants` maps a name to a function that edits the config; every position scheme is also
     a variant (sets model.position_scheme). Unknown names raise, listing what is allowed.
     """
-    from tfm.config import POSITION_SCHEMES
+    from tfm.positions import POSITION_SCHEMES
 
     for name in filter(None, (arg or "").split(",")):
         if name in POSITION_SCHEMES:
@@ -115,19 +113,27 @@ def synthetic_sweep(arg: str | None) -> list[dict]:
     return product(sweep("data.task", SWEEP_TASKS), position_sweep(arg))
 
 
-def synthetic_config(mode: str, seq_len: int) -> ml_collections.ConfigDict:
-    """The data section shared by the synthetic-task configs: train on lengths 1-12 ("validation"
-    holds unseen examples of those lengths), test on 13-24 ("test") and 25-48 ("test_long"),
-    length generalisation (Kazemnejad et al. 2023). Eval rows fit each split's longest example
-    whatever seq_len (which only bounds training rows) says; the default model.max_len=512
-    covers the longest (addition, 25-48 digits: a prompt of 99 tokens and 50 answer tokens), so
-    learned positions are evaluated there too, with table rows training never reached."""
+def synthetic_config(mode: str, seq_len: int, num_steps: int) -> ml_collections.ConfigDict:
+    """What the synthetic-task configs share: train on lengths 1-12 ("validation" holds unseen
+    examples of those lengths), test on 13-24 ("test") and 25-48 ("test_long"), length
+    generalisation (Kazemnejad et al. 2023); a small pre-LN model without dropout; AdamW with a
+    cosine schedule over `num_steps`; evaluation and checkpoints halfway and at the end, keeping
+    the best exact match. Eval rows fit each split's longest example whatever seq_len (which only
+    bounds training rows) says; the default model.max_len=512 covers the longest (addition, 25-48
+    digits: a prompt of 99 tokens and 50 answer tokens), so learned positions are evaluated there
+    too, with table rows training never reached."""
     config = base_config()
     config.data.update(
         kind="synthetic", mode=mode, task="reverse", train_lengths=(1, 12), eval_lengths=(13, 24),
         long_eval_lengths=(25, 48), num_train_examples=50_000, num_eval_examples=512,
         seq_len=seq_len, batch_size=64, eval_batch_size=128, packing=False,
     )
+    config.model.update(d_model=64, num_heads=4, d_ff=256, dropout_rate=0.0, norm_placement="pre")
+    config.optimizer.update(name="adamw", schedule="cosine", learning_rate=3e-3,
+                            warmup_steps=100, total_steps=num_steps, grad_clip_norm=1.0)
+    config.train.update(num_steps=num_steps, log_every=100, eval_every=num_steps // 2,
+                        checkpoint_every=num_steps // 2, keep_best_metric="eval_exact_match",
+                        best_mode="max")
     return config
 
 

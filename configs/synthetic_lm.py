@@ -19,20 +19,10 @@ from configs.base import apply_variants, synthetic_config, synthetic_sweep, synt
 
 
 def get_config(arg: str | None = None):
-    config = synthetic_config("lm", seq_len=64)
-
-    config.model.update(
-        d_model=64, num_heads=4, d_ff=256, num_encoder_layers=0, num_decoder_layers=3,
-        dropout_rate=0.0, position_scheme="rope", norm_placement="pre",
-    )
-    config.optimizer.update(name="adamw", schedule="cosine", learning_rate=3e-3,
-                            warmup_steps=100, total_steps=2000, grad_clip_norm=1.0)
-    config.train.update(num_steps=2000, log_every=100, eval_every=1000, checkpoint_every=1000,
-                        keep_best_metric="eval_exact_match", best_mode="max")
+    config = synthetic_config("lm", seq_len=64, num_steps=2000)
+    config.model.update(num_encoder_layers=0, num_decoder_layers=3, position_scheme="rope")
     config.eval.max_generation_examples = 256
-
-    variants = synthetic_variants()
-    apply_variants(config, arg, variants)
+    apply_variants(config, arg, synthetic_variants())
     return config
 
 

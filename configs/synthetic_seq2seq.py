@@ -19,20 +19,10 @@ from configs.base import apply_variants, synthetic_config, synthetic_sweep, synt
 
 
 def get_config(arg: str | None = None):
-    config = synthetic_config("seq2seq", seq_len=32)
-
-    config.model.update(
-        d_model=64, num_heads=4, d_ff=256, num_encoder_layers=2, num_decoder_layers=2,
-        dropout_rate=0.0, position_scheme="sinusoidal", norm_placement="pre",
-    )
-    config.optimizer.update(name="adamw", schedule="cosine", learning_rate=3e-3,
-                            warmup_steps=100, total_steps=1000, grad_clip_norm=1.0)
-    config.train.update(num_steps=1000, log_every=100, eval_every=500, checkpoint_every=500,
-                        keep_best_metric="eval_exact_match", best_mode="max")
+    config = synthetic_config("seq2seq", seq_len=32, num_steps=1000)
+    config.model.update(num_encoder_layers=2, num_decoder_layers=2, position_scheme="sinusoidal")
     config.eval.max_generation_examples = 512
-
-    variants = synthetic_variants()
-    apply_variants(config, arg, variants)
+    apply_variants(config, arg, synthetic_variants())
     return config
 
 

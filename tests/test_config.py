@@ -81,3 +81,33 @@ def test_derived_knobs_resolve_their_defaults():
     assert ModelConfig(pad_id=None).pad_id is None
     with pytest.raises(ConfigError, match="bias group='ffn' is unknown; choose one of: qkv"):
         base.has_bias("ffn")
+
+
+def test_decode_config_is_hashable_and_checked_once():
+    from tfm.decoding import DecodeConfig
+
+    decode = DecodeConfig("beam", 8, beam_size=2)
+    assert {decode: 1}[DecodeConfig("beam", 8, beam_size=2)] == 1
+    for changes, message in [
+        (dict(beam_size=0), "beam_size=0 must be an integer >= 1"),
+        (dict(method="nucleus"), "method='nucleus' is unknown; choose one of: greedy, sample"),
+        (dict(top_p=0.0), "top_p=0.0 must be a number in"),
+        (dict(temperature=True), "temperature=True must be a number > 0"),
+        (dict(max_new_tokens=0), "max_new_tokens=0 must be an integer >= 1"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            DecodeConfig(**changes)
+
+
+def test_experiment_sections_name_their_field():
+    from tfm.experiment import EvalConfig, GenerateConfig, TrainConfig
+
+    with pytest.raises(ConfigError, match=r"generate.beam_size=0 must be an integer >= 1"):
+        GenerateConfig.from_section({"beam_size": 0})
+    with pytest.raises(ConfigError, match=r"eval.alpha=nan must be a finite number"):
+        EvalConfig(alpha=float("nan"))
+    with pytest.raises(ConfigError, match=r"train.max_to_keep=0 must be an integer >= 1"):
+        TrainConfig(max_to_keep=0)
+    beam = GenerateConfig.from_section({"method": "beam"})
+    assert beam.decode_config("seq2seq").max_new_tokens is None
+    assert beam.decode_config("lm").max_new_tokens == 64

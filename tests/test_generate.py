@@ -17,8 +17,8 @@ import pytest
 
 from tfm.cache import init_cache
 from tfm.config import ModelConfig
-from tfm.data.tokenizers import ByteTokenizer
-from tfm.generate import generate_text, lm_generate, strip_special, translate
+from tfm.data.tokenizers import ByteTokenizer, content_ids
+from tfm.generate import generate_text, lm_generate, translate
 from tfm.models import DecoderLM, EncoderDecoder
 
 PAD, BOS, EOS = 0, 1, 2
@@ -327,10 +327,10 @@ def test_learned_positions_past_max_len_are_rejected():
 
 def test_bad_requests_are_rejected():
     config, params = lm_setup("rope")
-    with pytest.raises(ValueError, match="beam_size=0 must be >= 1"):
+    with pytest.raises(ValueError, match="beam_size=0 must be an integer >= 1"):
         lm_generate(params, config, PROMPTS, PROMPT_LENGTHS, max_new_tokens=2, method="beam",
                     beam_size=0)
-    with pytest.raises(ValueError, match="beam_size=0 must be >= 1"):
+    with pytest.raises(ValueError, match="beam_size=0 must be an integer >= 1"):
         translate(params, config, SOURCE, beam_size=0)
     with pytest.raises(ValueError, match="method='topk' is unknown"):
         lm_generate(params, config, PROMPTS, PROMPT_LENGTHS, max_new_tokens=2, method="topk")
@@ -357,8 +357,8 @@ def test_generate_text_with_byte_tokenizer(kind):
     else:
         params = random_params(EncoderDecoder(config), SOURCE, SOURCE)
         options = dict(extra_len=2)
-    first = generate_text(params, config, texts, tokenizer, kind=kind, method="greedy", **options)
-    again = generate_text(params, config, texts, tokenizer, kind=kind, method="greedy", **options)
+    first = generate_text(params, config, texts, tokenizer, mode=kind, method="greedy", **options)
+    again = generate_text(params, config, texts, tokenizer, mode=kind, method="greedy", **options)
     assert first == again
     assert len(first) == len(texts)
     assert all(isinstance(text, str) and isinstance(score, float) for text, score in first)
@@ -379,6 +379,6 @@ def test_generate_text_with_byte_tokenizer(kind):
             params, config, source, [len(i) for i in ids], method="greedy", **options
         )
     for (text, score), tokens, want_score in zip(first, output.tokens, output.scores, strict=True):
-        assert text == tokenizer.decode(strip_special(np.asarray(tokens)))
+        assert text == tokenizer.decode(content_ids(np.asarray(tokens)))
         assert score == pytest.approx(float(want_score))
     assert tokenizer.decode(tokenizer.encode(texts[0])) == texts[0]

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 from tiny_model import TINY
 
+from tfm import positions
 from tfm.config import ModelConfig
-from tfm.layers import FeedForward, MultiHeadAttention, Norm
+from tfm.layers import FeedForward, MultiHeadAttention, Norm, PositionBias, PositionEmbedding
 from tfm.models import DecoderLM
 
 
@@ -118,3 +119,25 @@ def test_final_norm_after_post_ln_normalises_the_output():
     pre = tiny(norm_placement="pre", final_norm=False)
     pre_params = DecoderLM(pre).init(jax.random.PRNGKey(0), tokens)["params"]
     assert "final_norm" not in pre_params["decoder"]["stack"]
+
+
+@pytest.mark.parametrize("scheme", ["none", "sinusoidal", "rope", "relative", "alibi"])
+def test_position_layers_add_what_the_registry_entry_says(scheme):
+    """PositionEmbedding adds the scheme's embedding (identity without one); PositionBias
+    returns the scheme's logit bias (None without one)."""
+    config = tiny(position_scheme=scheme)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 5, config.d_model)), jnp.float32)
+    token_positions = jnp.broadcast_to(jnp.arange(5), (2, 5))
+    embedded = PositionEmbedding(config).apply({}, x, token_positions)
+    want = x
+    if scheme == "sinusoidal":
+        want = x + positions.sinusoidal(token_positions, config.d_model)
+    np.testing.assert_allclose(embedded, want, atol=1e-6)
+    bias = PositionBias(config, bidirectional=False).apply({}, token_positions, token_positions)
+    if scheme == "alibi":
+        slopes = positions.alibi_slopes(config.num_heads)
+        np.testing.assert_allclose(
+            bias, positions.alibi_bias(token_positions, token_positions, slopes), atol=1e-6
+        )
+    else:
+        assert bias is None

@@ -319,6 +319,66 @@ def test_registry_matches_config_and_rejects_unknown_names():
         P.get_scheme("rotary")
 
 
+def test_each_scheme_has_the_hook_of_its_kind():
+    hooks = {"embedding": "embedding", "bias": "logit_bias", "rotary": "rotate",
+             "relative": "relative"}
+    for scheme in P.SCHEMES.values():
+        present = {hook for hook in hooks.values() if getattr(scheme, hook) is not None}
+        assert present == ({hooks[scheme.kind]} if scheme.kind in hooks else set()), scheme.name
+    assert [s.name for s in P.SCHEMES.values() if s.bounded_by_max_len] == ["learned"]
+
+
+def _distance_bias(config, query_positions, key_positions, bidirectional, param):
+    """A per-head learned slope times minus the distance (an ALiBi with learned slopes)."""
+    slopes = param("distance_slope", (config.num_heads,), 0.5, ("heads",))
+    distance = jnp.abs(key_positions[:, None, :] - query_positions[:, :, None])
+    return -slopes[None, :, None, None] * distance[:, None].astype(jnp.float32)
+
+
+def test_a_new_scheme_is_one_registry_entry(monkeypatch):
+    """Adding a scheme touches tfm/positions.py only: a new SCHEMES entry is accepted by the
+    config, creates its parameter, biases the logits, and decodes with a KV cache like the
+    full forward pass."""
+    from tiny_model import TINY
+
+    from tfm.cache import init_cache
+    from tfm.config import ModelConfig
+    from tfm.models import DecoderLM
+
+    entry = P.PositionScheme("distance", "bias", "learned slopes", logit_bias=_distance_bias)
+    monkeypatch.setitem(P.SCHEMES, "distance", entry)
+    config = ModelConfig(**{**TINY, "position_scheme": "distance"})
+    model = DecoderLM(config)
+    tokens = jnp.asarray(RNG.integers(3, config.vocab_size, (2, 6)), jnp.int32)
+    params = jax.jit(model.init)(jax.random.PRNGKey(0), tokens)["params"]
+    params = jax.tree.map(lambda x: getattr(x, "value", x), params,
+                          is_leaf=lambda x: hasattr(x, "value"))
+    slopes = params["decoder"]["position_bias"]["distance_slope"]
+    assert slopes.shape == (config.num_heads,)
+    logits = model.apply({"params": params}, tokens)
+
+    # Zero slopes: exactly the model without position information.
+    flat = jax.tree.map(jnp.zeros_like, slopes)
+    zeroed = {**params, "decoder": {**params["decoder"], "position_bias": {"distance_slope": flat}}}
+    plain = {**params, "decoder": {k: v for k, v in params["decoder"].items()
+                                   if k != "position_bias"}}
+    np.testing.assert_allclose(
+        model.apply({"params": zeroed}, tokens),
+        DecoderLM(config.replace(position_scheme="none")).apply({"params": plain}, tokens),
+        atol=1e-6,
+    )
+    unbiased = np.asarray(model.apply({"params": zeroed}, tokens))
+    assert np.abs(np.asarray(logits) - unbiased).max() > 1e-3
+
+    # Token by token through the cache: the same logits as the full pass.
+    cache = init_cache(config, 2, tokens.shape[1])
+    steps = []
+    for t in range(tokens.shape[1]):
+        step_logits, cache = model.apply({"params": params}, tokens[:, t : t + 1], cache=cache)
+        steps.append(step_logits)
+    np.testing.assert_allclose(np.concatenate(steps, axis=1), logits, atol=1e-5)
+
+
 def test_rope_frequency_scalings():
     from tfm.positions import rope_frequencies
 

@@ -12,6 +12,7 @@ resume, signal, NaN, checkpoint and label-smoothing tests, and jax's persistent 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import gzip
 import math
@@ -201,7 +202,7 @@ def test_label_smoothing_in_the_loop_matches_hand_computation(reference, data_di
     shutil.copytree(reference_dir, workdir)
     config = seq2seq_config(data_dir, num_steps=NUM_STEPS + 1, eval_every=0)
     experiment = train.setup(config, workdir)
-    assert experiment.train_options["label_smoothing"] == LABEL_SMOOTHING
+    assert experiment.train.label_smoothing == LABEL_SMOOTHING
     abstract, _ = train.state_shardings(experiment)
     iterator = experiment.data.train_iterator()
     with checkpoint.Checkpointer(workdir / "checkpoints") as checkpointer:
@@ -209,7 +210,7 @@ def test_label_smoothing_in_the_loop_matches_hand_computation(reference, data_di
     batch = {k: jnp.asarray(v) for k, v in next(iterator).items()}
     logits_fn = jax.jit(
         functools.partial(
-            train.compute_logits, experiment.model, task=experiment.task, deterministic=False
+            train.compute_logits, experiment.model, mode=experiment.mode, deterministic=False
         )
     )
     logits = logits_fn(state.params, batch, dropout_rng=jax.random.fold_in(state.rng, NUM_STEPS))
@@ -500,7 +501,7 @@ def test_eval_decoding_shows_progress(reference, capsys):
     capsys.readouterr()
     train.evaluate(experiment, params)
     assert "decode validation" not in capsys.readouterr().err
-    experiment.train_options["progress_bar"] = True
+    experiment.train = dataclasses.replace(experiment.train, progress_bar=True)
     train.evaluate(experiment, params)
     err = capsys.readouterr().err
     assert "decode validation:" in err and "/1 [" in err and "batch/s" in err, err
@@ -648,6 +649,26 @@ def test_valid_config_sets_up_without_compiling(data_dir, tmp_path):
     assert not compiled
     assert experiment.task == "seq2seq"
     assert experiment.model_config.vocab_size == experiment.data.vocab_size
+
+
+def test_setup_parses_each_section_once(data_dir, tmp_path, monkeypatch):
+    """One pass over the config: setup and the compiled steps resolve the optimizer section
+    once, and the experiment carries the frozen sections (the decode config hashable)."""
+    from tfm import optim
+
+    calls = []
+    resolve = optim.resolve_optimizer_config
+    monkeypatch.setattr(
+        optim, "resolve_optimizer_config", lambda section: calls.append(1) or resolve(section)
+    )
+    experiment = train.setup(seq2seq_config(data_dir), tmp_path)
+    train.jit_steps(experiment, train.state_shardings(experiment)[1])
+    assert len(calls) == 1
+    assert experiment.mode == experiment.data.mode == "seq2seq"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        experiment.train.num_steps = 1  # type: ignore[misc]
+    decode = experiment.generate.decode_config(experiment.mode)
+    assert hash(decode) == hash(dataclasses.replace(decode))
 
 
 SCHEMES = ("none", "sinusoidal", "learned", "rope", "relative", "t5_bias", "alibi")

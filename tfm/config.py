@@ -6,14 +6,18 @@ naming the field and the allowed values, before any parameter is created or anyt
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Mapping
+import numbers
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
-POSITION_SCHEMES = ("none", "sinusoidal", "learned", "rope", "relative", "t5_bias", "alibi")
+# What a model is, in one vocabulary used by data, training and generation: a decoder-only
+# language model or an encoder-decoder.
+MODES = ("lm", "seq2seq")
 SINUSOIDAL_LAYOUTS = ("paper", "concat")
 ROPE_LAYOUTS = ("interleaved", "rotate_half")
 NORM_TYPES = ("layernorm", "rmsnorm")
@@ -26,32 +30,89 @@ ATTENTION_BACKENDS = ("reference", "xla", "cudnn")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
+def __getattr__(name: str) -> Any:
+    # The scheme names live in tfm.positions' registry; this alias keeps the old import working.
+    if name == "POSITION_SCHEMES":
+        from tfm.positions import POSITION_SCHEMES
+
+        return POSITION_SCHEMES
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field and what is allowed."""
 
 
-def _choice(field: str, value: Any, allowed: tuple[str, ...]) -> None:
+# The one set of validators every config section uses. `field` is the name the error shows
+# (e.g. "data.batch_size" or "beam_size"); each raises ConfigError naming it and what is allowed.
+
+
+def check_choice(field: str, value: Any, allowed: Sequence[str]) -> None:
     if value not in allowed:
         raise ConfigError(f"{field}={value!r} is unknown; choose one of: {', '.join(allowed)}")
 
 
-def _positive(field: str, value: Any, allow_zero: bool = False) -> None:
-    ok = isinstance(value, int) and not isinstance(value, bool)
-    ok = ok and (value >= 0 if allow_zero else value > 0)
-    if not ok:
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_positive(field: str, value: Any, allow_zero: bool = False) -> None:
+    """An integer > 0 (or >= 0)."""
+    if not (_is_int(value) and (value >= 0 if allow_zero else value > 0)):
         bound = ">= 0" if allow_zero else "> 0"
         raise ConfigError(f"{field}={value!r} must be an integer {bound}")
 
 
-def _boolean(field: str, value: Any, optional: bool = False) -> None:
+def check_int(field: str, value: Any, minimum: int, note: str = "") -> None:
+    """An integer >= minimum; `note` explains a special value, e.g. "(0 = all)"."""
+    if not (_is_int(value) and value >= minimum):
+        raise ConfigError(f"{field}={value!r} must be an integer >= {minimum}{note}")
+
+
+def check_number(field: str, value: Any, allowed: str, ok: Callable[[float], bool]) -> None:
+    """A real number (not a bool) for which ok(value) holds; `allowed` words the range."""
+    is_number = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if not (is_number and ok(value)):
+        raise ConfigError(f"{field}={value!r} must be {allowed}")
+
+
+def check_bool(field: str, value: Any, optional: bool = False) -> None:
     if not (isinstance(value, bool) or (optional and value is None)):
         allowed = "True, False or None" if optional else "True or False"
         raise ConfigError(f"{field}={value!r} must be one of: {allowed}")
 
 
 def _rate(field: str, value: Any) -> None:
-    if not isinstance(value, int | float) or not 0.0 <= value < 1.0:
-        raise ConfigError(f"{field}={value!r} must be a number in [0, 1)")
+    check_number(field, value, "a number in [0, 1)", lambda v: 0.0 <= v < 1.0)
+
+
+def section_dict(values: Any, section: str, known: Sequence[str]) -> dict[str, Any]:
+    """A config section (dict, ConfigDict or None) as a plain dict; unknown keys raise
+    ConfigError naming `section.key` and the known fields."""
+    given = {} if values is None else (
+        values.to_dict() if hasattr(values, "to_dict") else dict(values))
+    unknown = sorted(set(given) - set(known))
+    if unknown:
+        raise ConfigError(
+            f"{', '.join(f'{section}.{key}' for key in unknown)}: unknown field(s); known "
+            f"fields: {', '.join(known)}"
+        )
+    return given
+
+
+@contextlib.contextmanager
+def field_prefix(section: str) -> Iterator[None]:
+    """Inside it, a ConfigError's field gets the section's name: "temperature=0" becomes
+    "generate.temperature=0" when a section checks its fields with another module's config."""
+    try:
+        yield
+    except ConfigError as error:
+        raise ConfigError(f"{section}.{error}") from None
+
+
+def field_defaults(cls: type) -> dict[str, Any]:
+    """{field: default} of a config dataclass (what configs/base.py exposes as overridable)."""
+    return {field.name: field.default for field in dataclasses.fields(cls)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,9 +206,9 @@ class ModelConfig:
     remat: bool = False  # rematerialise each block in the backward pass
 
     def __post_init__(self) -> None:
-        _positive("vocab_size", self.vocab_size)
+        check_positive("vocab_size", self.vocab_size)
         if self.source_vocab_size is not None:
-            _positive("source_vocab_size", self.source_vocab_size)
+            check_positive("source_vocab_size", self.source_vocab_size)
         if self.share_embeddings and self.source_vocab_size not in (None, self.vocab_size):
             raise ConfigError(
                 f"share_embeddings=True needs source_vocab_size == vocab_size; got "
@@ -161,15 +222,15 @@ class ModelConfig:
                 "(or None for d_model ** -0.5)"
             )
         if self.pad_id is not None:
-            _positive("pad_id", self.pad_id, allow_zero=True)
-        _positive("type_vocab_size", self.type_vocab_size, allow_zero=True)
+            check_positive("pad_id", self.pad_id, allow_zero=True)
+        check_positive("type_vocab_size", self.type_vocab_size, allow_zero=True)
         for field in ("share_embeddings", "tie_output", "scale_embeddings", "embedding_norm"):
-            _boolean(field, getattr(self, field))
+            check_bool(field, getattr(self, field))
         for field in ("use_bias", "relative_values", "t5_shared_across_layers"):
-            _boolean(field, getattr(self, field))
+            check_bool(field, getattr(self, field))
         for group in BIAS_GROUPS:
-            _boolean(f"{group}_bias", getattr(self, f"{group}_bias"), optional=True)
-        _boolean("final_norm", self.final_norm, optional=True)
+            check_bool(f"{group}_bias", getattr(self, f"{group}_bias"), optional=True)
+        check_bool("final_norm", self.final_norm, optional=True)
         for field in ("attention_scale", "output_scale"):
             value = getattr(self, field)
             if value is not None and (
@@ -177,18 +238,18 @@ class ModelConfig:
             ):
                 raise ConfigError(f"{field}={value!r} must be None (the default) or a number > 0")
         for field in ("d_model", "num_heads", "d_ff"):
-            _positive(field, getattr(self, field))
-        _positive("num_encoder_layers", self.num_encoder_layers, allow_zero=True)
-        _positive("num_decoder_layers", self.num_decoder_layers, allow_zero=True)
+            check_positive(field, getattr(self, field))
+        check_positive("num_encoder_layers", self.num_encoder_layers, allow_zero=True)
+        check_positive("num_decoder_layers", self.num_decoder_layers, allow_zero=True)
         if self.head_dim is None and self.d_model % self.num_heads:
             raise ConfigError(
                 f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}; "
                 "pick sizes that divide or set head_dim explicitly"
             )
         if self.head_dim is not None:
-            _positive("head_dim", self.head_dim)
+            check_positive("head_dim", self.head_dim)
         if self.num_kv_heads is not None:
-            _positive("num_kv_heads", self.num_kv_heads)
+            check_positive("num_kv_heads", self.num_kv_heads)
             if self.num_heads % self.num_kv_heads:
                 raise ConfigError(
                     f"num_heads={self.num_heads} is not divisible by "
@@ -197,18 +258,18 @@ class ModelConfig:
                 )
         _rate("dropout_rate", self.dropout_rate)
         _rate("attention_dropout_rate", self.attention_dropout_rate)
-        _choice("position_scheme", self.position_scheme, POSITION_SCHEMES)
-        _positive("max_len", self.max_len)
-        _choice("sinusoidal_layout", self.sinusoidal_layout, SINUSOIDAL_LAYOUTS)
-        _choice("rope_layout", self.rope_layout, ROPE_LAYOUTS)
+        scheme = self.scheme  # ConfigError naming the registered schemes if unknown
+        check_positive("max_len", self.max_len)
+        check_choice("sinusoidal_layout", self.sinusoidal_layout, SINUSOIDAL_LAYOUTS)
+        check_choice("rope_layout", self.rope_layout, ROPE_LAYOUTS)
         if not self.rope_base > 1:
             raise ConfigError(f"rope_base={self.rope_base!r} must be > 1")
-        _choice("rope_scaling", self.rope_scaling, ROPE_SCALINGS)
+        check_choice("rope_scaling", self.rope_scaling, ROPE_SCALINGS)
         for field in ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
                 raise ConfigError(f"{field}={value!r} must be a number > 0")
-        _positive("rope_original_max_len", self.rope_original_max_len)
+        check_positive("rope_original_max_len", self.rope_original_max_len)
         if self.rope_scaling == "llama3" and not (
             self.rope_high_freq_factor > self.rope_low_freq_factor
         ):
@@ -218,25 +279,17 @@ class ModelConfig:
             )
         if not 0.0 < self.rope_fraction <= 1.0:
             raise ConfigError(f"rope_fraction={self.rope_fraction!r} must be in (0, 1]")
-        rotated = round(self.resolved_head_dim * self.rope_fraction)
-        if self.position_scheme == "rope" and (rotated < 2 or rotated % 2):
-            raise ConfigError(
-                f"rope_fraction={self.rope_fraction} rotates {rotated} of head_dim="
-                f"{self.resolved_head_dim} dimensions; that must be an even number >= 2"
-            )
-        if self.position_scheme == "sinusoidal" and self.d_model % 2:
-            raise ConfigError(f"d_model={self.d_model} must be even for sinusoidal positions")
-        _positive("relative_max_distance", self.relative_max_distance)
-        _positive("t5_num_buckets", self.t5_num_buckets)
-        _positive("t5_max_distance", self.t5_max_distance)
-        _choice("norm_type", self.norm_type, NORM_TYPES)
-        _choice("norm_placement", self.norm_placement, NORM_PLACEMENTS)
+        check_positive("relative_max_distance", self.relative_max_distance)
+        check_positive("t5_num_buckets", self.t5_num_buckets)
+        check_positive("t5_max_distance", self.t5_max_distance)
+        check_choice("norm_type", self.norm_type, NORM_TYPES)
+        check_choice("norm_placement", self.norm_placement, NORM_PLACEMENTS)
         if not self.norm_eps > 0:
             raise ConfigError(f"norm_eps={self.norm_eps!r} must be > 0")
-        _choice("activation", self.activation, ACTIVATIONS)
+        check_choice("activation", self.activation, ACTIVATIONS)
         if self.local_window is not None:
-            _positive("local_window", self.local_window)
-        _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+            check_positive("local_window", self.local_window)
+        check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         if self.attention_backend != "reference":
             # Fused kernels return no attention weights and apply no dropout to them.
             if self.attention_dropout_rate > 0:
@@ -245,23 +298,25 @@ class ModelConfig:
                     f"attention_backend='reference' (got {self.attention_backend!r}): fused "
                     "kernels do not apply dropout to attention weights"
                 )
-            if self.position_scheme == "relative" and self.relative_values:
-                raise ConfigError(
-                    "position_scheme='relative' with relative_values=True needs "
-                    f"attention_backend='reference' (got {self.attention_backend!r}): the value "
-                    "term needs the attention weights; set relative_values=False to use a kernel"
-                )
-        _choice("dtype", self.dtype, DTYPES)
-        _choice("param_dtype", self.param_dtype, DTYPES)
+        check_choice("dtype", self.dtype, DTYPES)
+        check_choice("param_dtype", self.param_dtype, DTYPES)
+        scheme.check(self)  # the scheme's own constraints, on fields checked above
 
     # Derived values: read these, never recompute them elsewhere.
+    @property
+    def scheme(self) -> Any:
+        """The registry entry of `position_scheme` (a tfm.positions.PositionScheme)."""
+        from tfm.positions import get_scheme
+
+        return get_scheme(self.position_scheme)
+
     @property
     def resolved_head_dim(self) -> int:
         return self.head_dim if self.head_dim is not None else self.d_model // self.num_heads
 
     def has_bias(self, group: str) -> bool:
         """Whether the dense layers of `group` (one of BIAS_GROUPS) have a bias."""
-        _choice("bias group", group, BIAS_GROUPS)
+        check_choice("bias group", group, BIAS_GROUPS)
         value = getattr(self, f"{group}_bias")
         return self.use_bias if value is None else value
 

@@ -24,8 +24,8 @@ callback object again to reuse the compiled loop, or call it inside your own `ja
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import numbers
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tfm.config import ConfigError
+from tfm.config import ConfigError, check_choice, check_int, check_number
 
 Cache = Any  # any pytree whose leaves have batch on axis 0
 TokensToLogits = Callable[[jax.Array, Cache], tuple[jax.Array, Cache]]
@@ -80,17 +80,42 @@ class BeamOutput:
 # Validation (before tracing, so errors read cleanly)
 
 
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < minimum:
-        raise ConfigError(f"{name}={value!r} must be an integer >= {minimum}")
+METHODS = ("greedy", "sample", "beam")
 
 
-def _check_sampling(temperature: float, top_k: int, top_p: float) -> None:
-    if not isinstance(temperature, numbers.Real) or not temperature > 0:
-        raise ConfigError(f"temperature={temperature!r} must be a number > 0")
-    _check_int("top_k", top_k, 0)
-    if not isinstance(top_p, numbers.Real) or not 0.0 < top_p <= 1.0:
-        raise ConfigError(f"top_p={top_p!r} must be a number in (0, 1] (1 turns top-p off)")
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """How to decode, checked once here: one hashable value that travels from the command line
+    (the config's `generate` / `eval` sections) as a single static argument down to `decode`.
+
+    max_new_tokens: None only for an encoder-decoder, where each row gets its source length +
+    extra_len tokens (Vaswani et al. 2017 sec. 6.1); temperature, top_k, top_p: sampling;
+    beam_size, alpha: beam search (GNMT length penalty).
+    """
+
+    method: str = "greedy"
+    max_new_tokens: int | None = 64
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    beam_size: int = 4
+    alpha: float = 0.6
+    extra_len: int = 50
+
+    def __post_init__(self) -> None:
+        check_choice("method", self.method, METHODS)
+        if self.max_new_tokens is not None:
+            check_int("max_new_tokens", self.max_new_tokens, 1)
+        check_number("temperature", self.temperature, "a number > 0", lambda v: v > 0)
+        check_int("top_k", self.top_k, 0, " (0 = off)")
+        check_number(
+            "top_p", self.top_p, "a number in (0, 1] (1 turns top-p off)", lambda v: 0 < v <= 1
+        )
+        check_int("beam_size", self.beam_size, 1)
+        check_number(
+            "alpha", self.alpha, "a finite number (0 = no length penalty)", np.isfinite
+        )
+        check_int("extra_len", self.extra_len, 0)
 
 
 def _check_common(
@@ -105,9 +130,8 @@ def _check_common(
             f"initial_logits must be [batch, vocab] (rank 2); got shape {np.shape(initial_logits)}"
         )
     batch, vocab = np.shape(initial_logits)
-    _check_int("max_new_tokens", max_new_tokens, 1)
-    _check_int("eos_id", eos_id, 0)
-    _check_int("pad_id", pad_id, 0)
+    check_int("eos_id", eos_id, 0)
+    check_int("pad_id", pad_id, 0)
     if eos_id >= vocab:
         raise ConfigError(f"eos_id={eos_id} must be < vocab size {vocab}")
     if max_new_per_row is not None and np.shape(max_new_per_row) != (batch,):
@@ -135,7 +159,7 @@ def filter_logits(logits: jax.Array, *, top_k: int = 0, top_p: float = 1.0) -> j
     TOP_P_TOLERANCE. Ties are broken by token id (lower id first), so exactly top_k tokens survive
     top-k and the kept set is deterministic. Returns [batch, vocab], kept logits unchanged.
     """
-    _check_sampling(1.0, top_k, top_p)
+    DecodeConfig("sample", top_k=top_k, top_p=top_p)
     if np.ndim(logits) != 2:
         raise ValueError(f"logits must be [batch, vocab] (rank 2); got shape {np.shape(logits)}")
     return _filter_logits(logits, top_k=int(top_k), top_p=float(top_p))
@@ -265,6 +289,7 @@ def greedy(
     max_new_per_row: [batch] int budgets (clipped to max_new_tokens), None = max_new_tokens.
     """
     _check_common(initial_logits, max_new_tokens, eos_id, pad_id, max_new_per_row)
+    DecodeConfig("greedy", max_new_tokens)
     return _decode_sequential(
         tokens_to_logits, initial_logits, cache, None, max_new_per_row,
         max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id, sampling=None,
@@ -293,7 +318,7 @@ def sample(
     temperature, top_k and top_p are compile-time constants (a new value compiles again).
     """
     _check_common(initial_logits, max_new_tokens, eos_id, pad_id, max_new_per_row)
-    _check_sampling(temperature, top_k, top_p)
+    DecodeConfig("sample", max_new_tokens, temperature, top_k, top_p)
     return _decode_sequential(
         tokens_to_logits, initial_logits, cache, rng, max_new_per_row,
         max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id,
@@ -486,10 +511,39 @@ def beam_search(
     a finished hypothesis and may win on score.
     """
     _check_common(initial_logits, max_new_tokens, eos_id, pad_id, max_new_per_row)
-    _check_int("beam_size", beam_size, 1)
-    if not isinstance(alpha, numbers.Real) or not np.isfinite(alpha):
-        raise ConfigError(f"alpha={alpha!r} must be a finite number (0 = no length penalty)")
+    DecodeConfig("beam", max_new_tokens, beam_size=beam_size, alpha=alpha)
     return _beam_search(
         tokens_to_logits, initial_logits, cache, max_new_per_row, beam_size=beam_size,
         max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id, alpha=float(alpha),
+    )
+
+
+def decode(
+    tokens_to_logits: TokensToLogits,
+    initial_logits: jax.Array,  # [batch, vocab]
+    cache: Cache,
+    rng: jax.Array,
+    config: DecodeConfig,
+    *,
+    max_new_tokens: int,
+    eos_id: int,
+    pad_id: int = 0,
+    max_new_per_row: jax.Array | None = None,  # [batch]
+) -> DecodeOutput | BeamOutput:
+    """Runs `config.method` with its options; `max_new_tokens` is the resolved budget (the
+    config's, or source length + extra_len for an encoder-decoder)."""
+    common = dict(
+        max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id,
+        max_new_per_row=max_new_per_row,
+    )
+    if config.method == "greedy":
+        return greedy(tokens_to_logits, initial_logits, cache, **common)
+    if config.method == "sample":
+        return sample(
+            tokens_to_logits, initial_logits, cache, rng, temperature=config.temperature,
+            top_k=config.top_k, top_p=config.top_p, **common,
+        )
+    return beam_search(
+        tokens_to_logits, initial_logits, cache, beam_size=config.beam_size,
+        alpha=config.alpha, **common,
     )

@@ -127,16 +127,7 @@ def count_params_from_config(config: ModelConfig, kind: str = "lm") -> dict[str,
         counts["mlp"] += layers * (mlp + mlp_bias)
         counts["norm"] += (layers * (attentions + 1) + (config.norm_placement == "pre")) * norm
         counts["matmul"] += layers * (attentions * (qo + kv) + mlp)
-        scheme = config.position_scheme
-        if scheme == "learned":
-            counts["position"] += config.max_len * d
-        elif scheme == "relative":  # Shaw et al.: tables shared by heads, per self-attention
-            tables = 2 if config.relative_values else 1
-            counts["position"] += layers * tables * (2 * config.relative_max_distance + 1) * (
-                config.resolved_head_dim)
-        elif scheme == "t5_bias":
-            tables = 1 if config.t5_shared_across_layers else layers
-            counts["position"] += tables * config.t5_num_buckets * config.num_heads
+        counts["position"] += config.scheme.num_params(config, layers)
 
     source_vocab = config.resolved_source_vocab_size
     if kind == "encoder":

@@ -7,6 +7,7 @@ decodes with the encoder-decoder (cross-attention keys/values projected once int
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -16,11 +17,10 @@ import numpy as np
 
 from tfm import decoding
 from tfm.cache import init_cache
-from tfm.config import ModelConfig
+from tfm.config import MODES, ModelConfig, check_choice
+from tfm.data.tokenizers import BOS_ID, EOS_ID, content_ids
+from tfm.decoding import DecodeConfig
 from tfm.models import DecoderLM, EncoderDecoder
-
-METHODS = ("greedy", "sample", "beam")
-BOS_ID, EOS_ID = 1, 2
 
 
 def fill_id(config: ModelConfig) -> int:
@@ -29,61 +29,26 @@ def fill_id(config: ModelConfig) -> int:
     return 0 if config.pad_id is None else config.pad_id
 
 
-def _check_request(config: ModelConfig, method: str, total_len: int, beam_size: int) -> None:
-    if method not in METHODS:
-        raise ValueError(f"method={method!r} is unknown; choose one of: {', '.join(METHODS)}")
-    if method == "beam" and beam_size < 1:
-        raise ValueError(f"beam_size={beam_size} must be >= 1")
-    if config.position_scheme == "learned" and total_len > config.max_len:
+def _decode_config(decode: DecodeConfig | None, options: dict[str, Any], **defaults: Any):
+    """`decode` (or a DecodeConfig of `defaults`) with `options` (DecodeConfig fields) replaced;
+    validated once, by DecodeConfig."""
+    return dataclasses.replace(decode or DecodeConfig(**defaults), **options)
+
+
+def _check_length(config: ModelConfig, total_len: int) -> None:
+    if config.scheme.bounded_by_max_len and total_len > config.max_len:
         raise ValueError(
             f"decoding to length {total_len} needs positions past max_len={config.max_len} of the "
-            "learned position table; shorten the prompt or max_new_tokens"
+            f"position table of position_scheme={config.position_scheme!r}; shorten the prompt "
+            "or max_new_tokens"
         )
 
 
-def _run(
-    method: str,
-    tokens_to_logits: decoding.TokensToLogits,
-    initial_logits: jax.Array,  # [batch, vocab]
-    cache: Any,
-    rng: jax.Array,
-    options: dict,
-) -> Any:
-    common = dict(
-        max_new_tokens=options["max_new_tokens"],
-        eos_id=options["eos_id"],
-        pad_id=options["pad_id"],
-        max_new_per_row=options.get("max_new_per_row"),
-    )
-    if method == "greedy":
-        return decoding.greedy(tokens_to_logits, initial_logits, cache, **common)
-    if method == "sample":
-        return decoding.sample(
-            tokens_to_logits,
-            initial_logits,
-            cache,
-            rng,
-            temperature=options["temperature"],
-            top_k=options["top_k"],
-            top_p=options["top_p"],
-            **common,
-        )
-    return decoding.beam_search(
-        tokens_to_logits,
-        initial_logits,
-        cache,
-        beam_size=options["beam_size"],
-        alpha=options["alpha"],
-        **common,
-    )
-
-
-@functools.partial(jax.jit, static_argnames=("config", "method", "options_items"))
-def _lm_generate_jit(params, prompts, prompt_lengths, rng, config, method, options_items):
-    options = dict(options_items)
+@functools.partial(jax.jit, static_argnames=("config", "decode", "eos_id"))
+def _lm_generate_jit(params, prompts, prompt_lengths, rng, config, decode, eos_id):
     model = DecoderLM(config)
     batch, prompt_len = prompts.shape
-    cache = init_cache(config, batch, prompt_len + options["max_new_tokens"])
+    cache = init_cache(config, batch, prompt_len + decode.max_new_tokens)
     logits, cache = model.apply({"params": params}, prompts, cache=cache)
     # Rows continue from their own prompt end; slots past it are overwritten as they decode.
     cache = cache.replace(lengths=prompt_lengths.astype(jnp.int32))
@@ -92,7 +57,10 @@ def _lm_generate_jit(params, prompts, prompt_lengths, rng, config, method, optio
     def tokens_to_logits(tokens, cache):
         return model.apply({"params": params}, tokens, cache=cache)
 
-    return _run(method, tokens_to_logits, last, cache, rng, options)
+    return decoding.decode(
+        tokens_to_logits, last, cache, rng, decode, max_new_tokens=decode.max_new_tokens,
+        eos_id=eos_id, pad_id=fill_id(config),
+    )
 
 
 def lm_generate(
@@ -100,18 +68,16 @@ def lm_generate(
     config: ModelConfig,
     prompts: np.ndarray,  # [batch, prompt_len] int, right-padded
     prompt_lengths: np.ndarray,  # [batch] int, >= 1
+    decode: DecodeConfig | None = None,
     *,
-    max_new_tokens: int,
-    method: str = "greedy",
     eos_id: int = EOS_ID,
     rng: jax.Array | None = None,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    beam_size: int = 4,
-    alpha: float = 0.6,
+    **options: Any,
 ) -> Any:
-    """Continues each prompt; returns decoding.DecodeOutput (greedy, sample) or BeamOutput."""
+    """Continues each prompt as `decode` says (default: greedy, 64 new tokens); `options`
+    (method=, max_new_tokens=, beam_size=, ... : DecodeConfig fields) replace its fields.
+    Returns decoding.DecodeOutput (greedy, sample) or BeamOutput (beam)."""
+    decode = _decode_config(decode, options)
     prompts = np.asarray(prompts)
     prompt_lengths = np.asarray(prompt_lengths)
     if prompts.ndim != 2 or prompt_lengths.shape != prompts.shape[:1]:
@@ -121,40 +87,25 @@ def lm_generate(
         )
     if prompt_lengths.min() < 1 or prompt_lengths.max() > prompts.shape[1]:
         raise ValueError(f"prompt_lengths must be in [1, {prompts.shape[1]}]; got {prompt_lengths}")
-    _check_request(config, method, int(prompt_lengths.max()) + max_new_tokens, beam_size)
-    options = dict(
-        max_new_tokens=max_new_tokens,
-        eos_id=eos_id,
-        pad_id=fill_id(config),
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        beam_size=beam_size,
-        alpha=alpha,
-    )
+    if decode.max_new_tokens is None:
+        raise ValueError("max_new_tokens=None must be an integer >= 1 for a decoder-only LM")
+    _check_length(config, int(prompt_lengths.max()) + decode.max_new_tokens)
     rng = jax.random.PRNGKey(0) if rng is None else rng
     return _lm_generate_jit(
-        params,
-        jnp.asarray(prompts),
-        jnp.asarray(prompt_lengths),
-        rng,
-        config,
-        method,
-        tuple(sorted(options.items())),
+        params, jnp.asarray(prompts), jnp.asarray(prompt_lengths), rng, config, decode, eos_id
     )
 
 
-@functools.partial(jax.jit, static_argnames=("config", "method", "options_items"))
-def _translate_jit(params, source, source_lengths, rng, config, method, options_items):
-    options = dict(options_items)
+@functools.partial(jax.jit, static_argnames=("config", "decode", "bos_id", "eos_id"))
+def _translate_jit(params, source, source_lengths, rng, config, decode, bos_id, eos_id):
     model = EncoderDecoder(config)
     batch, source_len = source.shape
     source_valid = jnp.arange(source_len)[None, :] < source_lengths[:, None]
     encoded = model.apply(
         {"params": params}, source, source_valid=source_valid, method=EncoderDecoder.encode
     )
-    cache = init_cache(config, batch, options["max_new_tokens"] + 1, source_len=source_len)
-    bos = jnp.full((batch, 1), options["bos_id"], jnp.int32)
+    cache = init_cache(config, batch, decode.max_new_tokens + 1, source_len=source_len)
+    bos = jnp.full((batch, 1), bos_id, jnp.int32)
     logits, cache = model.apply(
         {"params": params},
         bos,
@@ -170,10 +121,12 @@ def _translate_jit(params, source, source_lengths, rng, config, method, options_
         )
 
     source_lengths = source_valid.sum(axis=1).astype(jnp.int32)
-    options["max_new_per_row"] = jnp.minimum(
-        source_lengths + options.pop("extra_len"), options["max_new_tokens"]
+    max_new_per_row = jnp.minimum(source_lengths + decode.extra_len, decode.max_new_tokens)
+    return decoding.decode(
+        tokens_to_logits, logits[:, 0], cache, rng, decode,
+        max_new_tokens=decode.max_new_tokens, eos_id=eos_id, pad_id=fill_id(config),
+        max_new_per_row=max_new_per_row,
     )
-    return _run(method, tokens_to_logits, logits[:, 0], cache, rng, options)
 
 
 def translate(
@@ -181,21 +134,17 @@ def translate(
     config: ModelConfig,
     source: np.ndarray,  # [batch, src_len] int, right-padded
     source_lengths: np.ndarray | None = None,  # [batch] real tokens per row; None = all
+    decode: DecodeConfig | None = None,
     *,
-    method: str = "beam",
-    beam_size: int = 4,
-    alpha: float = 0.6,
-    extra_len: int = 50,
-    max_new_tokens: int | None = None,
     bos_id: int = BOS_ID,
     eos_id: int = EOS_ID,
     rng: jax.Array | None = None,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
+    **options: Any,
 ) -> Any:
-    """Translates with the paper's settings by default: beam 4, alpha 0.6, at most input
-    length + 50 output tokens per row (Vaswani et al. 2017 sec. 6.1)."""
+    """Translates as `decode` says, by default with the paper's settings: beam 4, alpha 0.6, at
+    most input length + 50 output tokens per row (Vaswani et al. 2017 sec. 6.1). `options`
+    (DecodeConfig fields) replace fields of `decode`; max_new_tokens=None = src_len + extra_len."""
+    decode = _decode_config(decode, options, method="beam", max_new_tokens=None)
     source = np.asarray(source)
     if source.ndim != 2:
         raise ValueError(f"source must be [batch, len]; got shape {source.shape}")
@@ -206,21 +155,9 @@ def translate(
         raise ValueError(
             f"source_lengths must be [batch]={source.shape[:1]}; got {source_lengths.shape}"
         )
-    if max_new_tokens is None:
-        max_new_tokens = source.shape[1] + extra_len
-    _check_request(config, method, max_new_tokens + 1, beam_size)
-    options = dict(
-        max_new_tokens=max_new_tokens,
-        eos_id=eos_id,
-        pad_id=fill_id(config),
-        bos_id=bos_id,
-        extra_len=extra_len,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        beam_size=beam_size,
-        alpha=alpha,
-    )
+    if decode.max_new_tokens is None:
+        decode = dataclasses.replace(decode, max_new_tokens=source.shape[1] + decode.extra_len)
+    _check_length(config, decode.max_new_tokens + 1)
     rng = jax.random.PRNGKey(0) if rng is None else rng
     return _translate_jit(
         params,
@@ -228,8 +165,9 @@ def translate(
         jnp.asarray(source_lengths, jnp.int32),
         rng,
         config,
-        method,
-        tuple(sorted(options.items())),
+        decode,
+        bos_id,
+        eos_id,
     )
 
 
@@ -250,41 +188,30 @@ def best_sequences(output: Any) -> tuple[np.ndarray, np.ndarray]:
     return tokens, scores
 
 
-def strip_special(tokens: np.ndarray, eos_id: int = EOS_ID, pad_id: int = 0) -> list[int]:
-    """Token ids up to (not including) the first EOS, pads dropped."""
-    out = []
-    for token in tokens.tolist():
-        if token == eos_id:
-            break
-        if token != pad_id:
-            out.append(token)
-    return out
-
-
 def generate_text(
     params: Any,
     config: ModelConfig,
     texts: list[str],
     tokenizer: Any,
     *,
-    kind: str,
+    mode: str,
     source_tokenizer: Any = None,
     **options: Any,
 ) -> list[tuple[str, float]]:
-    """Text in, (text, score) out. kind='lm' continues each text; kind='seq2seq' translates it."""
+    """Text in, (text, score) out. mode='lm' continues each text; mode='seq2seq' translates it.
+    `options`: DecodeConfig fields, or decode=, eos_id=, rng= (see lm_generate, translate)."""
     pad_id = fill_id(config)
-    if kind == "lm":
+    check_choice("mode", mode, MODES)
+    if mode == "lm":
         prompts, lengths = pad_batch([[BOS_ID, *tokenizer.encode(t)] for t in texts], pad_id)
         output = lm_generate(params, config, prompts, lengths, **options)
-    elif kind == "seq2seq":
+    else:
         encode = (source_tokenizer or tokenizer).encode
         source, source_lengths = pad_batch([[*encode(t), EOS_ID] for t in texts], pad_id)
         output = translate(params, config, source, source_lengths, **options)
-    else:
-        raise ValueError(f"kind={kind!r} is unknown; choose one of: lm, seq2seq")
     tokens, scores = best_sequences(output)
     eos_id = options.get("eos_id", EOS_ID)
     return [
-        (tokenizer.decode(strip_special(row, eos_id, pad_id)), float(s))
+        (tokenizer.decode(content_ids(row, eos_id, pad_id)), float(s))
         for row, s in zip(tokens, scores, strict=True)
     ]

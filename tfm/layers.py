@@ -166,40 +166,35 @@ class TokenEmbedding(nn.Module):
         )
 
 
+def _param_fn(module: nn.Module, config: ModelConfig) -> positions.ParamFn:
+    """The `param` hook tfm.positions' schemes create their tables with, in `module`."""
+
+    def param(name: str, shape: tuple[int, ...], stddev: float, axes: tuple) -> Array:
+        init = _kernel(axes, nn.initializers.normal(stddev=stddev))
+        return module.param(name, init, shape, config.params_dtype)
+
+    return param
+
+
 class PositionEmbedding(nn.Module):
-    """Absolute positions added to the token embeddings: sinusoidal (any position) or learned
-    (positions < max_len). Identity for the other schemes."""
+    """Absolute positions added to the token embeddings, for schemes that have an embedding
+    hook in tfm.positions.SCHEMES (sinusoidal, learned); identity for the others."""
 
     config: ModelConfig
 
     @nn.compact
     def __call__(self, x: Array, token_positions: Array) -> Array:
         # x: [batch, len, d_model]; token_positions: [batch, len]
-        config = self.config
-        if config.position_scheme == "sinusoidal":
-            table = positions.sinusoidal(
-                token_positions, config.d_model, layout=config.sinusoidal_layout
-            )
-            return x + table.astype(x.dtype)
-        if config.position_scheme == "learned":
-            if x.shape[1] > config.max_len:  # static, so it also fails under jit
-                raise ValueError(
-                    f"sequence length {x.shape[1]} exceeds max_len={config.max_len} of the "
-                    "learned position table; raise model.max_len or use another position_scheme"
-                )
-            table = self.param(
-                "position_embedding",
-                _kernel((None, "embed"), nn.initializers.normal(stddev=0.02)),
-                (config.max_len, config.d_model),
-                config.params_dtype,
-            )
-            return x + positions.learned_lookup(table, token_positions).astype(x.dtype)
-        return x
+        embedding = self.config.scheme.embedding
+        if embedding is None:
+            return x
+        table = embedding(self.config, token_positions, x.shape[1], _param_fn(self, self.config))
+        return x + table.astype(x.dtype)
 
 
 class PositionBias(nn.Module):
-    """Additive attention-logit biases from relative positions: T5 buckets (learned, per head)
-    or ALiBi (fixed slopes). Returns None for schemes that add no bias."""
+    """Additive attention-logit biases from relative positions, for schemes with a logit_bias
+    hook (T5 buckets, ALiBi). Returns None for schemes that add no bias."""
 
     config: ModelConfig
     bidirectional: bool
@@ -208,26 +203,11 @@ class PositionBias(nn.Module):
     def __call__(self, query_positions: Array, key_positions: Array) -> Array | None:
         # query_positions: [batch, q_len]; key_positions: [batch, kv_len]
         # returns [batch, heads, q_len, kv_len] or None
-        config = self.config
-        if config.position_scheme == "t5_bias":
-            table = self.param(
-                "t5_bias_table",
-                _kernel(("buckets", "heads"), nn.initializers.normal(stddev=0.1)),
-                (config.t5_num_buckets, config.num_heads),
-                config.params_dtype,
-            )
-            return positions.t5_bias(
-                table,
-                query_positions,
-                key_positions,
-                bidirectional=self.bidirectional,
-                num_buckets=config.t5_num_buckets,
-                max_distance=config.t5_max_distance,
-            )
-        if config.position_scheme == "alibi":
-            slopes = jnp.asarray(positions.alibi_slopes(config.num_heads), jnp.float32)
-            return positions.alibi_bias(query_positions, key_positions, slopes)
-        return None
+        logit_bias = self.config.scheme.logit_bias
+        if logit_bias is None:
+            return None
+        param = _param_fn(self, self.config)
+        return logit_bias(self.config, query_positions, key_positions, self.bidirectional, param)
 
 
 class MultiHeadAttention(nn.Module):
@@ -283,14 +263,10 @@ class MultiHeadAttention(nn.Module):
             query = query_proj(inputs_q)
             if inputs_kv is not None:
                 key, value = project_together(config, inputs_kv, [key_proj, value_proj])
-        if config.position_scheme == "rope" and not self.is_cross:
-            rope_args = dict(
-                layout=config.rope_layout,
-                fraction=config.rope_fraction,
-                frequencies=config.rope_frequencies,
-            )
-            query = positions.apply_rope(query, query_positions, **rope_args)
-            key = positions.apply_rope(key, query_positions, **rope_args)
+        scheme = config.scheme
+        if scheme.rotate is not None and not self.is_cross:
+            query = scheme.rotate(config, query, query_positions)
+            key = scheme.rotate(config, key, query_positions)
 
         cache_layout, new_slots = False, None
         if cache_slots is not None:
@@ -308,23 +284,17 @@ class MultiHeadAttention(nn.Module):
                 key, value = (cache.read_layer(slots, layer) for slots in new_slots)
                 cache_layout = True
 
-        relative = config.position_scheme == "relative" and not self.is_cross
         scale = config.resolved_attention_scale
-        if relative:
-            distance = config.relative_max_distance
-            rel_idx = positions.relative_indices(query_positions, key_positions, distance)
-            rel_init = _kernel(
-                ("relpos", "head_dim"), nn.initializers.normal(stddev=head_dim**-0.5)
+        value_term = None
+        if scheme.relative is not None and not self.is_cross:
+            relative_bias, value_term = scheme.relative(
+                config, query, query_positions, key_positions, scale, _param_fn(self, config)
             )
-            key_table = self.param(
-                "relative_key", rel_init, (2 * distance + 1, head_dim), config.params_dtype
-            )
-            shaw_bias = positions.shaw_logit_bias(query, key_table, rel_idx, scale)
-            bias = shaw_bias if bias is None else bias + shaw_bias
+            bias = relative_bias if bias is None else bias + relative_bias
 
         dropout_rate = 0.0 if deterministic else config.attention_dropout_rate
         dropout_rng = self.make_rng("dropout") if dropout_rate > 0 else None
-        want_weights = relative and config.relative_values
+        want_weights = value_term is not None
         result = attention.dot_product_attention(
             query,
             key.astype(query.dtype),
@@ -341,10 +311,7 @@ class MultiHeadAttention(nn.Module):
         )
         if want_weights:
             out, weights = result
-            value_table = self.param(
-                "relative_value", rel_init, (2 * distance + 1, head_dim), config.params_dtype
-            )
-            out = out + positions.shaw_value_term(weights, value_table, rel_idx).astype(out.dtype)
+            out = out + value_term(weights).astype(out.dtype)
         else:
             out = result
         out_proj = _dense(

@@ -13,6 +13,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from tfm import attention
 from tfm import cache as cache_lib
@@ -30,14 +31,39 @@ from tfm.layers import (
 Array = jax.Array
 
 
+@struct.dataclass
+class LayerContext:
+    """What every block of one stack call shares, computed once before the layers.
+
+    self_mask: [batch, 1, q_len, kv_len] bool or None; self_bias: [batch | 1, heads, q_len,
+    kv_len] (a position scheme's shared logit bias) or None; query_positions: [batch, q_len];
+    key_positions: [batch, kv_len]; write_index: [batch] cache slot of the first new token (None
+    without a cache); causal: no cache and causal masking (attention may skip future blocks).
+    Cross-attention (encoder-decoder only): encoded [batch, src_len, d_model] (None: read the
+    cache), cross_mask [batch, 1, q_len, src_len], source_positions, source_valid [batch,
+    src_len].
+    """
+
+    self_mask: Array | None
+    self_bias: Array | None
+    query_positions: Array
+    key_positions: Array
+    write_index: Array | None = None
+    causal: bool = struct.field(pytree_node=False, default=False)
+    encoded: Array | None = None
+    cross_mask: Array | None = None
+    source_positions: Array | None = None
+    source_valid: Array | None = None
+
+
 class Block(nn.Module):
     """Self-attention, optional cross-attention, FFN; each wrapped in a residual with dropout.
 
     post-LN (the paper's "Add & Norm"): x = Norm(x + Dropout(Sublayer(x)));
     pre-LN: x = x + Dropout(Sublayer(Norm(x))), with a final norm after the stack.
-    Call signature fits nn.scan: ((x, caches), layer index, broadcast context) -> ((x, caches),
-    None). `caches` holds every layer's KV slots (tfm/cache.py layout); this block reads and
-    writes its own layer's slots in place.
+    Call signature fits nn.scan: ((x, cache), layer index, LayerContext) -> ((x, cache), None).
+    `cache` is the DecoderCache of every layer (tfm/cache.py layout) or None; this block reads
+    and writes its own layer's slots in place and returns the same cache form.
     """
 
     config: ModelConfig
@@ -45,11 +71,11 @@ class Block(nn.Module):
     bidirectional: bool
 
     @nn.compact
-    def __call__(self, carry: tuple, layer: Array | int, ctx: dict, deterministic: bool):
-        # carry: (x [batch, len, d_model], caches {"keys", "values"[, "cross_keys",
-        # "cross_values"]} of every layer in tfm/cache.py's layout, or None);
-        # ctx: masks, biases, positions (see Stack).
-        x, caches = carry
+    def __call__(
+        self, carry: tuple, layer: Array | int, ctx: LayerContext, deterministic: bool
+    ) -> tuple[tuple[Array, DecoderCache | None], None]:
+        # carry: (x [batch, len, d_model], the DecoderCache or None)
+        x, cache = carry
         config = self.config
         drop = nn.Dropout(config.dropout_rate)
 
@@ -62,65 +88,63 @@ class Block(nn.Module):
                 x + drop(y, deterministic=deterministic)
             ), extra
 
-        self_bias = ctx["self_bias"]
-        if config.position_scheme == "t5_bias" and not config.t5_shared_across_layers:
+        self_bias = ctx.self_bias
+        if config.scheme.bias_per_layer(config):
             self_bias = PositionBias(config, self.bidirectional, name="position_bias")(
-                ctx["query_positions"], ctx["key_positions"]
+                ctx.query_positions, ctx.key_positions
             )
-        self_slots = None if caches is None else (caches["keys"], caches["values"])
+        self_slots = None if cache is None else (cache.keys, cache.values)
         self_attention = MultiHeadAttention(config, name="self_attention")
         x, new_self = residual(
             x,
             lambda h: self_attention(
                 h,
                 h,
-                mask=ctx["self_mask"],
+                mask=ctx.self_mask,
                 bias=self_bias,
-                query_positions=ctx["query_positions"],
-                key_positions=ctx["key_positions"],
+                query_positions=ctx.query_positions,
+                key_positions=ctx.key_positions,
                 cache_slots=self_slots,
                 layer=layer,
-                write_index=ctx["write_index"],
-                causal=ctx["causal"],
+                write_index=ctx.write_index,
+                causal=ctx.causal,
                 deterministic=deterministic,
             ),
             "self_attention",
         )
-        if caches is not None:
-            caches = {**caches, "keys": new_self[0], "values": new_self[1]}
+        if cache is not None:
+            cache = cache.replace(keys=new_self[0], values=new_self[1])
 
         if self.has_cross:
-            cross_slots = None
-            if caches is not None:
-                cross_slots = (caches["cross_keys"], caches["cross_values"])
+            cross_slots = None if cache is None else (cache.cross_keys, cache.cross_values)
             cross_attention = MultiHeadAttention(config, is_cross=True, name="cross_attention")
             x, new_cross = residual(
                 x,
                 lambda h: cross_attention(
                     h,
-                    ctx["encoded"],
-                    mask=ctx["cross_mask"],
+                    ctx.encoded,
+                    mask=ctx.cross_mask,
                     bias=None,
-                    query_positions=ctx["query_positions"],
-                    key_positions=ctx["source_positions"],
+                    query_positions=ctx.query_positions,
+                    key_positions=ctx.source_positions,
                     cache_slots=cross_slots,
                     layer=layer,
                     deterministic=deterministic,
                 ),
                 "cross_attention",
             )
-            if caches is not None:
-                caches = {**caches, "cross_keys": new_cross[0], "cross_values": new_cross[1]}
+            if cache is not None:
+                cache = cache.replace(cross_keys=new_cross[0], cross_values=new_cross[1])
 
         feed_forward = FeedForward(config, name="feed_forward")
         x, _ = residual(x, lambda h: (feed_forward(h), None), "feed_forward")
-        return (x, caches), None
+        return (x, cache), None
 
 
 class Stack(nn.Module):
     """`num_layers` blocks, unrolled or under nn.scan (compile time flat in depth), plus the
-    final norm of pre-LN. The KV slots of all layers travel through the stack as one carry
-    ([batch, layers, ...]) that each block updates in place."""
+    final norm of pre-LN. The DecoderCache of all layers travels through the stack as the carry
+    ([batch, layers, ...] slots) that each block updates in place."""
 
     config: ModelConfig
     num_layers: int
@@ -128,7 +152,9 @@ class Stack(nn.Module):
     bidirectional: bool
 
     @nn.compact
-    def __call__(self, x: Array, caches: dict | None, ctx: dict, deterministic: bool):
+    def __call__(
+        self, x: Array, cache: DecoderCache | None, ctx: LayerContext, deterministic: bool
+    ) -> tuple[Array, DecoderCache | None]:
         config = self.config
         block = Block
         if config.remat:
@@ -143,17 +169,17 @@ class Stack(nn.Module):
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )
             layers = jnp.arange(self.num_layers, dtype=jnp.int32)
-            (x, caches), _ = scanned(config, self.has_cross, self.bidirectional, name="layers")(
-                (x, caches), layers, ctx, deterministic
+            (x, cache), _ = scanned(config, self.has_cross, self.bidirectional, name="layers")(
+                (x, cache), layers, ctx, deterministic
             )
         else:
             for i in range(self.num_layers):
-                (x, caches), _ = block(
+                (x, cache), _ = block(
                     config, self.has_cross, self.bidirectional, name=f"layer_{i}"
-                )((x, caches), i, ctx, deterministic)
+                )((x, cache), i, ctx, deterministic)
         if config.has_final_norm:
             x = Norm(config, name="final_norm")(x)
-        return x, caches
+        return x, cache
 
 
 def _default_positions(tokens: Array, offset: Array | None = None) -> Array:
@@ -216,22 +242,96 @@ def _self_attention_context(
     masks: list[Array | None],
     write_index: Array | None,
     causal: bool,
-) -> dict:
+) -> LayerContext:
     """Masks and shared position biases for one stack's self-attention. `causal`: no cache
     and causal masking, so query i sees no key after i (attention may skip those blocks)."""
     if config.local_window is not None:
         masks.append(
             attention.local_window_mask(query_positions, key_positions, config.local_window)
         )
-    layer_bias = config.position_scheme == "t5_bias" and not config.t5_shared_across_layers
+    layer_bias = config.scheme.bias_per_layer(config)
     shared_bias = None if layer_bias else position_bias(query_positions, key_positions)
-    return dict(
+    return LayerContext(
         self_mask=attention.combine_masks(*masks),
         self_bias=shared_bias,
         query_positions=query_positions,
         key_positions=key_positions,
         write_index=write_index,
         causal=causal,
+    )
+
+
+def _causal_inputs(
+    tokens: Array, positions: Array | None, valid: Array | None, segment_ids: Array | None
+) -> tuple[Array, Array, list[Array | None]]:
+    """(positions, key positions, masks) of causal self-attention over `tokens` alone."""
+    if positions is None:
+        positions = _default_positions(tokens)
+        if valid is not None and segment_ids is None:
+            positions = _positions_from_valid(valid)
+    order = _default_positions(tokens)  # causal by index, whatever the positions
+    masks = [
+        attention.causal_mask(order, order),
+        None if valid is None else attention.padding_mask(valid),
+    ]
+    if segment_ids is not None:
+        masks.append(attention.segment_mask(segment_ids, segment_ids))
+    return positions, positions, masks
+
+
+def _cached_inputs(
+    cache: DecoderCache, tokens: Array, positions: Array | None, valid: Array | None
+) -> tuple[Array, Array, list[Array | None], Array | None]:
+    """(positions, key positions [batch, max_len], masks, the cache's new `valid`) of new
+    tokens attending to every filled slot of `cache` and to each other, causally."""
+    if tokens.shape[1] > cache.max_len:
+        raise ValueError(
+            f"{tokens.shape[1]} tokens are longer than the cache (max_len="
+            f"{cache.max_len}); build a larger cache with init_cache"
+        )
+    check_room(cache, tokens.shape[1])
+    write_index, new_valid = cache.lengths, None
+    slots = _default_positions(jnp.zeros((cache.batch_size, cache.max_len), jnp.int32))
+    filled = attention.valid_from_lengths(cache.lengths + tokens.shape[1], cache.max_len)
+    key_valid, key_positions = filled, slots
+    if cache.valid is not None:
+        written = jnp.ones(tokens.shape, bool) if valid is None else valid
+        new_valid = cache_lib.write_valid(cache.valid, written, write_index)
+        key_valid = filled & new_valid
+        # A slot's position counts the real tokens before it (left padding aside).
+        key_positions = _positions_from_valid(new_valid)
+    if positions is None:
+        positions = jnp.take_along_axis(
+            key_positions, _default_positions(tokens, write_index), axis=1
+        )
+    masks = [
+        attention.causal_mask(_default_positions(tokens, write_index), slots),
+        attention.padding_mask(key_valid),
+    ]
+    return positions, key_positions, masks, new_valid
+
+
+def _with_cross_attention(
+    ctx: LayerContext,
+    encoded: Array | None,  # [batch, src_len, d_model]; None: the cache holds keys/values
+    source_valid: Array | None,  # [batch, src_len] bool; None = every source token is real
+    segment_ids: Array | None,
+    source_segment_ids: Array | None,
+) -> LayerContext:
+    """`ctx` with the cross-attention inputs: encoder output, padding (+ packing) mask."""
+    if source_valid is None:
+        source_len = encoded.shape[1]
+        source_valid = attention.valid_from_lengths(
+            jnp.full(encoded.shape[:1], source_len), source_len
+        )
+    cross_masks = [attention.padding_mask(source_valid)]
+    if segment_ids is not None and source_segment_ids is not None:
+        cross_masks.append(attention.segment_mask(segment_ids, source_segment_ids))
+    return ctx.replace(
+        encoded=encoded,
+        cross_mask=attention.combine_masks(*cross_masks),
+        source_positions=_default_positions(source_valid),
+        source_valid=source_valid,
     )
 
 
@@ -307,46 +407,15 @@ class Decoder(nn.Module):
         write_index, new_valid = None, None
         valid = _resolve_valid(tokens, valid, segment_ids)
         if cache is None:
-            if positions is None:
-                positions = _default_positions(tokens)
-                if valid is not None and segment_ids is None:
-                    positions = _positions_from_valid(valid)
-            key_positions = positions
-            order = _default_positions(tokens)  # causal by index, whatever the positions
-            masks = [
-                attention.causal_mask(order, order),
-                None if valid is None else attention.padding_mask(valid),
-            ]
-            if segment_ids is not None:
-                masks.append(attention.segment_mask(segment_ids, segment_ids))
+            positions, key_positions, masks = _causal_inputs(tokens, positions, valid, segment_ids)
         else:
             check_cache(cache, config, self.has_cross)
             if segment_ids is not None:
                 raise ValueError("segment_ids (packing) cannot be combined with a KV cache")
-            if tokens.shape[1] > cache.max_len:
-                raise ValueError(
-                    f"{tokens.shape[1]} tokens are longer than the cache (max_len="
-                    f"{cache.max_len}); build a larger cache with init_cache"
-                )
-            check_room(cache, tokens.shape[1])
             write_index = cache.lengths
-            slots = _default_positions(jnp.zeros((cache.batch_size, cache.max_len), jnp.int32))
-            filled = attention.valid_from_lengths(cache.lengths + tokens.shape[1], cache.max_len)
-            key_valid, key_positions = filled, slots
-            if cache.valid is not None:
-                written = jnp.ones(tokens.shape, bool) if valid is None else valid
-                new_valid = cache_lib.write_valid(cache.valid, written, write_index)
-                key_valid = filled & new_valid
-                # A slot's position counts the real tokens before it (left padding aside).
-                key_positions = _positions_from_valid(new_valid)
-            if positions is None:
-                positions = jnp.take_along_axis(
-                    key_positions, _default_positions(tokens, write_index), axis=1
-                )
-            masks = [
-                attention.causal_mask(_default_positions(tokens, write_index), slots),
-                attention.padding_mask(key_valid),
-            ]
+            positions, key_positions, masks, new_valid = _cached_inputs(
+                cache, tokens, positions, valid
+            )
 
         x = _embed(config, self, self.embedding, tokens, positions, None)
         x = self.perturb("embedded", x)
@@ -363,33 +432,12 @@ class Decoder(nn.Module):
         if self.has_cross:
             if encoded is None and cache is None:
                 raise ValueError("the encoder-decoder's decoder needs `encoded` or a filled cache")
-            if encoded is not None:
-                source_valid = (
-                    attention.valid_from_lengths(
-                        jnp.full(encoded.shape[:1], encoded.shape[1]), encoded.shape[1]
-                    )
-                    if source_valid is None
-                    else source_valid
-                )
-            else:
-                source_valid = cache.source_valid
-            cross_masks = [attention.padding_mask(source_valid)]
-            if segment_ids is not None and source_segment_ids is not None:
-                cross_masks.append(attention.segment_mask(segment_ids, source_segment_ids))
-            ctx.update(
-                encoded=encoded,
-                cross_mask=attention.combine_masks(*cross_masks),
-                source_positions=_default_positions(source_valid),
-            )
+            source_valid = cache.source_valid if encoded is None else source_valid
+            ctx = _with_cross_attention(ctx, encoded, source_valid, segment_ids, source_segment_ids)
 
-        caches = None
-        if cache is not None:
-            caches = {"keys": cache.keys, "values": cache.values}
-            if self.has_cross:
-                caches.update(cross_keys=cache.cross_keys, cross_values=cache.cross_values)
-        x, caches = Stack(config, config.num_decoder_layers, self.has_cross, False, name="stack")(
-            x, caches, ctx, deterministic
-        )
+        x, new_cache = Stack(
+            config, config.num_decoder_layers, self.has_cross, False, name="stack"
+        )(x, cache, ctx, deterministic)
         if config.output_scale is not None:
             x = x * jnp.asarray(config.output_scale, x.dtype)
         if config.tie_output:
@@ -410,20 +458,10 @@ class Decoder(nn.Module):
             # not known in advance) gets NaN logits rather than silently wrong ones.
             overflow = cache.lengths + tokens.shape[1] > cache.max_len  # [batch]
             logits = jnp.where(overflow[:, None, None], jnp.nan, logits)
-            new = dict(
-                keys=caches["keys"],
-                values=caches["values"],
-                lengths=cache.lengths + tokens.shape[1],
-                valid=new_valid,
-            )
+            new_cache = new_cache.replace(lengths=cache.lengths + tokens.shape[1], valid=new_valid)
             if self.has_cross:
-                new.update(
-                    cross_keys=caches["cross_keys"],
-                    cross_values=caches["cross_values"],
-                    source_valid=source_valid,
-                )
-            cache = cache.replace(**new)
-        return logits, cache
+                new_cache = new_cache.replace(source_valid=ctx.source_valid)
+        return logits, new_cache
 
 
 class DecoderLM(nn.Module):

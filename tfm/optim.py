@@ -9,6 +9,7 @@ micro-batches.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -179,6 +180,31 @@ def resolve_optimizer_config(opt_config: Mapping[str, Any]) -> dict[str, Any]:
     return values
 
 
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """The `optimizer` section, validated and with the optimizer's own defaults filled in (see
+    DEFAULTS); built once per run by `from_config`."""
+
+    name: str
+    schedule: str
+    learning_rate: float
+    warmup_steps: int
+    total_steps: int | None
+    end_fraction: float
+    b1: float
+    b2: float
+    eps: float
+    weight_decay: float
+    grad_clip_norm: float
+    grad_accum_steps: int
+
+    @classmethod
+    def from_config(cls, section: Mapping[str, Any] | OptimizerConfig) -> OptimizerConfig:
+        if isinstance(section, OptimizerConfig):
+            return section
+        return cls(**resolve_optimizer_config(section))
+
+
 def make_schedule(values: Mapping[str, Any], d_model: int | None = None) -> optax.Schedule:
     """The schedule named by a resolved optimizer config (see `resolve_optimizer_config`)."""
     name, peak, warmup = values["schedule"], values["learning_rate"], values["warmup_steps"]
@@ -194,7 +220,7 @@ def make_schedule(values: Mapping[str, Any], d_model: int | None = None) -> opta
 
 
 def make_optimizer(
-    opt_config: Mapping[str, Any], *, d_model: int | None = None
+    opt_config: Mapping[str, Any] | OptimizerConfig, *, d_model: int | None = None
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """Builds (optimizer, schedule) from an `optimizer` config section; see DEFAULTS for keys.
 
@@ -203,7 +229,7 @@ def make_optimizer(
     in optax.MultiSteps: it averages k micro-batch gradients, then applies one update (returning
     zero updates in between). `d_model` is needed by the paper schedule only.
     """
-    values = resolve_optimizer_config(opt_config)
+    values = dataclasses.asdict(OptimizerConfig.from_config(opt_config))
     schedule = make_schedule(values, d_model)
     parts = []
     if values["grad_clip_norm"] > 0:

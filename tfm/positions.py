@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tfm.config import POSITION_SCHEMES, ConfigError
+from tfm.config import ConfigError
 
 Array = jax.Array
 ArrayLike = jax.Array | np.ndarray  # concrete or traced ids; numpy for static inputs
@@ -303,28 +305,188 @@ def shaw_value_term(weights: Array, value_table: Array, rel_idx: Array) -> Array
     return jnp.einsum("btnr,rh->btnh", per_row, value_table)
 
 
+# ---------------------------------------------------------------------------------------------
+# The registry: what each scheme adds to the model. Layers call these hooks and never compare
+# scheme names, so a new scheme is one entry here (and its test).
+
+# param(name, shape, init_stddev, logical_axes) -> a parameter of the calling linen module.
+ParamFn = Callable[[str, tuple[int, ...], float, tuple[str | None, ...]], Array]
+# A Shaw-style term: (bias [B, N, T, S], value_term(weights [B, N, T, S]) -> [B, T, N, H] or None)
+RelativeTerm = tuple[Array, Callable[[Array], Array] | None]
+
+
+def _no_params(config: Any, num_layers: int) -> int:
+    return 0
+
+
+def _not_per_layer(config: Any) -> bool:
+    return False
+
+
+def _no_check(config: Any) -> None:
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class PositionScheme:
-    """A position scheme by name; kind says where it enters the model."""
+    """A position scheme by name and the hooks that say where it enters the model (None: the
+    scheme adds nothing there). `config` is a tfm.config.ModelConfig.
+
+    embedding(config, token_positions [B, T], width T, param) -> [B, T, d_model], added to the
+      token embeddings.
+    logit_bias(config, query_positions [B, T], key_positions [B, S], bidirectional, param)
+      -> [B, N, T, S], added to self-attention logits (shared by a stack's layers unless
+      `bias_per_layer(config)`).
+    rotate(config, x [B, T, N, H], positions [B, T]) -> x, applied to self-attention queries
+      and keys.
+    relative(config, query [B, T, N, H], query_positions, key_positions, scale, param)
+      -> RelativeTerm, a logit bias from the queries plus an optional value term.
+    """
 
     name: str
     kind: str  # "none" | "embedding" | "rotary" | "bias" | "relative"
     description: str = ""
+    embedding: Callable[..., Array] | None = None
+    logit_bias: Callable[..., Array] | None = None
+    rotate: Callable[..., Array] | None = None
+    relative: Callable[..., RelativeTerm] | None = None
+    bias_per_layer: Callable[[Any], bool] = _not_per_layer
+    # True: positions must be < config.max_len (a table); others run at any position.
+    bounded_by_max_len: bool = False
+    check: Callable[[Any], None] = _no_check  # raises ConfigError for invalid settings
+    num_params: Callable[[Any, int], int] = _no_params  # per stack of num_layers layers
+
+
+def _sinusoidal_embedding(config: Any, token_positions: Array, width: int, param: ParamFn):
+    return sinusoidal(token_positions, config.d_model, layout=config.sinusoidal_layout)
+
+
+def _check_sinusoidal(config: Any) -> None:
+    if config.d_model % 2:
+        raise ConfigError(f"d_model={config.d_model} must be even for sinusoidal positions")
+
+
+def _learned_embedding(config: Any, token_positions: Array, width: int, param: ParamFn):
+    if width > config.max_len:  # static, so it also fails under jit
+        raise ValueError(
+            f"sequence length {width} exceeds max_len={config.max_len} of the "
+            "learned position table; raise model.max_len or use another position_scheme"
+        )
+    table = param("position_embedding", (config.max_len, config.d_model), 0.02, (None, "embed"))
+    return learned_lookup(table, token_positions)
+
+
+def _rope_rotate(config: Any, x: Array, positions: Array) -> Array:
+    return apply_rope(
+        x,
+        positions,
+        layout=config.rope_layout,
+        fraction=config.rope_fraction,
+        frequencies=config.rope_frequencies,
+    )
+
+
+def _check_rope(config: Any) -> None:
+    rotated = round(config.resolved_head_dim * config.rope_fraction)
+    if rotated < 2 or rotated % 2:
+        raise ConfigError(
+            f"rope_fraction={config.rope_fraction} rotates {rotated} of head_dim="
+            f"{config.resolved_head_dim} dimensions; that must be an even number >= 2"
+        )
+
+
+def _shaw_relative(
+    config: Any, query: Array, query_positions: Array, key_positions: Array, scale: float,
+    param: ParamFn,
+) -> RelativeTerm:
+    distance, head_dim = config.relative_max_distance, config.resolved_head_dim
+    rel_idx = relative_indices(query_positions, key_positions, distance)
+    shape, axes = (2 * distance + 1, head_dim), ("relpos", "head_dim")
+    key_table = param("relative_key", shape, head_dim**-0.5, axes)
+    bias = shaw_logit_bias(query, key_table, rel_idx, scale)
+    if not config.relative_values:
+        return bias, None
+
+    def value_term(weights: Array) -> Array:
+        value_table = param("relative_value", shape, head_dim**-0.5, axes)
+        return shaw_value_term(weights, value_table, rel_idx)
+
+    return bias, value_term
+
+
+def _check_relative(config: Any) -> None:
+    if config.attention_backend != "reference" and config.relative_values:
+        raise ConfigError(
+            "position_scheme='relative' with relative_values=True needs "
+            f"attention_backend='reference' (got {config.attention_backend!r}): the value "
+            "term needs the attention weights; set relative_values=False to use a kernel"
+        )
+
+
+def _t5_logit_bias(
+    config: Any, query_positions: Array, key_positions: Array, bidirectional: bool,
+    param: ParamFn,
+) -> Array:
+    table = param(
+        "t5_bias_table", (config.t5_num_buckets, config.num_heads), 0.1, ("buckets", "heads")
+    )
+    return t5_bias(
+        table,
+        query_positions,
+        key_positions,
+        bidirectional=bidirectional,
+        num_buckets=config.t5_num_buckets,
+        max_distance=config.t5_max_distance,
+    )
+
+
+def _alibi_logit_bias(
+    config: Any, query_positions: Array, key_positions: Array, bidirectional: bool,
+    param: ParamFn,
+) -> Array:
+    slopes = jnp.asarray(alibi_slopes(config.num_heads), jnp.float32)
+    return alibi_bias(query_positions, key_positions, slopes)
 
 
 SCHEMES: dict[str, PositionScheme] = {
     scheme.name: scheme
     for scheme in (
         PositionScheme("none", "none", "no position information (e.g. causal-only NoPE)"),
-        PositionScheme("sinusoidal", "embedding", "fixed sinusoids added to embeddings"),
-        PositionScheme("learned", "embedding", "learned table added to embeddings, < max_len"),
-        PositionScheme("rope", "rotary", "rotary embedding of queries and keys"),
-        PositionScheme("relative", "relative", "Shaw et al. clipped relative keys/values"),
-        PositionScheme("t5_bias", "bias", "T5 bucketed relative attention bias"),
-        PositionScheme("alibi", "bias", "ALiBi linear distance penalty per head"),
+        PositionScheme(
+            "sinusoidal", "embedding", "fixed sinusoids added to embeddings",
+            embedding=_sinusoidal_embedding, check=_check_sinusoidal,
+        ),
+        PositionScheme(
+            "learned", "embedding", "learned table added to embeddings, < max_len",
+            embedding=_learned_embedding, bounded_by_max_len=True,
+            num_params=lambda config, layers: config.max_len * config.d_model,
+        ),
+        PositionScheme(
+            "rope", "rotary", "rotary embedding of queries and keys",
+            rotate=_rope_rotate, check=_check_rope,
+        ),
+        PositionScheme(
+            "relative", "relative", "Shaw et al. clipped relative keys/values",
+            relative=_shaw_relative, check=_check_relative,
+            # Tables shared by heads, one or two per self-attention layer.
+            num_params=lambda config, layers: layers * (1 + config.relative_values) * (
+                2 * config.relative_max_distance + 1) * config.resolved_head_dim,
+        ),
+        PositionScheme(
+            "t5_bias", "bias", "T5 bucketed relative attention bias",
+            logit_bias=_t5_logit_bias,
+            bias_per_layer=lambda config: not config.t5_shared_across_layers,
+            num_params=lambda config, layers: (
+                1 if config.t5_shared_across_layers else layers
+            ) * config.t5_num_buckets * config.num_heads,
+        ),
+        PositionScheme(
+            "alibi", "bias", "ALiBi linear distance penalty per head",
+            logit_bias=_alibi_logit_bias,
+        ),
     )
 }
-assert tuple(SCHEMES) == POSITION_SCHEMES, "SCHEMES must match tfm.config.POSITION_SCHEMES"
+POSITION_SCHEMES = tuple(SCHEMES)
 
 
 def get_scheme(name: str) -> PositionScheme:

@@ -69,7 +69,7 @@ import grain
 import numpy as np
 import tensorflow_datasets as tfds
 
-from tfm.config import ConfigError
+from tfm.config import MODES, ConfigError, check_choice, check_positive
 from tfm.data import builders, pipeline, synthetic
 from tfm.data.tokenizers import (
     EOS_ID,
@@ -83,7 +83,6 @@ from tfm.data.tokenizers import (
 )
 
 KINDS = ("synthetic", "text", "parallel", "tfds")
-MODES = ("lm", "seq2seq")
 # Fields only one kind uses: they must keep their default for the other kinds.
 _KIND_FIELDS = {
     "synthetic": (
@@ -169,9 +168,9 @@ class DataConfig:
         return cls(**values)
 
     def __post_init__(self) -> None:
-        _choice("kind", self.kind, KINDS)
+        check_choice("data.kind", self.kind, KINDS)
         if self.mode is not None:
-            _choice("mode", self.mode, MODES)
+            check_choice("data.mode", self.mode, MODES)
         for kind, fields in _KIND_FIELDS.items():
             for field in fields if kind != self.kind else ():
                 if getattr(self, field) != _default(field):
@@ -180,7 +179,7 @@ class DataConfig:
                         f"data.kind='{kind}', not data.kind='{self.kind}'"
                     )
         if self.kind == "synthetic":
-            _choice("task", self.task, synthetic.TASKS)
+            check_choice("data.task", self.task, synthetic.TASKS)
             if not (isinstance(self.num_symbols, int) and 2 <= self.num_symbols <= 36):
                 raise ConfigError(f"data.num_symbols={self.num_symbols!r} must be in [2, 36]")
             for field in ("train_lengths", "eval_lengths", "long_eval_lengths"):
@@ -193,11 +192,11 @@ class DataConfig:
                     raise ConfigError(
                         f"data.{field}={value!r} must be (low, high) with 1 <= low <= high"
                     )
-            _positive("num_train_examples", self.num_train_examples)
-            _positive("num_eval_examples", self.num_eval_examples)
+            check_positive("data.num_train_examples", self.num_train_examples)
+            check_positive("data.num_eval_examples", self.num_eval_examples)
         if self.kind == "text":
             _required(self, "path")
-            _choice("text_unit", self.text_unit, builders.TEXT_UNITS)
+            check_choice("data.text_unit", self.text_unit, builders.TEXT_UNITS)
             if self.mode == "seq2seq":
                 raise ConfigError("data.mode='seq2seq' needs pairs; data.kind='text' is lm only")
         if self.kind == "parallel":
@@ -222,32 +221,33 @@ class DataConfig:
                 f"data.validation_fraction={self.validation_fraction!r} must be a float in (0, 1)"
             )
         if self.tokenizer is not None:
-            _choice("tokenizer", self.tokenizer, TOKENIZER_KINDS)
+            check_choice("data.tokenizer", self.tokenizer, TOKENIZER_KINDS)
             if self.kind == "synthetic" and self.tokenizer == "sentencepiece":
                 raise ConfigError(
                     "data.tokenizer='sentencepiece' would merge the symbols of a synthetic task; "
                     "use 'char' (default) or 'byte'"
                 )
-        _positive("vocab_size", self.vocab_size)
-        _choice(
-            "sentencepiece_model_type", self.sentencepiece_model_type, SENTENCEPIECE_MODEL_TYPES
+        check_positive("data.vocab_size", self.vocab_size)
+        check_choice(
+            "data.sentencepiece_model_type", self.sentencepiece_model_type,
+            SENTENCEPIECE_MODEL_TYPES,
         )
-        _positive("seq_len", self.seq_len)
+        check_positive("data.seq_len", self.seq_len)
         for field in ("source_seq_len", "eval_seq_len", "eval_batch_size"):
             if getattr(self, field) is not None:
-                _positive(field, getattr(self, field))
+                check_positive(f"data.{field}", getattr(self, field))
         if self.length_policy is not None:
-            _choice("length_policy", self.length_policy, pipeline.LENGTH_POLICIES)
-            if self.length_policy == "split" and self.resolved_mode != "lm_text":
+            check_choice("data.length_policy", self.length_policy, pipeline.LENGTH_POLICIES)
+            if self.length_policy == "split" and not self.is_text:
                 raise ConfigError(
                     "data.length_policy='split' only applies to language modelling on text "
                     "(data.kind='text', or 'tfds' with features {'text': ...})"
                 )
-        _positive("batch_size", self.batch_size)
-        _positive("seed", self.seed, allow_zero=True)
-        _positive("num_workers", self.num_workers, allow_zero=True)
-        _positive("prefetch", self.prefetch, allow_zero=True)
-        _positive("read_threads", self.read_threads, allow_zero=True)
+        check_positive("data.batch_size", self.batch_size)
+        check_positive("data.seed", self.seed, allow_zero=True)
+        check_positive("data.num_workers", self.num_workers, allow_zero=True)
+        check_positive("data.prefetch", self.prefetch, allow_zero=True)
+        check_positive("data.read_threads", self.read_threads, allow_zero=True)
         for field in ("packing", "shuffle", "shared_vocab", "download"):
             if not isinstance(getattr(self, field), bool):
                 raise ConfigError(f"data.{field}={getattr(self, field)!r} must be True or False")
@@ -264,10 +264,17 @@ class DataConfig:
 
     @property
     def resolved_mode(self) -> str:
-        """The Encoder mode: "lm_text" (encoder mode "lm"), "prompt_lm" or "seq2seq"."""
+        """The model this data trains (tfm.config.MODES): "lm" for text or mode="lm" pairs."""
         if self.is_text:
-            return "lm_text"
-        return "prompt_lm" if self.mode == "lm" else "seq2seq"
+            return "lm"
+        return self.mode or "seq2seq"
+
+    @property
+    def encoder_mode(self) -> str:
+        """How records become examples (pipeline.ENCODER_MODES)."""
+        if self.is_text:
+            return "lm"
+        return "prompt_lm" if self.resolved_mode == "lm" else "seq2seq"
 
     @property
     def resolved_length_policy(self) -> str:
@@ -296,20 +303,6 @@ class DataConfig:
 
 def _default(field: str) -> Any:
     return next(f.default for f in dataclasses.fields(DataConfig) if f.name == field)
-
-
-def _choice(field: str, value: Any, allowed: Sequence[str]) -> None:
-    if value not in allowed:
-        raise ConfigError(f"data.{field}={value!r} is unknown; choose one of: {', '.join(allowed)}")
-
-
-def _positive(field: str, value: Any, allow_zero: bool = False) -> None:
-    ok = isinstance(value, int) and not isinstance(value, bool)
-    ok = ok and (value >= 0 if allow_zero else value > 0)
-    if not ok:
-        raise ConfigError(
-            f"data.{field}={value!r} must be an integer {'>= 0' if allow_zero else '> 0'}"
-        )
 
 
 def _required(config: DataConfig, field: str) -> None:
@@ -369,7 +362,9 @@ def _prepare_sources(config: DataConfig) -> tuple[dict[str, Any], str]:
     return sources, f"{builder.name}/{builder.builder_config.name}"
 
 
-def _tokenizer_texts(source: Sequence[Any], encoder: pipeline.Encoder, field: str) -> list[str]:
+def _tokenizer_texts(
+    source: Sequence[Any], encoder: pipeline.RecordEncoder, field: str
+) -> list[str]:
     """Texts of (at most TOKENIZER_TEXT_LIMIT evenly spaced) training records: one field, or
     source and target for a shared vocabulary."""
     indices = list(range(0, len(source), max(1, len(source) // TOKENIZER_TEXT_LIMIT)))
@@ -398,7 +393,7 @@ def _load_or_train(
     key = json.dumps({"fields": fields, "train_split": config.train_split}, sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:8]
     mode = "lm" if role == "text" else "seq2seq"
-    reader = pipeline.Encoder(mode, ByteTokenizer(), fields=fields)
+    reader = pipeline.RecordEncoder(mode, ByteTokenizer(), fields=fields)
     if kind == "char":
         path = directory / f"char-{role}-{digest}.json"
         if path.exists():
@@ -426,10 +421,15 @@ class Data:
     sources: dict[str, Any]  # split -> random-access records
     tokenizer: Tokenizer  # LM / target side
     source_tokenizer: Tokenizer | None  # seq2seq source side (the same object when shared)
-    encoder: pipeline.Encoder
+    encoder: pipeline.RecordEncoder
     process_index: int = 0
     process_count: int = 1
     _eval_cache: dict[str, list[pipeline.Example]] = dataclasses.field(default_factory=dict)
+
+    @property
+    def mode(self) -> str:
+        """The model this data trains, one of tfm.config.MODES."""
+        return self.encoder.model_mode
 
     @property
     def vocab_size(self) -> int:
@@ -570,9 +570,9 @@ def build_data(
         raise builders.DataError(f"data.train_split={config.train_split!r} has no examples")
     directory = config.resolved_data_dir / "tokenizers" / dataset_id
     fields = tuple(sorted(config.features.items())) if config.kind == "tfds" else ()
-    mode = config.resolved_mode
+    mode = config.encoder_mode
     source_tokenizer = None
-    if mode == "lm_text":
+    if mode == "lm":
         tokenizer = _load_or_train(config, train, fields, "text", directory)
     elif mode == "prompt_lm" or config.shared_vocab:
         tokenizer = _load_or_train(config, train, fields, "shared", directory)
@@ -587,8 +587,8 @@ def build_data(
             if config.kind == "synthetic"
             else (EOS_ID,)
         )
-    encoder = pipeline.Encoder(
-        "lm" if mode == "lm_text" else mode,
+    encoder = pipeline.RecordEncoder(
+        mode,
         tokenizer,
         source_tokenizer,
         separator_ids=separator,

@@ -5,10 +5,10 @@ Train (infinite, `make_train_dataset`):
     source[process_index::process_count]        this process's shard (shards partition the data)
     -> seeded shuffle, reshuffled every epoch, repeated forever
     -> chunks of `chunk_size` records, each (in grain's parallel stage, `MakeRows`):
-       batched read -> Encoder (tokenize, see below) -> length policy: "filter" (drop too long),
-       "truncate", or "split" (LM: cut into windows) -> pack several examples per row (first-fit
-       decreasing: segment ids 1, 2, ... and positions restarting at 0 per segment) or pad each
-       example to its own row -> rows in a seeded random order
+       batched read -> RecordEncoder (tokenize, see below) -> length policy: "filter" (drop
+       too long), "truncate", or "split" (LM: cut into windows) -> pack several examples per
+       row (first-fit decreasing: segment ids 1, 2, ... and positions restarting at 0 per
+       segment) or pad each example to its own row -> rows in a seeded random order
     -> rows one by one -> batch (this process's share of the global batch)
     -> prefetch (a thread, or worker processes)
 
@@ -41,6 +41,8 @@ import numpy as np
 
 from tfm.data.tokenizers import BOS_ID, EOS_ID, Tokenizer
 
+# How a record becomes an example: an LM on text, an LM on (prompt, answer) pairs, or an
+# encoder-decoder on (source, target) pairs. "lm" and "seq2seq" are tfm.config.MODES.
 ENCODER_MODES = ("lm", "prompt_lm", "seq2seq")
 LENGTH_POLICIES = ("filter", "truncate", "split")
 Example = dict[str, np.ndarray]
@@ -53,7 +55,7 @@ def _to_str(value: Any) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class Encoder:
+class RecordEncoder:
     """Turns one record into one example (see the module docstring).
 
     fields: (our field, record key) pairs: ("text", k) for LM; ("source", k), ("target", k) else.
@@ -69,6 +71,11 @@ class Encoder:
     def __post_init__(self) -> None:
         if self.mode not in ENCODER_MODES:
             raise ValueError(f"mode={self.mode!r} is unknown; choose one of: {ENCODER_MODES}")
+
+    @property
+    def model_mode(self) -> str:
+        """The tfm.config.MODES entry of the model these examples train."""
+        return "seq2seq" if self.mode == "seq2seq" else "lm"
 
     def texts(self, record: Mapping[str, Any]) -> dict[str, str]:
         """{"text": ...} or {"source": ..., "target": ...} of a record, as str."""
@@ -249,7 +256,7 @@ class MakeRows(grain.transforms.RandomMap):
     packing use every read thread / worker."""
 
     source: Sequence[Any]
-    encoder: Encoder
+    encoder: RecordEncoder
     lengths: Mapping[str, int]
     length_policy: str
     packing: bool
@@ -286,7 +293,7 @@ def _check_shard(num_records: int, process_index: int, process_count: int) -> No
 
 def make_train_dataset(
     source: Sequence[Any],
-    encoder: Encoder,
+    encoder: RecordEncoder,
     *,
     lengths: Mapping[str, int],
     batch_size: int,
@@ -332,7 +339,7 @@ def make_train_dataset(
     return it
 
 
-def make_train_iterator(source: Sequence[Any], encoder: Encoder, **kwargs: Any) -> Any:
+def make_train_iterator(source: Sequence[Any], encoder: RecordEncoder, **kwargs: Any) -> Any:
     """`iter(make_train_dataset(...))`: a grain DatasetIterator with get_state()/set_state()."""
     return iter(make_train_dataset(source, encoder, **kwargs))
 
@@ -344,7 +351,7 @@ def _all_records(source: Sequence[Any]) -> Iterator[Any]:
 
 
 def eval_examples(
-    source: Sequence[Any], encoder: Encoder, *, split_length: int | None = None
+    source: Sequence[Any], encoder: RecordEncoder, *, split_length: int | None = None
 ) -> list[Example]:
     """Every example of an eval split, in order; LM text is cut into windows of `split_length`
     tokens when given (nothing is dropped)."""
@@ -354,7 +361,7 @@ def eval_examples(
     return examples
 
 
-def contiguous_windows(source: Sequence[Any], encoder: Encoder, length: int) -> list[Example]:
+def contiguous_windows(source: Sequence[Any], encoder: RecordEncoder, length: int) -> list[Example]:
     """An LM split read as one text (its records' texts joined, in order), encoded once as
     [bos] + text + [eos] and cut into every non-overlapping window of exactly `length` tokens;
     the last, shorter remainder is dropped, so every window has the same context size

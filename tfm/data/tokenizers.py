@@ -50,14 +50,15 @@ class Tokenizer(Protocol):
     def decode(self, ids: Iterable[int]) -> str: ...
 
 
-def _content_ids(ids: Iterable[int]) -> list[int]:
-    """ids up to the first eos, with pad and bos removed."""
+def content_ids(ids: Iterable[int], eos_id: int = EOS_ID, pad_id: int = PAD_ID) -> list[int]:
+    """ids up to (not including) the first eos, with pad and bos removed: what a tokenizer
+    decodes, e.g. of a generated row."""
     out = []
     for token in ids:
         token = int(token)
-        if token == EOS_ID:
+        if token == eos_id:
             break
-        if token not in (PAD_ID, BOS_ID):
+        if token not in (pad_id, BOS_ID):
             out.append(token)
     return out
 
@@ -91,7 +92,7 @@ class ByteTokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         # Generated ids may form invalid UTF-8 (or hit unk=3, which bytes never use): replace them.
-        data = bytes(t - self.offset for t in _content_ids(ids) if t >= self.offset)
+        data = bytes(t - self.offset for t in content_ids(ids) if t >= self.offset)
         return data.decode("utf-8", errors="replace")
 
     def __eq__(self, other: object) -> bool:
@@ -137,7 +138,7 @@ class CharTokenizer:
         chars, offset = self.chars, self.offset
         return "".join(
             chars[t - offset] if offset <= t < offset + len(chars) else "\ufffd"
-            for t in _content_ids(ids)
+            for t in content_ids(ids)
         )
 
     def save(self, path: str | os.PathLike) -> None:
@@ -195,7 +196,7 @@ class SentencePieceTokenizer:
         return self._processor.encode(text, out_type=int)
 
     def decode(self, ids: Iterable[int]) -> str:
-        return self._processor.decode(_content_ids(ids))
+        return self._processor.decode(content_ids(ids))
 
     def __getstate__(self) -> dict:
         return {"model_proto": self.model_proto}

@@ -1,0 +1,223 @@
+"""Evaluation: loss, perplexity and accuracy on the eval splits, and the generation metrics
+(exact match, BLEU) of decoded outputs; `./launch.sh eval` and `./launch.sh generate`.
+
+Decoding options travel as one `tfm.decoding.DecodeConfig`, built from the config's `eval` or
+`generate` section (see tfm/experiment.py) and passed unchanged to tfm.generate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+from jax.experimental import multihost_utils
+
+from tfm import generate, losses, metrics, sharding
+from tfm.data import tokenizers
+from tfm.decoding import DecodeConfig
+from tfm.experiment import (
+    Experiment,
+    InShardingContext,
+    compute_logits,
+    restore_params,
+    setup,
+    state_shardings,
+)
+
+logger = logging.getLogger("tfm.train")  # the training system's log name, as before the split
+
+
+class PromptError(ValueError):
+    """A generation prompt the model cannot take (characters outside the vocabulary, too long)."""
+
+
+def eval_step(
+    params: Any, batch: Mapping[str, jax.Array], *, model: Any, mode: str
+) -> dict[str, jax.Array]:
+    """Loss sums over the real tokens of a batch (unsmoothed: eval reports the true NLL)."""
+    logits = compute_logits(model, params, batch, mode=mode, deterministic=True)
+    weights = batch["weights"] * batch["example_weights"][:, None]
+    return losses.cross_entropy(logits, batch["targets"], weights)
+
+
+def jit_eval_step(experiment: Experiment, param_shardings: Any) -> InShardingContext:
+    """`eval_step` jit-compiled: params placed as `param_shardings`, batches split over the
+    "batch" rule's mesh axes, loss sums replicated. `eval(params, batch) -> loss sums`."""
+    mesh = experiment.mesh
+    jitted = jax.jit(
+        functools.partial(eval_step, model=experiment.model, mode=experiment.mode),
+        in_shardings=(param_shardings, sharding.batch_sharding(mesh, experiment.rules)),
+        out_shardings=sharding.replicated(mesh),
+    )
+    return InShardingContext(jitted, experiment)
+
+
+def evaluate(experiment: Experiment, params: Any, eval_fn: Callable | None = None) -> dict:
+    """Loss/perplexity/accuracy on every eval split, plus exact match or BLEU from decoding."""
+    options = experiment.eval
+    eval_fn = eval_fn or jit_eval_step(experiment, state_shardings(experiment)[1].params)
+    metric = experiment.generation_metric
+    results: dict[str, float] = {}
+    for split in experiment.eval_splits:
+        totals: dict[str, float] = {}
+        for index, batch in enumerate(experiment.data.eval_batches(split)):
+            if options.max_batches and index >= options.max_batches:
+                break
+            global_batch = sharding.shard_batch(
+                dict(batch), experiment.mesh, rules=experiment.rules
+            )
+            for key, value in jax.device_get(eval_fn(params, global_batch)).items():
+                totals[key] = totals.get(key, 0.0) + float(value)
+        prefix = experiment.eval_prefix(split)
+        for key, value in losses.weighted_metrics(totals).items():
+            if key in ("nll", "perplexity", "accuracy"):
+                name = {"nll": "loss"}.get(key, key)
+                results[f"{prefix}_{name}"] = float(value)
+        if metric != "none":
+            results[f"{prefix}_{metric}"] = generation_score(experiment, params, split, metric)
+    return results
+
+
+def decode_texts(
+    experiment: Experiment,
+    params: Any,
+    sources: list[str],
+    decode: DecodeConfig,
+    *,
+    rng: jax.Array | None = None,
+    progress: str | None = None,
+) -> list[str]:
+    """Generates a target text for each source text (prompt for an LM, source for seq2seq), as
+    `decode` says. `progress`: a label for a progress bar over the batches (process 0)."""
+    config = experiment.model_config
+    encoded = [experiment.data.encode_prompt(text) for text in sources]
+    batch_size = experiment.data.config.eval_batch_size or experiment.data.config.batch_size
+    width = max(len(ids) for ids in encoded)
+    run = generate.translate if experiment.mode == "seq2seq" else generate.lm_generate
+    outputs: list[str] = []
+    bar = metrics.progress_bar(
+        -(-len(encoded) // batch_size), desc=progress or "", unit="batch", leave=False,
+        enabled=progress is not None and jax.process_index() == 0,
+    )
+    for start in range(0, len(encoded), batch_size):
+        chunk = encoded[start : start + batch_size]
+        real = len(chunk)
+        chunk = chunk + [chunk[-1]] * (batch_size - real)  # fixed shapes: one compilation
+        tokens, lengths = generate.pad_batch(chunk)
+        tokens = np.pad(tokens, ((0, 0), (0, width - tokens.shape[1])))
+        output = run(params, config, tokens, lengths, decode, rng=rng)
+        best, _ = generate.best_sequences(jax.tree.map(_fetch, output))
+        outputs += [experiment.data.decode(row) for row in best[:real]]
+        bar.update(1)
+    bar.close()
+    return outputs
+
+
+def _fetch(x: jax.Array) -> np.ndarray:
+    """The whole value of an output array on this host, also when other processes hold parts."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+
+
+def generation_score(experiment: Experiment, params: Any, split: str, metric: str) -> float:
+    """Exact-match accuracy (percent) or corpus BLEU of decoded outputs on `split`."""
+    sources, targets = experiment.generation_examples(split)
+    decode = experiment.eval.decode_config(metric)
+    if experiment.mode == "lm":  # room for the longest target, its eos and one more
+        new_tokens = max(len(experiment.data.tokenizer.encode(t)) for t in targets) + 2
+        decode = dataclasses.replace(decode, max_new_tokens=new_tokens)
+    hypotheses = decode_texts(
+        experiment, params, sources, decode,
+        progress=f"decode {split}" if experiment.train.progress_bar else None,
+    )
+    if metric == "exact_match":
+        return 100.0 * float(np.mean([h == t for h, t in zip(hypotheses, targets, strict=True)]))
+    import sacrebleu
+
+    return float(sacrebleu.corpus_bleu(hypotheses, [targets]).score)
+
+
+def evaluate_checkpoint(
+    config: ml_collections.ConfigDict, workdir: str | Path, step: int | None = None
+) -> dict[str, float]:
+    """`./launch.sh eval`: metrics on the eval splits from the latest (or given) checkpoint."""
+    experiment = setup(config, workdir)
+    params, step = restore_params(experiment, step)
+    results = evaluate(experiment, params)
+    results["step"] = step
+    return results
+
+
+def generate_from_checkpoint(
+    config: ml_collections.ConfigDict,
+    workdir: str | Path,
+    prompts: list[str],
+    step: int | None = None,
+) -> list[str]:
+    """`./launch.sh generate`: text in, text out, with the config's `generate` settings."""
+    experiment = setup(config, workdir)
+    options = experiment.generate
+    check_prompts(experiment, prompts, map_unknown=options.map_unknown)
+    params, _ = restore_params(experiment, step)
+    rng = jax.random.PRNGKey(options.seed) if options.decode.method == "sample" else None
+    decode = options.decode_config(experiment.mode)
+    return decode_texts(experiment, params, prompts, decode, rng=rng)
+
+
+def _short(text: str, limit: int = 40) -> str:
+    return repr(text if len(text) <= limit else text[: limit - 3] + "...")
+
+
+def check_prompts(experiment: Experiment, prompts: Sequence[str], *, map_unknown: bool) -> None:
+    """Before restoring or compiling anything: raises PromptError (one line) for characters
+    outside the vocabulary (unless `map_unknown`) and for prompts past a learned position
+    table; warns when a prompt is longer than the training rows of a scheme that extrapolates."""
+    data, mode, config = experiment.data, experiment.mode, experiment.model_config
+    decode = experiment.generate.decode_config(mode)
+    max_new = experiment.generate.decode.max_new_tokens
+    tokenizer = (data.source_tokenizer or data.tokenizer) if mode == "seq2seq" else data.tokenizer
+    for number, prompt in enumerate(prompts, 1):
+        unknown = tokenizers.unknown_characters(tokenizer, prompt)
+        if unknown and not map_unknown:
+            alphabet = getattr(tokenizer, "chars", None)
+            known = (f" (the vocabulary: {''.join(alphabet)!r})"
+                     if alphabet is not None and len(alphabet) <= 64 else "")
+            raise PromptError(
+                f"prompt {number} {_short(prompt)} has characters outside the vocabulary: "
+                f"{', '.join(repr(c) for c in unknown)}{known}; remove them, or pass "
+                "--config.generate.map_unknown=True to map them to <unk>"
+            )
+    widths = [len(data.encode_prompt(prompt)) for prompt in prompts]
+    width, longest = max(widths), prompts[widths.index(max(widths))]
+    beam = decode.method == "beam"
+    if mode == "seq2seq":
+        extra = decode.extra_len  # beam search: at most source length + extra_len tokens
+        needs = {"source": width, "output": (width + extra if beam else max_new) + 1}
+        trained = data.train_lengths["source"]
+    else:
+        needs = {"prompt and output": width + max_new}
+        trained = data.train_lengths["inputs"]
+    if config.scheme.bounded_by_max_len:
+        for what, length in needs.items():
+            if length > config.max_len:
+                raise PromptError(
+                    f"prompt {widths.index(width) + 1} {_short(longest)} is {width} tokens; its "
+                    f"{what} needs {length} positions, past model.max_len={config.max_len} of "
+                    "the learned position table; shorten the prompt"
+                    + ("" if mode == "seq2seq" and beam else " or lower generate.max_new_tokens")
+                )
+    elif width > trained:
+        logger.warning(
+            "prompt %d %s is %d tokens, longer than the %d of the training rows; "
+            "position_scheme=%r runs at any length, but quality past the trained lengths may "
+            "drop", widths.index(width) + 1, _short(longest), width, trained,
+            config.position_scheme,
+        )

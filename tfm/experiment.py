@@ -1,0 +1,730 @@
+"""An experiment: its config sections, validated once, and what the training loop,
+`./launch.sh eval` and `./launch.sh generate` share (model, mesh, data, state, restore).
+
+`parse_config(config)` turns the ml_collections config into one ExperimentConfig of frozen,
+validated sections (each owned by the module that uses it: ModelConfig, DataConfig,
+OptimizerConfig, DecodeConfig; TrainConfig, EvalConfig and GenerateConfig here), so a typo
+fails with a ConfigError naming the field before anything is built or compiled. `setup` then
+adds what needs the data and the devices and returns an Experiment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from flax import struct
+from jax.experimental import multihost_utils
+
+from tfm import checkpoint, distributed, flops, optim, positions, sharding
+from tfm.config import (
+    MODES,
+    ConfigError,
+    ModelConfig,
+    check_bool,
+    check_choice,
+    check_int,
+    check_number,
+    field_defaults,
+    field_prefix,
+    from_dict,
+    section_dict,
+)
+from tfm.data.build import Data, DataConfig, build_data
+from tfm.decoding import DecodeConfig
+from tfm.models import DecoderLM, EncoderDecoder
+from tfm.optim import OptimizerConfig
+
+TOP_LEVEL_SECTIONS = (
+    "model",
+    "data",
+    "optimizer",
+    "train",
+    "eval",
+    "generate",
+    "mesh",
+    "logical_axis_rules",
+    "distributed",
+    "init",
+)
+# Fields of config.model that still apply when init.pretrained supplies the architecture.
+IMPLEMENTATION_FIELDS = ("dtype", "param_dtype", "scan_layers", "remat", "attention_backend")
+GENERATION_METRICS = ("none", "exact_match", "bleu")
+logger = logging.getLogger("tfm.train")  # the training system's log name, as before the split
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (non-finite loss, incompatible checkpoint); nothing was overwritten."""
+
+
+def _from_section(cls: type, values: Any, name: str) -> Any:
+    """A section dataclass from its config values (dict, ConfigDict or None = defaults)."""
+    given = section_dict(values, name, [field.name for field in dataclasses.fields(cls)])
+    return cls(**{key: tuple(v) if isinstance(v, list) else v for key, v in given.items()})
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """The `train` section: the loop's length, logging, evaluation and checkpoint cadence."""
+
+    seed: int = 0
+    num_steps: int = 1000
+    label_smoothing: float = 0.0
+    log_every: int = 50
+    eval_every: int = 500  # 0 = only at the end
+    checkpoint_every: int = 500
+    max_to_keep: int | None = 3
+    keep_best_metric: str | None = None  # e.g. "eval_loss" or "exact_match": also keep the best
+    best_mode: str = "min"
+    async_checkpoints: bool = True
+    progress_bar: bool = True
+
+    def __post_init__(self) -> None:
+        for field in ("num_steps", "log_every", "checkpoint_every"):
+            check_int(f"train.{field}", getattr(self, field), 1)
+        check_int("train.eval_every", self.eval_every, 0)
+        check_number(
+            "train.label_smoothing", self.label_smoothing, "in [0, 1)", lambda v: 0 <= v < 1
+        )
+        check_choice("train.best_mode", self.best_mode, ("min", "max"))
+        if self.max_to_keep is not None:
+            check_int("train.max_to_keep", self.max_to_keep, 1, " (or None: keep all)")
+        check_int("train.seed", self.seed, 0)
+        check_bool("train.async_checkpoints", self.async_checkpoints)
+        check_bool("train.progress_bar", self.progress_bar)
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    """The `eval` section: which splits, how many batches, and the decoding that scores them."""
+
+    splits: tuple[str, ...] | None = None  # None = the data's eval splits
+    max_batches: int = 0  # 0 = every batch of the split (loss)
+    generation_metric: str | None = None  # None = by data: exact_match (synthetic), bleu
+    max_generation_examples: int = 256  # 0 = all
+    method: str | None = None  # None = greedy for exact_match, beam for bleu
+    beam_size: int = 4
+    alpha: float = 0.6
+    extra_len: int = 50  # seq2seq: at most source length + 50 tokens
+
+    def __post_init__(self) -> None:
+        check_int("eval.max_batches", self.max_batches, 0, " (0 = all)")
+        check_int("eval.max_generation_examples", self.max_generation_examples, 0, " (0 = all)")
+        if self.generation_metric is not None:
+            check_choice("eval.generation_metric", self.generation_metric, GENERATION_METRICS)
+        self.decode_config("exact_match")  # its decoding fields, checked by DecodeConfig
+
+    def decode_config(self, metric: str) -> DecodeConfig:
+        """How evaluation decodes for `metric`; max_new_tokens=None: the source length +
+        extra_len (seq2seq; an LM's budget comes from its targets, see evaluate.py)."""
+        method = self.method or ("greedy" if metric == "exact_match" else "beam")
+        with field_prefix("eval"):
+            return DecodeConfig(
+                method, None, beam_size=self.beam_size, alpha=self.alpha,
+                extra_len=self.extra_len,
+            )
+
+
+# The decoding fields of the `generate` section (flat in the config, one DecodeConfig here).
+GENERATE_DECODE_FIELDS = (
+    "method", "max_new_tokens", "temperature", "top_k", "top_p", "beam_size", "alpha"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateConfig:
+    """The `generate` section: how `./launch.sh generate` decodes prompts (`decode`, from the
+    section's GENERATE_DECODE_FIELDS), the sampling seed, and what to do with characters
+    outside the vocabulary (map_unknown=True: they become <unk>)."""
+
+    decode: DecodeConfig = DecodeConfig()
+    seed: int = 0
+    map_unknown: bool = False
+
+    def __post_init__(self) -> None:
+        check_int("generate.max_new_tokens", self.decode.max_new_tokens, 1)
+        check_int("generate.seed", self.seed, 0)
+        check_bool("generate.map_unknown", self.map_unknown)
+
+    @classmethod
+    def from_section(cls, values: Any) -> GenerateConfig:
+        given = section_dict(values, "generate", [*GENERATE_DECODE_FIELDS, "seed", "map_unknown"])
+        decode_fields = {key: given.pop(key) for key in GENERATE_DECODE_FIELDS if key in given}
+        with field_prefix("generate"):
+            decode = DecodeConfig(**decode_fields)
+        return cls(decode, **given)
+
+    def decode_config(self, mode: str) -> DecodeConfig:
+        """`decode` for a model of `mode`; an encoder-decoder's beam search gets the paper's
+        budget (source length + extra_len) instead of max_new_tokens."""
+        if mode == "seq2seq" and self.decode.method == "beam":
+            return dataclasses.replace(self.decode, max_new_tokens=None)
+        return self.decode
+
+
+# The sections' defaults, as configs/base.py exposes them for command-line overrides.
+TRAIN_DEFAULTS = field_defaults(TrainConfig)
+EVAL_DEFAULTS = field_defaults(EvalConfig)
+GENERATE_DEFAULTS = {
+    **{key: getattr(DecodeConfig(), key) for key in GENERATE_DECODE_FIELDS},
+    **{key: value for key, value in field_defaults(GenerateConfig).items() if key != "decode"},
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentConfig:
+    """Every section of one experiment config, validated; built once by `parse_config`.
+
+    `model` still has the config's vocabulary sizes (1 where unset): `setup` takes them from
+    the data. mesh, distributed: the raw sections, checked against the devices by
+    sharding.make_mesh and distributed.maybe_initialize."""
+
+    source: ml_collections.ConfigDict  # what was parsed (saved with checkpoints)
+    model: ModelConfig
+    data: DataConfig
+    optimizer: OptimizerConfig
+    train: TrainConfig
+    eval: EvalConfig
+    generate: GenerateConfig
+    rules: Any
+    mesh: Any
+    distributed: Any
+    pretrained: str | None  # a Hugging Face folder the first state's params come from
+
+
+def parse_config(config: ml_collections.ConfigDict) -> ExperimentConfig:
+    """Checks every section's fields and values without building anything (no data, devices or
+    compilation), so a typo fails at once with a ConfigError naming the field, also before a
+    multi-host start. What needs the data (vocabulary, splits, keep_best_metric) and the devices
+    (mesh) is checked by `setup`."""
+    unknown = sorted(set(config.keys()) - set(TOP_LEVEL_SECTIONS))
+    if unknown:
+        raise ConfigError(
+            f"unknown config section(s) {', '.join(unknown)}; "
+            f"known: {', '.join(TOP_LEVEL_SECTIONS)}"
+        )
+    model_values = dict(
+        config.model.to_dict() if hasattr(config.model, "to_dict") else config.model
+    )
+    return ExperimentConfig(
+        source=config,
+        model=from_dict({**model_values, "vocab_size": model_values.get("vocab_size") or 1}),
+        data=DataConfig.from_dict(config.data),
+        optimizer=OptimizerConfig.from_config(config.optimizer),
+        train=_from_section(TrainConfig, config.get("train"), "train"),
+        eval=_from_section(EvalConfig, config.get("eval"), "eval"),
+        generate=GenerateConfig.from_section(config.get("generate")),
+        rules=sharding.resolve_rules(config.get("logical_axis_rules")),
+        mesh=config.get("mesh"),
+        distributed=config.get("distributed"),
+        pretrained=_pretrained_folder(config),
+    )
+
+
+def validate_config(config: ml_collections.ConfigDict) -> ExperimentConfig:
+    """`parse_config` under the name scripts know: raises ConfigError or returns the sections."""
+    return parse_config(config)
+
+
+@struct.dataclass
+class TrainState:
+    """Everything a resumed run needs besides the data position: step, params, optimizer state
+    and the base RNG key (dropout keys are derived from (key, step), so resuming is exact)."""
+
+    step: jax.Array  # [] int32
+    params: Any
+    opt_state: Any
+    rng: jax.Array  # [2] uint32 base key
+
+
+def model_for(config: ModelConfig, mode: str) -> nn.Module:
+    check_choice("mode", mode, MODES)
+    return EncoderDecoder(config) if mode == "seq2seq" else DecoderLM(config)
+
+
+def compute_logits(
+    model: nn.Module,
+    params: Any,
+    batch: Mapping[str, jax.Array],
+    *,
+    mode: str,
+    deterministic: bool,
+    dropout_rng: jax.Array | None = None,
+) -> jax.Array:  # [batch, len, vocab] float32
+    """The model's logits for a batch of the data pipeline (see tfm/data/pipeline.py)."""
+    rngs = None if dropout_rng is None else {"dropout": dropout_rng}
+    if mode == "seq2seq":
+        return model.apply(
+            {"params": params},
+            batch["source"],
+            batch["inputs"],
+            source_positions=batch["source_positions"],
+            source_segment_ids=batch["source_segment_ids"],
+            positions=batch["positions"],
+            segment_ids=batch["segment_ids"],
+            deterministic=deterministic,
+            rngs=rngs,
+        )
+    return model.apply(
+        {"params": params},
+        batch["inputs"],
+        positions=batch["positions"],
+        segment_ids=batch["segment_ids"],
+        deterministic=deterministic,
+        rngs=rngs,
+    )
+
+
+@dataclasses.dataclass
+class Experiment:
+    """One experiment's sections and what `setup` built from them, before anything compiles."""
+
+    config: ml_collections.ConfigDict
+    workdir: Path
+    model_config: ModelConfig  # with the data's vocabulary sizes
+    mode: str  # one of tfm.config.MODES: "lm" or "seq2seq"
+    data: Data
+    train: TrainConfig
+    eval: EvalConfig
+    generate: GenerateConfig
+    optimizer_config: OptimizerConfig
+    optimizer: optax.GradientTransformation
+    schedule: optax.Schedule
+    mesh: jax.sharding.Mesh
+    rules: Any
+    pretrained: str | None = None  # a Hugging Face folder the first state's params come from
+
+    @property
+    def task(self) -> str:
+        """The old name of `mode`, kept for scripts written against it."""
+        return self.mode
+
+    @property
+    def model(self) -> nn.Module:
+        return model_for(self.model_config, self.mode)
+
+    def config_json(self) -> str:
+        """The config as saved with checkpoints; the model section is the resolved ModelConfig."""
+        values = json.loads(self.config.to_json_best_effort())
+        values["model"] = dataclasses.asdict(self.model_config)
+        return json.dumps(values, sort_keys=True)
+
+    @property
+    def eval_splits(self) -> tuple[str, ...]:
+        return self.eval.splits or self.data.eval_splits
+
+    @property
+    def generation_metric(self) -> str:
+        """What evaluation decodes for: eval.generation_metric, or by the data."""
+        if self.eval.generation_metric is not None:
+            return self.eval.generation_metric
+        if self.data.config.kind == "synthetic":
+            return "exact_match"
+        return "bleu" if self.mode == "seq2seq" else "none"
+
+    def eval_prefix(self, split: str) -> str:
+        return "eval" if split == self.data.eval_splits[0] else f"eval_{split}"
+
+    def eval_metric_names(self) -> list[str]:
+        """The names of the metrics evaluation returns (eval_loss, eval_test_exact_match, ...)."""
+        names = ["loss", "perplexity", "accuracy"]
+        if self.generation_metric != "none":
+            names.append(self.generation_metric)
+        return [f"{self.eval_prefix(split)}_{name}" for split in self.eval_splits for name in names]
+
+    def generation_examples(self, split: str) -> tuple[list[str], list[str]]:
+        """(sources, targets) that evaluation decodes on `split`: the same on every process."""
+        data = self.data
+        if data.process_count > 1:
+            # Every process decodes every example: the decode inputs are then truly replicated
+            # (jit treats host numpy inputs as identical on all processes) and the score global.
+            data = dataclasses.replace(data, process_index=0, process_count=1)
+        sources, targets = data.eval_texts(split)
+        limit = self.eval.max_generation_examples
+        if limit:
+            sources, targets = sources[:limit], targets[:limit]
+        return sources, targets
+
+
+def setup(
+    config: ml_collections.ConfigDict | ExperimentConfig,
+    workdir: str | Path,
+    devices: Sequence[jax.Device] | None = None,
+) -> Experiment:
+    """Parses every section (once; or takes parsed ones), starts multi-host JAX if asked, builds
+    mesh and data. Raises ConfigError naming the field before anything is compiled.
+
+    `devices`: the devices the mesh spans (default: every device of every process); e.g.
+    `jax.devices()[:1]` with mesh {data: 1} runs on one device of a many-device process."""
+    sections = config if isinstance(config, ExperimentConfig) else parse_config(config)
+    distributed.maybe_initialize(sections.distributed)
+    mesh = sharding.make_mesh(sections.mesh, devices)
+
+    # Processes sharing a filesystem must not prepare one dataset at the same time: process 0
+    # prepares it (or finds it prepared) first; the others then find it, or prepare their own
+    # copy on their own disk.
+    several = jax.process_count() > 1
+    if several and jax.process_index() != 0:
+        multihost_utils.sync_global_devices("tfm.train.setup: data prepared")
+    data = build_data(sections.data, jax.process_index(), jax.process_count())
+    if several and jax.process_index() == 0:
+        multihost_utils.sync_global_devices("tfm.train.setup: data prepared")
+    model_config = _model_for_data(sections, data)
+    if (warning := flops.bf16_warning(model_config)) and jax.process_index() == 0:
+        logger.warning(warning)
+    sharding.check_divisibility(model_config, mesh, data.config.batch_size, sections.rules)
+    optimizer, schedule = optim.make_optimizer(sections.optimizer, d_model=model_config.d_model)
+    experiment = Experiment(
+        config=sections.source,
+        workdir=Path(workdir),
+        model_config=model_config,
+        mode=data.mode,
+        data=data,
+        train=sections.train,
+        eval=sections.eval,
+        generate=sections.generate,
+        optimizer_config=sections.optimizer,
+        optimizer=optimizer,
+        schedule=schedule,
+        mesh=mesh,
+        rules=sections.rules,
+        pretrained=sections.pretrained,
+    )
+    for split in sections.eval.splits or ():
+        if split not in data.sources:
+            raise ConfigError(
+                f"eval.splits: {split!r} is not a split of this data; splits: "
+                f"{', '.join(data.sources)}"
+            )
+    keep = sections.train.keep_best_metric
+    if keep is not None and keep not in experiment.eval_metric_names():
+        raise ConfigError(
+            f"train.keep_best_metric={keep!r} is never computed by this config's evaluation; "
+            f"choose one of: {', '.join(experiment.eval_metric_names())}"
+        )
+    check_lengths(experiment)
+    return experiment
+
+
+def _model_for_data(sections: ExperimentConfig, data: Data) -> ModelConfig:
+    """The model section with the data's vocabulary sizes (or the pretrained architecture)."""
+    values = dataclasses.asdict(sections.model)
+    values["vocab_size"] = data.vocab_size
+    if data.mode == "seq2seq":
+        values["source_vocab_size"] = data.source_vocab_size
+        if data.source_vocab_size != data.vocab_size:
+            values["share_embeddings"] = False
+    if sections.pretrained is not None:
+        values = _pretrained_model_values(sections.pretrained, values, data.mode, data)
+    return from_dict(values)
+
+
+def _pretrained_folder(config: ml_collections.ConfigDict) -> str | None:
+    init = config.get("init")
+    folder = None if init is None else init.get("pretrained")
+    if folder is None:
+        return None
+    if not isinstance(folder, str) or not (Path(folder) / "config.json").is_file():
+        raise ConfigError(
+            f"init.pretrained={folder!r} must be a Hugging Face model folder holding config.json"
+        )
+    return folder
+
+
+def _pretrained_model_values(
+    folder: str, model_values: dict[str, Any], mode: str, data: Data
+) -> dict[str, Any]:
+    """The model section of a run that starts from the pretrained folder's architecture."""
+    from tfm.interop import hf
+
+    pretrained = hf.config_from_hf(hf.read_config(folder))
+    kind = "seq2seq" if pretrained.num_encoder_layers and pretrained.num_decoder_layers else (
+        "lm" if pretrained.num_decoder_layers else "encoder")
+    if kind != mode:
+        raise ConfigError(
+            f"init.pretrained={folder!r} holds a {kind} model but the data is for a {mode} task"
+        )
+    if data.vocab_size > pretrained.vocab_size:
+        raise ConfigError(
+            f"init.pretrained={folder!r} has vocab_size={pretrained.vocab_size}, smaller than the "
+            f"data's tokenizer ({data.vocab_size} ids)"
+        )
+    values = dataclasses.asdict(pretrained)
+    values.update({field: model_values[field] for field in IMPLEMENTATION_FIELDS})
+    return values
+
+
+def _with_pretrained_params(experiment: Experiment, state: TrainState, shardings: Any):
+    """`state` with the pretrained folder's parameters (placed by `shardings`, on any mesh and
+    any number of processes) and a fresh optimizer state for them."""
+    from tfm.interop import hf
+    from tfm.models import stack_layer_params
+
+    _, params = hf.load_pretrained(experiment.pretrained)
+    if experiment.model_config.scan_layers:
+        params = stack_layer_params(params)
+    want = jax.tree.structure(state.params)
+    if jax.tree.structure(params) != want:
+        raise ConfigError(
+            f"init.pretrained={experiment.pretrained!r}: its parameters do not fit the model "
+            "built from its config (a bug in tfm.interop.hf)"
+        )
+
+    def place(value: np.ndarray, like: jax.Array, where: Any) -> jax.Array:
+        value = np.asarray(value, like.dtype)
+        if value.shape != like.shape:
+            raise ConfigError(
+                f"init.pretrained: a parameter has shape {value.shape}, the model wants "
+                f"{like.shape}"
+            )
+        return jax.make_array_from_callback(value.shape, where, lambda index: value[index])
+
+    params = jax.tree.map(place, params, state.params, shardings.params)
+    opt_state = jax.jit(experiment.optimizer.init, out_shardings=shardings.opt_state)(params)
+    return TrainState(state.step, params, opt_state, state.rng)
+
+
+def required_lengths(experiment: Experiment) -> list[tuple[int, str]]:
+    """(positions, what needs them) for every sequence the run builds: training rows, eval
+    rows of each split, eval decoding (prompt or source plus generated tokens) and the
+    `generate` section's output (its prompt comes later: `check_prompt_lengths`)."""
+    data, mode = experiment.data, experiment.mode
+    needs = [(length, f"data.seq_len={length} (training rows)")
+             for key, length in data.train_lengths.items() if key == "inputs"]
+    if "source" in data.train_lengths:
+        needs.append((data.train_lengths["source"], "training source rows (data.source_seq_len)"))
+    metric = experiment.generation_metric
+    for split in experiment.eval_splits:
+        for key, length in data.eval_lengths(split).items():
+            if key in ("inputs", "source"):
+                needs.append((length, f"eval rows of split {split!r} ({key})"))
+        if metric == "none":
+            continue
+        sources, targets = experiment.generation_examples(split)
+        width = max(len(data.encode_prompt(text)) for text in sources)
+        if mode == "seq2seq":
+            extra = experiment.eval.extra_len
+            needs.append((width, f"eval decoding sources of split {split!r}"))
+            needs.append((width + extra + 1, f"eval decoding of split {split!r} (source length "
+                                             f"{width} + eval.extra_len={extra} + bos)"))
+        else:
+            new = max(len(data.tokenizer.encode(t)) for t in targets) + 2
+            needs.append((width + new, f"eval decoding of split {split!r} (prompt {width} + "
+                                       f"{new} new tokens)"))
+    max_new = experiment.generate.decode.max_new_tokens
+    if mode == "lm" or experiment.generate.decode.method != "beam":
+        bos = 1 if mode == "seq2seq" else 2  # seq2seq: bos; lm: bos plus a prompt of >= 1
+        needs.append((max_new + bos, f"generate.max_new_tokens={max_new} (+ {bos})"))
+    return needs
+
+
+def check_lengths(experiment: Experiment) -> None:
+    """Learned positions stop at model.max_len: fail before anything compiles (or trains for an
+    hour before the first evaluation) if any sequence of the run is longer."""
+    config = experiment.model_config
+    if not config.scheme.bounded_by_max_len:
+        return
+    too_long = [(length, what) for length, what in required_lengths(experiment)
+                if length > config.max_len]
+    if too_long:
+        longest = max(length for length, _ in too_long)
+        unbounded = [name for name, scheme in positions.SCHEMES.items()
+                     if not scheme.bounded_by_max_len and scheme.kind != "none"]
+        raise ConfigError(
+            f"model.max_len={config.max_len} is too short for position_scheme="
+            f"{config.position_scheme!r}: "
+            f"{'; '.join(f'{what} needs {length}' for length, what in too_long)}. Set "
+            f"model.max_len >= {longest}, shorten those lengths, or choose another "
+            f"position_scheme ({', '.join(unbounded)} work at any length)"
+        )
+
+
+def _dummy_batch(experiment: Experiment) -> dict[str, np.ndarray]:
+    lengths = experiment.data.train_lengths
+    batch = experiment.data.config.batch_size
+    shapes = {key: (batch, length) for key, length in lengths.items()}
+    return {key: np.zeros(shape, np.int32) for key, shape in shapes.items()}
+
+
+def _init_fn(experiment: Experiment) -> Callable[[jax.Array], TrainState]:
+    model, mode = experiment.model, experiment.mode
+    dummy = {key: jnp.asarray(value[:1]) for key, value in _dummy_batch(experiment).items()}
+
+    def init(rng: jax.Array) -> TrainState:
+        params_rng, dropout_rng = jax.random.split(rng)
+        if mode == "seq2seq":
+            params = model.init(params_rng, dummy["source"], dummy["inputs"])["params"]
+        else:
+            params = model.init(params_rng, dummy["inputs"])["params"]
+        opt_state = experiment.optimizer.init(params)
+        return TrainState(jnp.zeros((), jnp.int32), params, opt_state, dropout_rng)
+
+    return init
+
+
+def state_shardings(experiment: Experiment) -> tuple[Any, Any]:
+    """(abstract unboxed state with shardings, sharding tree) from logical annotations."""
+    init = _init_fn(experiment)
+    rng = jax.random.PRNGKey(experiment.train.seed)
+    boxed = jax.eval_shape(init, rng)
+    shardings = sharding.param_shardings(boxed, experiment.mesh, experiment.rules)
+    abstract = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        nn.meta.unbox(boxed),
+        shardings,
+    )
+    return abstract, shardings
+
+
+def init_state(experiment: Experiment, shardings: Any) -> TrainState:
+    init = _init_fn(experiment)
+    rng = jax.random.PRNGKey(experiment.train.seed)
+    with sharding.sharding_context(experiment.mesh, experiment.rules):
+        state = jax.jit(lambda r: nn.meta.unbox(init(r)), out_shardings=shardings)(rng)
+    if experiment.pretrained is not None:
+        state = _with_pretrained_params(experiment, state, shardings)
+    return state
+
+
+class InShardingContext:
+    """A jitted function that is called (and lowered) inside sharding.sharding_context, so the
+    activation constraints (sharding.constrain) in the model see the mesh and rules when traced."""
+
+    def __init__(self, jitted: Any, experiment: Experiment) -> None:
+        self.jitted, self.mesh, self.rules = jitted, experiment.mesh, experiment.rules
+
+    def __call__(self, *args: Any) -> Any:
+        with sharding.sharding_context(self.mesh, self.rules):
+            return self.jitted(*args)
+
+    def lower(self, *args: Any) -> Any:
+        with sharding.sharding_context(self.mesh, self.rules):
+            return self.jitted.lower(*args)
+
+
+def _data_state_fits(checkpointer: checkpoint.Checkpointer, step: int) -> bool:
+    """False when `step` holds data-iterator states, but none for this process layout (grain
+    writes data/process_{index}-of-{count}.json per process): saved by another process count."""
+    data_dir = checkpointer.directory / str(step) / "data"
+    name = f"process_{jax.process_index()}-of-{jax.process_count()}.json"
+    return not data_dir.exists() or (data_dir / name).exists()
+
+
+def _optimizer_differences(
+    checkpointer: checkpoint.Checkpointer, step: int, experiment: Experiment
+) -> list[str]:
+    """'optimizer.FIELD: saved X, current Y' for every optimizer field (defaults filled in)
+    that differs between checkpoint `step` and the current config."""
+    try:
+        saved = optim.resolve_optimizer_config(checkpointer.saved_config(step)["optimizer"])
+    except (checkpoint.CheckpointError, KeyError, ConfigError):
+        return []
+    current = dataclasses.asdict(experiment.optimizer_config)
+    return [
+        f"optimizer.{key}: saved {saved.get(key)!r}, current {current.get(key)!r}"
+        for key in sorted(set(saved) | set(current))
+        if saved.get(key) != current.get(key)
+    ]
+
+
+def _restore_state(
+    experiment: Experiment,
+    checkpointer: checkpoint.Checkpointer,
+    step: int,
+    abstract: Any,
+    train_iter: Any,
+) -> TrainState:
+    # Arrays restore onto this run's mesh whatever mesh or process count saved them; the data
+    # position (one grain state per process) only when the process count is the same.
+    same_layout = _data_state_fits(checkpointer, step)
+    if not same_layout:
+        logger.warning(
+            "checkpoint step %d was saved by a different number of processes; its data "
+            "position cannot be split over %d process(es), so the training data restarts "
+            "from the beginning of its (seeded) order", step, jax.process_count()
+        )
+    try:
+        return checkpointer.restore(
+            step,
+            abstract_state=abstract,
+            data_iterator=train_iter if same_layout else None,
+            config_json=experiment.config_json(),
+        )
+    except checkpoint.CheckpointError as error:
+        differences = _optimizer_differences(checkpointer, step, experiment)
+        if not differences:
+            raise
+        raise TrainingError(
+            f"checkpoint {checkpointer.directory / str(step)} holds an optimizer state "
+            f"this config cannot restore; the optimizer config differs: "
+            f"{'; '.join(differences)}. Resume with the saved optimizer settings or start "
+            "a new workdir"
+        ) from error
+
+
+def restore_newest_readable(
+    experiment: Experiment, checkpointer: checkpoint.Checkpointer, abstract: Any, train_iter: Any
+) -> TrainState:
+    """The newest checkpoint that restores. Unreadable newer steps (a crash of the disk, a
+    truncated file) are moved aside, never deleted, with a warning naming each; if no step
+    restores, the newest one's CheckpointError is raised and nothing is moved."""
+    steps = sorted(checkpointer.all_steps(), reverse=True)
+    errors: list[tuple[int, checkpoint.CheckpointError]] = []
+    for step in steps:
+        try:
+            state = _restore_state(experiment, checkpointer, step, abstract, train_iter)
+        except checkpoint.CheckpointError as error:
+            errors.append((step, error))
+            continue
+        for bad_step, error in errors:
+            if jax.process_index() == 0:
+                moved = checkpointer.set_aside(bad_step)
+                logger.warning(
+                    "checkpoint step %d could not be read (%s: %s); training resumes from step "
+                    "%d, and step %d was moved to %s", bad_step,
+                    type(error.__cause__).__name__, checkpoint.first_line(error.__cause__, 160),
+                    step, bad_step, moved,
+                )
+        if errors and jax.process_count() > 1:
+            multihost_utils.sync_global_devices("tfm.train: unreadable checkpoints moved")
+            checkpointer.reload()
+        return state
+    raise errors[0][1]
+
+
+def make_checkpointer(experiment: Experiment) -> checkpoint.Checkpointer:
+    options = experiment.train
+    return checkpoint.Checkpointer(
+        experiment.workdir / "checkpoints",
+        max_to_keep=options.max_to_keep,
+        keep_best_metric=options.keep_best_metric,
+        best_mode=options.best_mode,
+        save_interval_steps=1,
+        async_save=options.async_checkpoints,
+    )
+
+
+def restore_params(experiment: Experiment, step: int | None = None) -> tuple[Any, int]:
+    """Params of the latest (or given) checkpoint, checked against the current model config."""
+    abstract, _ = state_shardings(experiment)
+    with make_checkpointer(experiment) as checkpointer:
+        step = checkpointer.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(
+                f"no checkpoint in {experiment.workdir / 'checkpoints'}; train first with "
+                "./launch.sh train"
+            )
+        state = checkpointer.restore(
+            step, abstract_state=abstract, config_json=experiment.config_json()
+        )
+    return state.params, step
