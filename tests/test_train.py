@@ -33,6 +33,7 @@ from jax.experimental.compilation_cache import compilation_cache
 from configs import char_lm, synthetic_lm, synthetic_seq2seq, translate
 from tfm import checkpoint, metrics, train
 from tfm.config import ConfigError
+from tfm.experiment import required_lengths
 
 NUM_STEPS = 16  # the reference run
 LABEL_SMOOTHING = 0.1
@@ -553,7 +554,7 @@ def test_char_lm_extrapolation_fits_learned_positions_at_context_128(data_dir, t
         experiment = train.setup(config, tmp_path / "run")
     assert not compiled
     assert experiment.model_config.max_len == 128
-    assert max(length for length, _ in train.required_lengths(experiment)) <= 128
+    assert max(length for length, _ in required_lengths(experiment)) <= 128
     windows = experiment.data.eval_examples("validation")
     assert {len(w["inputs"]) for w in windows} == {128}
 
