@@ -98,8 +98,9 @@ def get_config(arg: str | None = None):
         scheme = c.model.position_scheme  # `small` picks learned; keep the one chosen
         small(c)
         c.model.update(max_len=128, position_scheme=scheme)
-        # Eval batch 16: at 1,024 tokens a reference-backend attention matrix is 256 MiB.
-        c.data.update(text_unit="block", seq_len=128, eval_seq_len=128, eval_batch_size=16)
+        # Eval batch 8: at 1,024 tokens a reference-backend attention matrix is 128 MiB, and
+        # Shaw's relative value term builds a [8, 1024, 1024, 33] one-hot (1.1 GiB).
+        c.data.update(text_unit="block", seq_len=128, eval_seq_len=128, eval_batch_size=8)
         steps = EXTRAPOLATION_STEPS
         c.optimizer.update(total_steps=steps, warmup_steps=steps // 20)
         c.train.update(num_steps=steps, log_every=steps // 10, eval_every=steps,
