@@ -86,40 +86,47 @@ def apply_variants(config: ml_collections.ConfigDict, arg: str | None, variants:
             )
 
 
-def position_sweep() -> list[dict]:
-    """Every position scheme (`model.position_scheme`), one run each."""
+def position_sweep(arg: str | None = None) -> list[dict]:
+    """Every position scheme (`model.position_scheme`), one run each; when the sweep's ARG names
+    schemes (`reverse,rope,alibi`), just those (a pilot or a rerun of a few)."""
     from tfm.config import POSITION_SCHEMES
     from tfm.sweep import sweep
 
-    return sweep("model.position_scheme", POSITION_SCHEMES)
+    names = set(filter(None, (arg or "").split(",")))
+    return sweep("model.position_scheme", [s for s in POSITION_SCHEMES if s in names]
+                 or POSITION_SCHEMES)
 
 
 SWEEP_TASKS = ("copy", "reverse", "addition")
 
 
 def synthetic_sweep(arg: str | None) -> list[dict]:
-    """The length-generalisation sweep of the synthetic configs: every position scheme, on the
-    task named in ARG, or on copy, reverse and addition when ARG names none. The sweep's ARG is
-    also the config's, so `reverse,runlocal` applies to every run."""
+    """The length-generalisation sweep of the synthetic configs: every position scheme (or those
+    named in ARG), on the task named in ARG, or on copy, reverse and addition when ARG names none.
+    The sweep's ARG is also the config's, so `reverse,runlocal` applies to every run."""
     from tfm.data.synthetic import TASKS
     from tfm.sweep import product, sweep
 
     names = set(filter(None, (arg or "").split(",")))
     if names & set(TASKS):
-        return position_sweep()
-    return product(sweep("data.task", SWEEP_TASKS), position_sweep())
+        return position_sweep(arg)
+    return product(sweep("data.task", SWEEP_TASKS), position_sweep(arg))
 
 
 def synthetic_config(mode: str, seq_len: int, num_steps: int) -> ml_collections.ConfigDict:
     """What the synthetic-task configs share: train on lengths 1-12 ("validation" holds unseen
-    examples of those lengths), test on 13-24 (length generalisation); a small pre-LN model
-    without dropout; AdamW with a cosine schedule over `num_steps`; evaluation and checkpoints
-    halfway and at the end, keeping the best exact match."""
+    examples of those lengths), test on 13-24 ("test") and 25-48 ("test_long"), length
+    generalisation (Kazemnejad et al. 2023); a small pre-LN model without dropout; AdamW with a
+    cosine schedule over `num_steps`; evaluation and checkpoints halfway and at the end, keeping
+    the best exact match. Eval rows fit each split's longest example whatever seq_len (which only
+    bounds training rows) says; the default model.max_len=512 covers the longest (addition, 25-48
+    digits: a prompt of 99 tokens and 50 answer tokens), so learned positions are evaluated there
+    too, with table rows training never reached."""
     config = base_config()
     config.data.update(
         kind="synthetic", mode=mode, task="reverse", train_lengths=(1, 12), eval_lengths=(13, 24),
-        num_train_examples=50_000, num_eval_examples=512, seq_len=seq_len, batch_size=64,
-        eval_batch_size=128, packing=False,
+        long_eval_lengths=(25, 48), num_train_examples=50_000, num_eval_examples=512,
+        seq_len=seq_len, batch_size=64, eval_batch_size=128, packing=False,
     )
     config.model.update(d_model=64, num_heads=4, d_ff=256, dropout_rate=0.0, norm_placement="pre")
     config.optimizer.update(name="adamw", schedule="cosine", learning_rate=3e-3,

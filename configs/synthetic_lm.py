@@ -4,11 +4,14 @@
     ./launch.sh generate configs/synthetic_lm.py:reverse,alibi --prompt 12345
 
 The position-scheme sweep trains this config once per scheme (and seed) and compares exact
-match on "validation" (training lengths 1-12) and "test" (13-24):
+match on "validation" (training lengths 1-12), "test" (13-24) and "test_long" (25-48):
 
-    ./launch.sh sweep configs/synthetic_lm.py:reverse --seeds 0,1,2 --parallel 2
-    ./launch.sh report workdirs/sweeps/synthetic_lm_reverse \
-        --metrics eval_exact_match,eval_test_exact_match
+    ./launch.sh sweep configs/synthetic_lm.py --seeds 0,1,2 --parallel 2   # 3 tasks x 7 schemes
+    ./launch.sh report workdirs/sweeps/synthetic_lm \
+        --metrics eval_exact_match,eval_test_exact_match,eval_test_long_exact_match
+
+A task in the sweep's ARG keeps that task, schemes in it keep those schemes
+(`configs/synthetic_lm.py:reverse,rope,alibi,runlocal`: a two-run pilot).
 Variants: a task (copy, reverse, sort, addition), a position scheme, `runlocal`.
 """
 

@@ -6,11 +6,13 @@
 Variants (comma-separated after the colon): a task (copy, reverse, sort, addition), a position
 scheme (none, sinusoidal, learned, rope, relative, t5_bias, alibi), `runlocal` (a few steps).
 Trains on lengths 1-12; "validation" holds unseen examples of those lengths, "test" lengths
-13-24 (length generalisation). Expected result (experiments/measure_quickstart.py, results in
-experiments/results/quickstart.md; 3-4 minutes on a shared 2-core CPU): eval_exact_match 95.9% at
-step 500 and 100% at step 1,000; eval_test_exact_match 2.1% (sinusoidal positions do not
-generalise to longer strings). Every position scheme, on each task, 3 seeds:
-`./launch.sh sweep configs/synthetic_seq2seq.py --seeds 0,1,2` (`get_sweep`).
+13-24 and "test_long" 25-48 (length generalisation). Expected result
+(experiments/measure_quickstart.py, results in experiments/results/quickstart.md, measured before
+test_long existed, which adds its decoding to each evaluation; 3-4 minutes on a shared 2-core
+CPU): eval_exact_match 95.9% at step 500 and 100% at step 1,000; eval_test_exact_match 2.1%
+(sinusoidal positions do not generalise to longer strings). Every position scheme, on each
+task, 3 seeds: `./launch.sh sweep configs/synthetic_seq2seq.py --seeds 0,1,2` (`get_sweep`;
+schemes or a task in ARG keep just those).
 """
 
 from configs.base import apply_variants, synthetic_config, synthetic_sweep, synthetic_variants

@@ -8,7 +8,7 @@ import pytest
 import tensorflow_datasets as tfds
 
 from tfm.config import ConfigError
-from tfm.data import Data, DataConfig, build_data, synthetic
+from tfm.data import Data, DataConfig, build_data, builders, synthetic
 from tfm.data.tokenizers import BOS_ID, EOS_ID
 
 
@@ -25,6 +25,10 @@ def test_unknown_field_and_bad_values_name_the_data_field():
         DataConfig(kind="synthetic", path="x.txt")
     with pytest.raises(ConfigError, match=r"data.train_lengths=\(5, 2\) must be"):
         DataConfig(train_lengths=(5, 2))
+    with pytest.raises(ConfigError, match=r"data.long_eval_lengths=\(30, 20\) must be"):
+        DataConfig(long_eval_lengths=(30, 20))
+    with pytest.raises(ConfigError, match=r"data.long_eval_lengths=\(3, 4\) is only used by"):
+        DataConfig(kind="text", path="a.txt", long_eval_lengths=(3, 4))
     with pytest.raises(ConfigError, match=r"data.batch_size=0 must be an integer > 0"):
         DataConfig(batch_size=0)
     with pytest.raises(ConfigError, match=r"data.length_policy='split' only applies"):
@@ -45,6 +49,9 @@ def test_config_dict_input_and_resolved_defaults():
     assert config.resolved_tokenizer == "char"
     assert config.resolved_length_policy == "filter"
     assert config.resolved_eval_splits == ("validation", "test")
+    longer = DataConfig.from_dict({"kind": "synthetic", "long_eval_lengths": [33, 64]})
+    assert longer.long_eval_lengths == (33, 64)
+    assert longer.resolved_eval_splits == ("validation", "test", "test_long")
     text = DataConfig(kind="text", path="a.txt")
     assert (text.resolved_tokenizer, text.resolved_length_policy) == ("byte", "split")
 
@@ -93,6 +100,26 @@ def test_synthetic_seq2seq_end_to_end(tmp_path):
         assert data.tokenizer.decode(batch["source"][row]) == source
         assert data.decode(batch["targets"][row]) == target
         assert batch["source"][row].tolist()[: len(source) + 1] == data.encode_prompt(source)
+
+
+def test_synthetic_long_test_split(tmp_path):
+    """long_eval_lengths adds test_long, its own examples at its own lengths; the other splits
+    stay what they were without it (same examples, same prepared directory)."""
+    plain = build_data(_synthetic(tmp_path, mode="lm"))
+    data = build_data(_synthetic(tmp_path, mode="lm", long_eval_lengths=(8, 10)))
+    assert data.eval_splits == ("validation", "test", "test_long")
+    assert "test_long" not in plain.sources
+    for split in ("validation", "test"):
+        assert plain.eval_texts(split) == data.eval_texts(split)
+    sources, targets = data.eval_texts("test_long")
+    assert len(sources) == 7 and sources != data.eval_texts("test")[0]
+    for source, target in zip(sources, targets, strict=True):
+        assert synthetic.check_example("addition", source, target, lengths=(8, 10)) is None
+    # Eval rows fit the longest example although seq_len is shorter.
+    batch = next(data.eval_batches("test_long"))
+    answers = map(len, targets)
+    longest = max(len(data.encode_prompt(s)) + n for s, n in zip(sources, answers, strict=True))
+    assert batch["inputs"].shape[1] == longest > data.config.seq_len
 
 
 def test_synthetic_decoder_only_weights_the_answer(tmp_path):
@@ -176,6 +203,45 @@ def test_text_char_lm_with_split_windows(tmp_path):
     modified = saved.stat().st_mtime_ns
     assert build_data(data.config).tokenizer == data.tokenizer
     assert saved.stat().st_mtime_ns == modified
+
+
+def test_text_blocks_evaluate_contiguous_windows_of_exactly_eval_seq_len(tmp_path, monkeypatch):
+    """text_unit="block": training windows run across paragraphs, and eval reads the validation
+    text as one stream cut into full windows of eval_seq_len (the remainder dropped)."""
+    monkeypatch.setattr(builders, "TEXT_BLOCK_CHARS", 50)
+    rng = np.random.default_rng(0)
+    paragraphs = ["\n".join("".join(rng.choice(list("abcde "), 9)) for _ in range(3))
+                  for _ in range(20)]
+    text = "\n\n".join(paragraphs) + "\n"
+    path = tmp_path / "corpus.txt"
+    path.write_text(text)
+    config = dict(kind="text", path=str(path), tokenizer="char", text_unit="block", seq_len=16,
+                  eval_seq_len=32, batch_size=4, eval_batch_size=8, validation_fraction=0.2,
+                  data_dir=str(tmp_path / "data"), read_threads=0, prefetch=0)
+    data = build_data(config)
+    records = data.sources["validation"]
+    validation = "".join(records[i]["text"].decode() for i in range(len(records)))
+    assert len(text) == 619 and validation == text[-119:]  # the last 3 of 13 blocks
+    newline = data.tokenizer.encode("\n")[0]
+    batch = next(data.train_iterator())
+    assert (batch["segment_ids"] >= 1).all()  # full rows
+    assert any(newline in row and [newline, newline] in [row[i : i + 2].tolist()
+               for i in range(15)] for row in batch["inputs"])  # across a paragraph break
+    batches = list(data.eval_batches("validation"))
+    rows = [r for b in batches for r, w in zip(b["inputs"], b["example_weights"], strict=True) if w]
+    stream = [BOS_ID, *data.tokenizer.encode(validation), EOS_ID]
+    count = (len(stream) - 1) // 32
+    assert len(rows) == count == 3 and all(b["inputs"].shape == (8, 32) for b in batches)
+    assert np.concatenate(rows).tolist() == stream[: count * 32]
+    targets = [r for b in batches for r, w in zip(b["targets"], b["example_weights"], strict=True)
+               if w]
+    assert np.concatenate(targets).tolist() == stream[1 : count * 32 + 1]
+    assert all((b["weights"][b["example_weights"] > 0] == 1).all() for b in batches)
+    # Other lengths: the same stream, other windows.
+    longer = build_data({**config, "eval_seq_len": 64})
+    assert len(longer.eval_examples("validation")) == (len(stream) - 1) // 64
+    with pytest.raises(ConfigError, match=r"data.eval_seq_len=512: split 'validation' is too"):
+        build_data({**config, "eval_seq_len": 512}).eval_examples("validation")
 
 
 def test_parallel_gzip_shared_sentencepiece(tmp_path):

@@ -36,6 +36,20 @@ def test_text_file_lines_gzip_and_crlf(tmp_path):
     assert _texts(sources["validation"]) == ["delta"]
 
 
+def test_text_file_blocks_keep_the_text_contiguous(tmp_path, monkeypatch):
+    monkeypatch.setattr(builders, "TEXT_BLOCK_CHARS", 7)
+    text = "ab\n\ncd ef\n" * 6  # 60 characters: 8 blocks of 7 and one of 4
+    path = tmp_path / "corpus.txt"
+    path.write_text(text, encoding="utf-8")
+    sources = builders.prepare(
+        builders.text_file_builder(tmp_path, path, text_unit="block", validation_fraction=0.25)
+    )
+    train, validation = _texts(sources["train"]), _texts(sources["validation"])
+    assert [len(b) for b in train + validation] == [7] * 8 + [4]
+    assert (len(train), len(validation)) == (7, 2)
+    assert "".join(train + validation) == text  # nothing stripped or dropped
+
+
 def test_fast_records_equal_tfds_decoding(tmp_path):
     path = tmp_path / "c.txt"
     path.write_text("one\n\ntwo ü\n\nthree 漢\n\nfour\n", encoding="utf-8")

@@ -83,7 +83,8 @@ def test_default_metrics_x_field_and_eval_lengths(tmp_path, capsys):
     markdown = (tmp_path / "report.md").read_text()
     assert "| model.position_scheme | len 64 | len 256 |" in markdown
     assert "| rope | 1.5 ± 0.71 | 3.5 ± 0.71 |" in markdown
-    assert "| alibi | 2 ± 0 | n/a |" in markdown
+    assert "| alibi | 2 | n/a |" in markdown  # one seed: no ± (as in the main table)
+    assert "\nn/a: learned: no positions past max_len\n" in markdown
     assert (tmp_path / "report_eval_seq_len_eval_loss.png").exists()
     assert report.main([str(tmp_path), "--x", "model.d_model"]) == 2
     assert "not a swept field" in capsys.readouterr().err

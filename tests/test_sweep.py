@@ -78,6 +78,10 @@ def test_commands_and_config_sweeps():
     assert sweep.load_sweep("configs/synthetic_lm.py:reverse,runlocal") == [
         {"model.position_scheme": s} for s in schemes]
     assert len(sweep.load_sweep("configs/synthetic_seq2seq.py")) == 3 * 7
+    # Schemes in ARG keep just those (a pilot); the task and the variants still apply.
+    assert sweep.load_sweep("configs/synthetic_lm.py:reverse,alibi,none,runlocal") == [
+        {"model.position_scheme": "none"}, {"model.position_scheme": "alibi"}]
+    assert len(sweep.load_sweep("configs/synthetic_seq2seq.py:rope")) == 3
     assert sweep.load_sweep("configs/char_lm.py")[3] == {"model.position_scheme": "rope"}
     assert sweep.load_sweep("configs/translate.py:small") == [
         {"model.position_scheme": "sinusoidal"}, {"model.position_scheme": "learned"}]

@@ -33,6 +33,7 @@ from jax.experimental.compilation_cache import compilation_cache
 from configs import char_lm, synthetic_lm, synthetic_seq2seq, translate
 from tfm import checkpoint, metrics, train
 from tfm.config import ConfigError
+from tfm.experiment import required_lengths
 
 NUM_STEPS = 16  # the reference run
 LABEL_SMOOTHING = 0.1
@@ -539,6 +540,25 @@ def test_char_lm_learns(data_dir, tmp_path):
     assert "eval_bleu" not in result and "eval_exact_match" not in result
 
 
+def test_char_lm_extrapolation_fits_learned_positions_at_context_128(data_dir, tmp_path):
+    """The extrapolation variant keeps the chosen scheme, trains on contiguous blocks, and
+    everything the run itself needs (train and eval rows, generation) fits max_len=128, so
+    learned positions train and are n/a only at longer `eval --eval_seq_len` lengths."""
+    corpus = tmp_path / "corpus.txt"
+    write_text_corpus(corpus)
+    assert char_lm.get_config("alibi,extrapolation").model.position_scheme == "alibi"
+    config = char_lm.get_config("extrapolation,learned")
+    # batch_size 16: the tests' 8 host devices split the batch (the recipe's 12 is for 1 CPU).
+    config.data.update(data_dir=str(data_dir), path=str(corpus), batch_size=16)
+    with count_compilations() as compiled:
+        experiment = train.setup(config, tmp_path / "run")
+    assert not compiled
+    assert experiment.model_config.max_len == 128
+    assert max(length for length, _ in required_lengths(experiment)) <= 128
+    windows = experiment.data.eval_examples("validation")
+    assert {len(w["inputs"]) for w in windows} == {128}
+
+
 def write_parallel_corpus(directory, num_train: int = 320, num_eval: int = 16) -> dict[str, str]:
     """German -> English word-for-word sentences (a learnable task); plain and gzipped files."""
     subjects = [("der hund", "the dog"), ("die katze", "the cat"), ("der mann", "the man"),
@@ -660,7 +680,7 @@ SCHEMES = ("none", "sinusoidal", "learned", "rope", "relative", "t5_bias", "alib
     [
         (synthetic_seq2seq, ("copy", "reverse", "sort", "addition", "runlocal", "sort,alibi")),
         (synthetic_lm, ("copy", "reverse", "sort", "addition", "runlocal", "reverse,t5_bias")),
-        (char_lm, ("runlocal", "bf16", "alibi,runlocal")),
+        (char_lm, ("runlocal", "bf16", "alibi,runlocal", "extrapolation", "alibi,extrapolation")),
         (translate, ("small", "runlocal", "wmt", "relative,small")),
     ],
 )

@@ -200,7 +200,8 @@ def plot_curves(runs: Sequence[dict], metric: str, path: Path) -> bool:
 def length_table(runs: Sequence[dict], fields: Sequence[str], metric: str
                  ) -> tuple[list[int], list[dict[str, Any]]]:
     """From each run's eval_seq_len.json: (lengths, a row per group with `metric` (mean, std)
-    per length; None where the length is n/a, e.g. learned positions past max_len)."""
+    per length, None where the length is n/a (e.g. learned positions past max_len), `seeds` (the
+    runs in the group) and `n/a` (the reasons given, sorted))."""
     lengths: set[int] = set()
     per_run = {}
     for run in runs:
@@ -219,6 +220,8 @@ def length_table(runs: Sequence[dict], fields: Sequence[str], metric: str
         for length in sorted(lengths):
             values = [m[length][metric] for m in members if metric in m.get(length, {})]
             row[length] = mean_std(values) if values else None
+        row["seeds"] = len(members)
+        row["n/a"] = sorted({m[n]["n/a"] for m in members for n in m if "n/a" in m[n]})
         rows.append(row)
     return sorted(lengths), rows
 
@@ -248,8 +251,11 @@ def write_report(root: Path, metrics: Sequence[str] | None = None, x_field: str 
                  "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         for row in length_rows:
             cells = [str(row[f]) for f in fields]
-            cells += ["n/a" if row[n] is None else format_cell(row[n], 2) for n in lengths]
+            cells += ["n/a" if row[n] is None else format_cell(row[n], row["seeds"])
+                      for n in lengths]
             lines.append("| " + " | ".join(cells) + " |")
+        reasons = sorted({reason for row in length_rows for reason in row["n/a"]})
+        lines += ["", *(f"n/a: {reason}" for reason in reasons)] if reasons else []
         sections += ["", *lines]
         path = root / f"report_eval_seq_len_{metric}.png"
         _plot_lengths(lengths, length_rows, fields, metric, path)

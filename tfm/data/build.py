@@ -9,17 +9,24 @@ Fields (default), by topic; a kind-specific field may only differ from its defau
       mode become prompt + separator + answer + eos with loss weights on answer and eos only
       (separator "=" for synthetic tasks, eos otherwise).
   synthetic: task ("reverse"; copy | reverse | sort | addition), num_symbols (10),
-      train_lengths ((1, 16)), eval_lengths ((17, 32)), num_train_examples (10000),
-      num_eval_examples (1000). Splits: train; validation (training lengths, other examples,
-      which may repeat training ones at short lengths); test (eval lengths).
-  text: path (required), text_unit ("paragraph" | "line"), validation_fraction (0.1: the last
-      tenth of the paragraphs/lines is the validation split).
+      train_lengths ((1, 16)), eval_lengths ((17, 32)), long_eval_lengths (None: a second test
+      range, e.g. (33, 64)), num_train_examples (10000), num_eval_examples (1000, per eval
+      split). Splits: train; validation (training lengths, other examples, which may repeat
+      training ones at short lengths); test (eval lengths); test_long (long_eval_lengths, only
+      when set; its metrics are eval_test_long_*).
+  text: path (required), text_unit ("paragraph" | "line" | "block"), validation_fraction (0.1:
+      the last tenth of the units is the validation split). "block" keeps the text contiguous:
+      pieces of builders.TEXT_BLOCK_CHARS characters, so training windows of seq_len run across
+      lines and paragraphs, and evaluation reads the whole validation text as one stream cut
+      into every non-overlapping window of exactly eval_seq_len (or seq_len) tokens, dropping
+      the shorter remainder: every eval row has the full context (Press et al. 2022's
+      extrapolation evaluation). Paragraphs and lines are each cut into windows instead.
   parallel: source_path, target_path (required; plain or .gz; line i of each is a pair),
       eval_source_path, eval_target_path (None: hold out the last validation_fraction of pairs).
   tfds: name (e.g. "wmt14_translate/de-en", "lm1b"), features (our field -> feature key:
       {"source": "de", "target": "en"} or {"text": "text"}), download (False).
-  splits: train_split ("train"), eval_splits (None = ("validation", "test") for synthetic,
-      ("validation",) otherwise).
+  splits: train_split ("train"), eval_splits (None = ("validation", "test") for synthetic, plus
+      "test_long" when long_eval_lengths is set; ("validation",) otherwise).
   tokenizer (None = char over the task alphabet for synthetic, byte otherwise): "byte" | "char" |
       "sentencepiece"; vocab_size (8000) and sentencepiece_model_type ("unigram" | "bpe") for
       SentencePiece; shared_vocab (True): one vocabulary for source and target.
@@ -83,6 +90,7 @@ _KIND_FIELDS = {
         "num_symbols",
         "train_lengths",
         "eval_lengths",
+        "long_eval_lengths",
         "num_train_examples",
         "num_eval_examples",
     ),
@@ -104,6 +112,7 @@ class DataConfig:
     num_symbols: int = 10
     train_lengths: tuple[int, int] = (1, 16)
     eval_lengths: tuple[int, int] = (17, 32)
+    long_eval_lengths: tuple[int, int] | None = None
     num_train_examples: int = 10_000
     num_eval_examples: int = 1_000
     # text
@@ -153,7 +162,7 @@ class DataConfig:
                 f"data.{unknown[0]} is unknown; known data fields: {', '.join(known)}"
             )
         values = dict(values)
-        for key in ("train_lengths", "eval_lengths", "eval_splits"):
+        for key in ("train_lengths", "eval_lengths", "long_eval_lengths", "eval_splits"):
             if isinstance(values.get(key), list):
                 values[key] = tuple(values[key])
         return cls(**values)
@@ -173,8 +182,10 @@ class DataConfig:
             check_choice("data.task", self.task, synthetic.TASKS)
             if not (isinstance(self.num_symbols, int) and 2 <= self.num_symbols <= 36):
                 raise ConfigError(f"data.num_symbols={self.num_symbols!r} must be in [2, 36]")
-            for field in ("train_lengths", "eval_lengths"):
+            for field in ("train_lengths", "eval_lengths", "long_eval_lengths"):
                 value = getattr(self, field)
+                if value is None and field == "long_eval_lengths":
+                    continue
                 ok = isinstance(value, tuple) and len(value) == 2
                 ok = ok and all(isinstance(v, int) for v in value) and 1 <= value[0] <= value[1]
                 if not ok:
@@ -281,7 +292,9 @@ class DataConfig:
     def resolved_eval_splits(self) -> tuple[str, ...]:
         if self.eval_splits is not None:
             return self.eval_splits
-        return ("validation", "test") if self.kind == "synthetic" else ("validation",)
+        if self.kind != "synthetic":
+            return ("validation",)
+        return ("validation", "test", *(("test_long",) if self.long_eval_lengths else ()))
 
     @property
     def resolved_data_dir(self) -> Path:
@@ -317,6 +330,7 @@ def _prepare_sources(config: DataConfig) -> tuple[dict[str, Any], str]:
             num_symbols=config.num_symbols,
             train_lengths=config.train_lengths,
             eval_lengths=config.eval_lengths,
+            long_eval_lengths=config.long_eval_lengths,
             num_train=config.num_train_examples,
             num_validation=config.num_eval_examples,
             num_test=config.num_eval_examples,
@@ -478,11 +492,22 @@ class Data:
         self._check_split(split)
         if split not in self._eval_cache:
             windows = self.config.resolved_length_policy == "split"
-            self._eval_cache[split] = pipeline.eval_examples(
-                self.sources[split],
-                self.encoder,
-                split_length=(self.config.eval_seq_len or self.config.seq_len) if windows else None,
-            )
+            length = self.config.eval_seq_len or self.config.seq_len
+            if windows and self.config.text_unit == "block":
+                try:
+                    examples = pipeline.contiguous_windows(
+                        self.sources[split], self.encoder, length
+                    )
+                except ValueError as error:
+                    field = "eval_seq_len" if self.config.eval_seq_len else "seq_len"
+                    raise ConfigError(
+                        f"data.{field}={length}: split {split!r} is too short ({error})"
+                    ) from None
+            else:
+                examples = pipeline.eval_examples(
+                    self.sources[split], self.encoder, split_length=length if windows else None
+                )
+            self._eval_cache[split] = examples
         return self._eval_cache[split]
 
     def eval_lengths(self, split: str) -> dict[str, int]:

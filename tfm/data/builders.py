@@ -4,8 +4,10 @@ Three local builders, prepared in `array_record` format and read back with `as_d
 (random access, what grain needs; no TensorFlow involved):
 
     TfmSynthetic      copy / reverse / sort / addition (see synthetic.py); splits train, validation
-                      (training lengths, other examples) and test (evaluation lengths)
-    TfmTextFile       one UTF-8 text file (plain or .gz); examples are paragraphs or lines; the last
+                      (training lengths, other examples), test (evaluation lengths) and, when
+                      `long_eval_lengths` is set, test_long (a second, longer test range)
+    TfmTextFile       one UTF-8 text file (plain or .gz); examples are paragraphs, lines or
+                      contiguous blocks of TEXT_BLOCK_CHARS characters; the last
                       `validation_fraction` of them is the validation split (deterministic)
     TfmParallelFiles  aligned source/target files (line i of each is a pair; plain or .gz); the
                       validation split comes from separate files or the last fraction of the pairs
@@ -52,7 +54,11 @@ from tfm.data import synthetic
 metrics.silence_absl_message("Using custom data configuration")
 
 VERSION = "1.0.0"
-TEXT_UNITS = ("paragraph", "line")
+TEXT_UNITS = ("paragraph", "line", "block")
+# text_unit="block": the text cut into pieces of this many characters, nothing dropped, so the
+# pieces of a split joined back are its text exactly. With bos, a block is 1,024 tokens (char
+# tokenizer): training windows of any power of two up to 1,024 tile it without a remainder.
+TEXT_BLOCK_CHARS = 1023
 
 
 class DataError(ValueError):
@@ -114,7 +120,10 @@ def split_lines(text: str) -> list[str]:
 
 
 def split_units(text: str, unit: str) -> list[str]:
-    """Paragraphs (blocks separated by blank lines) or non-blank lines of `text`."""
+    """Paragraphs (separated by blank lines), non-blank lines, or consecutive blocks of
+    TEXT_BLOCK_CHARS characters (all of the text, in order) of `text`."""
+    if unit == "block":
+        return [text[i : i + TEXT_BLOCK_CHARS] for i in range(0, len(text), TEXT_BLOCK_CHARS)]
     if unit == "paragraph":
         return [p.strip("\n") for p in re.split(r"\n[ \t]*\n", text) if p.strip()]
     if unit == "line":
@@ -203,6 +212,7 @@ class SyntheticConfig(tfds.core.BuilderConfig):
     num_symbols: int = 10
     train_lengths: tuple[int, int] = (1, 16)
     eval_lengths: tuple[int, int] = (17, 32)
+    long_eval_lengths: tuple[int, int] | None = None
     num_train: int = 10_000
     num_validation: int = 1_000
     num_test: int = 1_000
@@ -210,7 +220,7 @@ class SyntheticConfig(tfds.core.BuilderConfig):
 
 class TfmSynthetic(_LocalBuilder):
     """Synthetic algorithmic tasks (synthetic.py): train/validation use `train_lengths`, test uses
-    `eval_lengths`."""
+    `eval_lengths`, test_long (only when set) `long_eval_lengths`, with num_test examples."""
 
     def _info(self) -> tfds.core.DatasetInfo:
         return _text_info(self, "source", "target")
@@ -218,13 +228,18 @@ class TfmSynthetic(_LocalBuilder):
     def _split_generators(self, dl_manager: Any) -> dict[str, Any]:
         del dl_manager
         config = self.builder_config
-        return {
+        splits = {
             "train": self._generate_examples("train", config.num_train, config.train_lengths),
             "validation": self._generate_examples(
                 "validation", config.num_validation, config.train_lengths
             ),
             "test": self._generate_examples("test", config.num_test, config.eval_lengths),
         }
+        if config.long_eval_lengths is not None:
+            splits["test_long"] = self._generate_examples(
+                "test_long", config.num_test, config.long_eval_lengths
+            )
+        return splits
 
     def _generate_examples(self, split: str, count: int, lengths: tuple[int, int]) -> Any:
         config = self.builder_config
@@ -248,7 +263,8 @@ class TextFileConfig(tfds.core.BuilderConfig):
 
 
 class TfmTextFile(_LocalBuilder):
-    """Paragraphs or lines of one local text file; the last fraction is the validation split."""
+    """Paragraphs, lines or blocks of one local text file; the last fraction is the validation
+    split."""
 
     def _info(self) -> tfds.core.DatasetInfo:
         return _text_info(self, "text")
@@ -314,8 +330,10 @@ class TfmParallelFiles(_LocalBuilder):
 
 
 def synthetic_builder(data_dir: str | os.PathLike, **params: Any) -> TfmSynthetic:
-    """A TfmSynthetic builder for `params` (the SyntheticConfig fields), not yet prepared."""
-    params = {k: list(v) if isinstance(v, tuple) else v for k, v in params.items()}
+    """A TfmSynthetic builder for `params` (the SyntheticConfig fields), not yet prepared.
+    A None parameter keeps its default and stays out of the name, so adding an optional field
+    leaves the data prepared before it where it was."""
+    params = {k: list(v) if isinstance(v, tuple) else v for k, v in params.items() if v is not None}
     config = SyntheticConfig(name=_config_name(params.get("task", "reverse"), params), **params)
     synthetic.check_task(config.task, config.num_symbols)
     return TfmSynthetic(config=config, data_dir=str(data_dir), file_format="array_record")

@@ -344,18 +344,39 @@ def make_train_iterator(source: Sequence[Any], encoder: RecordEncoder, **kwargs:
     return iter(make_train_dataset(source, encoder, **kwargs))
 
 
+def _all_records(source: Sequence[Any]) -> Iterator[Any]:
+    """Every record of `source`, in order, read 1,024 at a time."""
+    for start in range(0, len(source), 1024):
+        yield from read_records(source, range(start, min(start + 1024, len(source))))
+
+
 def eval_examples(
     source: Sequence[Any], encoder: RecordEncoder, *, split_length: int | None = None
 ) -> list[Example]:
     """Every example of an eval split, in order; LM text is cut into windows of `split_length`
     tokens when given (nothing is dropped)."""
-    examples = []
-    for start in range(0, len(source), 1024):
-        indices = range(start, min(start + 1024, len(source)))
-        examples += [encoder(record) for record in read_records(source, indices)]
+    examples = [encoder(record) for record in _all_records(source)]
     if split_length is not None:
         examples = [w for example in examples for w in split_windows(example, split_length)]
     return examples
+
+
+def contiguous_windows(source: Sequence[Any], encoder: RecordEncoder, length: int) -> list[Example]:
+    """An LM split read as one text (its records' texts joined, in order), encoded once as
+    [bos] + text + [eos] and cut into every non-overlapping window of exactly `length` tokens;
+    the last, shorter remainder is dropped, so every window has the same context size
+    (nonoverlapping evaluation, Press et al. 2022, sec. 4 and appendix)."""
+    if encoder.mode != "lm":
+        raise ValueError("contiguous windows need language modelling on text (encoder mode 'lm')")
+    key = dict(encoder.fields).get("text", "text")
+    text = "".join(encoder.texts(record)["text"] for record in _all_records(source))
+    example = encoder({key: text})
+    count = len(example["inputs"]) // length
+    if count == 0:
+        raise ValueError(
+            f"the eval text has {len(example['inputs'])} tokens, fewer than one window of {length}"
+        )
+    return split_windows({k: v[: count * length] for k, v in example.items()}, length)
 
 
 def longest(examples: Sequence[Example]) -> dict[str, int]:

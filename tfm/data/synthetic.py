@@ -26,8 +26,9 @@ SYMBOLS = "0123456789abcdefghijklmnopqrstuvwxyz"
 DIGITS = "0123456789"
 PLUS = "+"
 SEPARATOR = "="  # joins prompt and answer in decoder-only (lm) mode
-# Splits of the synthetic builder and the length range each uses.
-SPLIT_KEYS = {"train": 0, "validation": 1, "test": 2}
+# Splits of the synthetic builder (each draws its own examples): train and validation use the
+# training lengths, test the evaluation lengths, test_long the optional longer ones.
+SPLIT_KEYS = {"train": 0, "validation": 1, "test": 2, "test_long": 3}
 
 
 def check_task(task: str, num_symbols: int = 10) -> None:
