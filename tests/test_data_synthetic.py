@@ -149,3 +149,24 @@ def test_failed_generation_leaves_nothing_that_looks_prepared(tmp_path, monkeypa
         tmp_path, task="copy", num_train=5, num_validation=5, num_test=5
     )
     assert len(builders.prepare(fresh)["test"]) == 5
+
+
+def _prepare_copy_in_subprocess(data_dir, barrier) -> int:
+    builder = builders.synthetic_builder(
+        data_dir, task="copy", num_train=2_000, num_validation=5, num_test=5
+    )
+    barrier.wait()  # both processes made their builder before either prepares
+    return len(builders.prepare(builder)["train"])
+
+
+def test_two_processes_prepare_the_same_dataset_at_once(tmp_path):
+    """A sweep's parallel runs prepare the same data together: both must get it (without the
+    lock the second rename failed with FileExistsError)."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    barrier = context.Manager().Barrier(2)
+    with context.Pool(2) as pool:
+        sizes = pool.starmap(_prepare_copy_in_subprocess, [(tmp_path, barrier)] * 2)
+    assert sizes == [2_000, 2_000]
+    assert len(list(tmp_path.rglob("dataset_info.json"))) == 1

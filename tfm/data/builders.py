@@ -29,8 +29,10 @@ mapping from our fields to its feature keys, e.g. {"source": "de", "target": "en
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
+import fcntl
 import gzip
 import hashlib
 import json
@@ -412,9 +414,29 @@ class TextRecords:
         return f"TextRecords({self.raw!r}, names={self.names})"
 
 
+@contextlib.contextmanager
+def _preparation_lock(builder: tfds.core.DatasetBuilder):
+    """Holds an exclusive lock on `<data_dir>/<builder>.lock` while preparing, so processes that
+    need the same dataset at once (a sweep's parallel runs) prepare it once: without it the
+    second process's final rename fails because the first one's directory already exists."""
+    root = os.fspath(builder.data_dir_root)
+    os.makedirs(root, exist_ok=True)
+    with open(os.path.join(root, f"{builder.name}.lock"), "a") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock_file, fcntl.LOCK_UN)
+
+
 def prepare(builder: tfds.core.DatasetBuilder) -> dict[str, TextRecords]:
-    """Prepares one of our builders (no-op when already prepared): {split: records}."""
-    builder.download_and_prepare()
+    """Prepares one of our builders (no-op when already prepared): {split: records}.
+    Safe when several processes prepare the same dataset at once."""
+    with _preparation_lock(builder):
+        reused = builder.data_path.exists()
+        builder.download_and_prepare()
+        if reused:  # maybe prepared by another process after this builder read its info
+            builder.info.read_from_directory(builder.data_dir)
     names = list(builder.info.features.keys())
     raw = builder.as_data_source(deserialize_method=tfds.decode.DeserializeMethod.RAW_BYTES)
     return {split: TextRecords(source, names) for split, source in raw.items()}
