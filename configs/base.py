@@ -138,7 +138,8 @@ def synthetic_config(mode: str, seq_len: int, num_steps: int) -> ml_collections.
 
 
 def synthetic_variants() -> dict:
-    """Variants of the synthetic-task configs: one per task, and `runlocal` (60 steps)."""
+    """Variants of the synthetic-task configs: one per task, `runlocal` (60 steps) and `short`
+    (half the steps)."""
     from tfm.data.synthetic import TASKS
 
     def runlocal(c):
@@ -148,7 +149,15 @@ def synthetic_variants() -> dict:
         c.train.update(num_steps=60, log_every=20, eval_every=60, checkpoint_every=60)
         c.eval.max_generation_examples = 64
 
-    variants = {"runlocal": runlocal}
+    def short(c):
+        """The CPU budget of the committed length-generalisation results: half the steps, one
+        evaluation at the end, 256 decoded examples per split."""
+        steps = c.train.num_steps // 2
+        c.optimizer.total_steps = steps
+        c.train.update(num_steps=steps, eval_every=steps, checkpoint_every=steps)
+        c.eval.max_generation_examples = 256
+
+    variants = {"runlocal": runlocal, "short": short}
     for task in TASKS:
         variants[task] = lambda c, task=task: setattr(c.data, "task", task)
     return variants
