@@ -22,7 +22,8 @@ def test_records_the_last_json_object_printed(tmp_path):
     assert process.returncode == 0, process.stderr
     record = json.loads((tmp_path / "r.json").read_text())
     assert record["result"] == {"eval_bleu": 12.5, "nested": {"x": 2}}
-    assert record["command"].startswith(f"{sys.executable} -c ") and "eval_bleu" in record["command"]
+    assert record["command"].startswith(f"{sys.executable} -c ")
+    assert "eval_bleu" in record["command"]
     assert record["wall_s"] >= 0
     assert "| eval_bleu | 12.5 |" in (tmp_path / "r.md").read_text()
 
