@@ -159,18 +159,25 @@ def plot_metric(rows: Sequence[dict], fields: Sequence[str], metric: str, x_fiel
     lines: dict[tuple, list[dict]] = {}
     for row in rows:
         lines.setdefault(tuple(row[f] for f in others), []).append(row)
+    numeric = all(_as_number(row[x_field]) is not None for row in rows)
+    # Categories (scheme names) sit at 0, 1, ...; each line's markers are shifted a little
+    # sideways so that equal values (many schemes at 0%) stay visible.
+    categories = list(dict.fromkeys(row[x_field] for row in rows))
     figure, axes = plt.subplots(figsize=(6, 4))
-    for label, members in lines.items():
-        xs = [row[x_field] for row in members]
-        numeric = all(_as_number(x) is not None for x in xs)
+    for number, (label, members) in enumerate(lines.items()):
         if numeric:
             members = sorted(members, key=lambda row: float(row[x_field]))
             xs = [float(row[x_field]) for row in members]
+        else:
+            shift = 0.6 * (number + 0.5) / len(lines) - 0.3
+            xs = [categories.index(row[x_field]) + shift for row in members]
         means = [row[metric][0] for row in members]
         stds = [row[metric][1] for row in members]
         name = ", ".join(f"{f}={v}" for f, v in zip(others, label, strict=True)) or metric
         axes.errorbar(xs, means, yerr=stds, marker="o", capsize=3, label=name,
                       linestyle="-" if numeric else "none")
+    if not numeric:
+        axes.set_xticks(range(len(categories)), categories)
     if any(len(str(row[x_field])) > 6 for row in rows):
         figure.autofmt_xdate()  # long category names: slanted
     _save(plt, figure, axes, x_field, metric, path, legend=len(lines) > 1)
