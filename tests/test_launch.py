@@ -282,3 +282,18 @@ def test_help_example_prompt_is_in_the_quick_start_vocabulary():
     prompts = [line.split("--prompt ")[1].strip().strip('"') for line in usage.splitlines()
                if "synthetic_seq2seq.py --prompt" in line]
     assert prompts and all(set(p) <= set("0123456789") for p in prompts), prompts
+
+
+def test_train_stopped_by_a_signal_exits_128_plus_signum(monkeypatch, tmp_path, capsys):
+    """A run that saved and stopped on SIGTERM is not a finished run: the exit status says so
+    (a sweep or a scheduler then resumes it instead of recording it done)."""
+    from tfm import main, train
+
+    monkeypatch.setattr(train, "train_and_evaluate",
+                        lambda config, workdir: {"step": 7, "stopped_by": "SIGTERM"})
+    with pytest.raises(SystemExit) as stopped:
+        main._run("train", None, tmp_path, "configs/x.py")
+    assert stopped.value.code == 143
+    assert '"stopped_by": "SIGTERM"' in capsys.readouterr().out
+    monkeypatch.setattr(train, "train_and_evaluate", lambda config, workdir: {"step": 9})
+    main._run("train", None, tmp_path, "configs/x.py")  # finished: returns normally

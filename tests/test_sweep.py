@@ -7,8 +7,11 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -220,3 +223,43 @@ def test_a_parallel_run_is_pinned_to_its_cpus(tmp_path):
     record = sweep.execute(run, [cpu])
     assert record["status"] == "done"
     assert (run.workdir / "train.log").read_text().strip() == f"[{cpu}] 1"
+
+
+def _python_run(root: Path, index: int, code: str) -> sweep.Run:
+    return sweep.Run(index, {"run": index}, f"run={index}", root / f"run={index}",
+                     [sys.executable, "-c", code])
+
+
+def test_a_stopped_sweep_stops_its_runs_and_records_them_for_resuming(tmp_path):
+    """SIGTERM to the sweep: the running child gets SIGTERM too, is recorded "stopped" (not
+    "done"), later runs are "not started", and a rerun would run them all."""
+    slow = "import time; print('started', flush=True); time.sleep(120)"
+    runs = [_python_run(tmp_path, i, slow) for i in range(3)]
+    handler_before = signal.getsignal(signal.SIGTERM)
+
+    def stop_the_sweep_once_started():
+        log = runs[0].workdir / "train.log"
+        deadline = time.time() + 60
+        while time.time() < deadline and "started" not in (
+                log.read_text() if log.exists() else ""):
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=stop_the_sweep_once_started, daemon=True).start()
+    lines: list[str] = []
+    start = time.time()
+    records = sweep.run_sweep(runs, tmp_path, parallel=1, say=lines.append)
+    assert time.time() - start < 60  # the child did not sleep its 120 s
+    assert [r["status"] for r in records] == ["stopped", "not started", "not started"]
+    assert records[0]["returncode"] == -signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) is handler_before
+    assert not any(sweep.is_finished(run) for run in runs)
+    assert "1 stopped" in lines[-1] and "2 not started" in lines[-1] and "resume" in lines[-1]
+
+
+def test_training_that_saved_and_stopped_on_a_signal_is_not_done(tmp_path):
+    """`./launch.sh train` exits 128 + signum after a SIGTERM made it save and stop."""
+    run = _python_run(tmp_path, 0, "import sys; sys.exit(143)")
+    record = sweep.execute(run)
+    assert record["status"] == "stopped" and "rerun" in record["error"]
+    assert json.loads((run.workdir / sweep.RUN_FILE).read_text())["status"] == "stopped"

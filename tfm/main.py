@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -132,6 +133,8 @@ def _run(command: str, config: Any, workdir: Path, config_arg: str) -> None:
     if command == "train":
         final = train.train_and_evaluate(config, workdir)
         _print(json.dumps({"workdir": str(workdir), **final}, indent=1, default=str))
+        if final.get("stopped_by"):  # saved and stopped early: not a finished run (128 + signum)
+            raise SystemExit(128 + signal.Signals[final["stopped_by"]].value)
     elif command == "eval" and _EVAL_SEQ_LEN.value:
         _print(json.dumps(evaluate_lengths(config, workdir, _EVAL_SEQ_LEN.value, _STEP.value),
                           indent=1))

@@ -21,6 +21,7 @@ command is read back, anything else runs again (training resumes from its checkp
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -31,6 +32,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import threading
@@ -232,9 +234,48 @@ def _error_line(log: str) -> str:
     return lines[-1][:500] if lines else "no output"
 
 
-def execute(run: Run, cpus: Sequence[int] | None = None) -> dict[str, Any]:
+# What `./launch.sh train` exits with after SIGTERM/SIGINT made it save and stop (128 + signum),
+# or a child killed by one of them: the run is "stopped", and a rerun resumes it.
+_STOP_CODES = {128 + signal.SIGTERM, 128 + signal.SIGINT, -signal.SIGTERM, -signal.SIGINT}
+
+
+class Children:
+    """The sweep's running subprocesses. `stop()` (the sweep got SIGTERM/SIGINT) passes SIGTERM
+    on to each (training saves its step and exits) and keeps new runs from starting."""
+
+    def __init__(self) -> None:
+        self.stopping = threading.Event()
+        self._live: set[subprocess.Popen] = set()
+        self._lock = threading.Lock()
+
+    def add(self, process: subprocess.Popen) -> None:
+        with self._lock:
+            self._live.add(process)
+        if self.stopping.is_set():
+            self._terminate(process)
+
+    def remove(self, process: subprocess.Popen) -> None:
+        with self._lock:
+            self._live.discard(process)
+
+    def stop(self, signum: int = signal.SIGTERM, frame: Any = None) -> None:
+        self.stopping.set()
+        with self._lock:
+            live = list(self._live)
+        for process in live:
+            self._terminate(process)
+
+    @staticmethod
+    def _terminate(process: subprocess.Popen) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            process.send_signal(signal.SIGTERM)
+
+
+def execute(run: Run, cpus: Sequence[int] | None = None,
+            children: Children | None = None) -> dict[str, Any]:
     """Trains `run` in a subprocess (output in `workdir/train.log`), pinned to `cpus` if given,
-    then runs its eval command (if any; output in `eval.log`); writes and returns its status."""
+    then runs its eval command (if any; output in `eval.log`); writes and returns its status
+    ("done", "failed", or "stopped" when a signal stopped it: a rerun resumes it)."""
     run.workdir.mkdir(parents=True, exist_ok=True)
     trained = _done(run)
     record = {**run.manifest(), "status": "running", "started": time.time()}
@@ -258,8 +299,16 @@ def execute(run: Run, cpus: Sequence[int] | None = None) -> dict[str, Any]:
             if cpus:  # before launch.sh has started Python (a preexec_fn is unsafe in threads)
                 with contextlib.suppress(OSError):
                     os.sched_setaffinity(process.pid, cpus)
+            if children is not None:
+                children.add(process)
             returncode = process.wait()
+            if children is not None:
+                children.remove(process)
         record["returncode"] = returncode
+        if returncode in _STOP_CODES:
+            record["status"] = "stopped"
+            record["error"] = f"{step} stopped by a signal (exit {returncode}); rerun to resume"
+            break
         if returncode != 0:
             record["status"] = "failed" if step == "train" else "eval_failed"
             record["error"] = _error_line(log_path.read_text(errors="replace"))
@@ -299,30 +348,46 @@ def run_sweep(runs: Sequence[Run], root: Path, parallel: int = 1,
     slots = cpu_slots(parallel) if parallel > 1 else [None]
     free = list(range(len(slots)))
     lock = threading.Lock()
+    children = Children()
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            previous[signum] = signal.signal(signum, children.stop)
 
-    def work(run: Run) -> dict[str, Any]:
+    def work(run: Run) -> dict[str, Any] | None:
+        if children.stopping.is_set():
+            return None
         with lock:
             slot = free.pop()
         try:
             say(f"[{run.index + 1}/{len(runs)}] {run.name}: training"
                 + (f" on CPUs {slots[slot]}" if slots[slot] else ""))
-            record = execute(run, slots[slot])
+            record = execute(run, slots[slot], children)
         finally:
             with lock:
                 free.append(slot)
-        outcome = "done" if record["status"] == "done" else f"FAILED: {record.get('error')}"
+        outcome = {"done": "done", "stopped": "stopped (rerun the sweep to resume)"}.get(
+            record["status"], f"FAILED: {record.get('error')}")
         say(f"[{run.index + 1}/{len(runs)}] {run.name}: {outcome} ({record['wall_s']} s)")
         with lock:
             records[run.index] = record
             write_manifest(root, runs, records)
         return record
 
-    with concurrent.futures.ThreadPoolExecutor(max_workers=len(slots)) as pool:
-        list(pool.map(work, todo))
+    try:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=len(slots)) as pool:
+            list(pool.map(work, todo))
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    for run in todo:  # not started because the sweep was stopped
+        records.setdefault(run.index, {**run.manifest(), "status": "not started"})
     write_manifest(root, runs, records)
-    failed = [r for r in records.values() if r.get("status") != "done"]
-    say(f"{len(runs) - len(failed)} of {len(runs)} runs done; summary in {root / SWEEP_FILE}"
-        + (f"; {len(failed)} failed (see their train.log)" if failed else ""))
+    counts = collections.Counter(r.get("status") for r in records.values())
+    others = "".join(f"; {n} {status}" for status, n in counts.items() if status != "done")
+    say(f"{counts['done']} of {len(runs)} runs done{others}; summary in {root / SWEEP_FILE}"
+        + (" (failed runs: see their train.log)" if counts["failed"] else "")
+        + (" (rerun the same command to resume)" if children.stopping.is_set() else ""))
     return [records[run.index] for run in runs]
 
 
