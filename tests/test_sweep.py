@@ -263,3 +263,13 @@ def test_training_that_saved_and_stopped_on_a_signal_is_not_done(tmp_path):
     record = sweep.execute(run)
     assert record["status"] == "stopped" and "rerun" in record["error"]
     assert json.loads((run.workdir / sweep.RUN_FILE).read_text())["status"] == "stopped"
+
+
+def test_a_restricted_sweep_into_the_same_root_keeps_the_other_runs_listed(tmp_path):
+    first = [_python_run(tmp_path, i, "pass") for i in range(2)]
+    sweep.write_manifest(tmp_path, first, {0: {"status": "done"}, 1: {"status": "stopped"}})
+    rerun = [_python_run(tmp_path, 1, "pass"), _python_run(tmp_path, 2, "pass")]
+    sweep.write_manifest(tmp_path, rerun, {1: {"status": "done"}})
+    runs = json.loads((tmp_path / sweep.SWEEP_FILE).read_text())["runs"]
+    assert [(run["name"], run["status"]) for run in runs] == [
+        ("run=0", "done"), ("run=1", "done"), ("run=2", "pending")]

@@ -393,7 +393,9 @@ def run_sweep(runs: Sequence[Run], root: Path, parallel: int = 1,
 
 def write_manifest(root: Path, runs: Sequence[Run], records: dict[int, dict] | None = None,
                    **extra: Any) -> None:
-    """ROOT/sweep.json: every run's name, overrides, command and (when known) status."""
+    """ROOT/sweep.json: every run's name, overrides, command and (when known) status. Runs of
+    an earlier sweep into the same ROOT that this one does not have (a sweep restricted to some
+    schemes, to rerun or add them) stay listed, so `report ROOT` still sees them."""
     records = records or {}
     entries = []
     for run in runs:
@@ -404,7 +406,10 @@ def write_manifest(root: Path, runs: Sequence[Run], records: dict[int, dict] | N
                 entry[key] = record[key]
         entry.setdefault("status", "pending")
         entries.append(entry)
-    _write_json(root / SWEEP_FILE, {"root": str(root), **extra, "runs": entries})
+    current = {entry["name"]: entry for entry in entries}
+    earlier = (read_json(root / SWEEP_FILE) or {}).get("runs", [])
+    merged = [current.pop(entry["name"], entry) for entry in earlier] + list(current.values())
+    _write_json(root / SWEEP_FILE, {"root": str(root), **extra, "runs": merged})
 
 
 # ------------------------------------------------------------------------- SLURM
