@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -97,3 +98,65 @@ def test_folder_of_runs_without_a_manifest(tmp_path):
     result = report.write_report(tmp_path)
     assert result["fields"] == [] and len(result["rows"]) == 1
     assert result["rows"][0]["eval_loss"] == pytest.approx((2.0, math.sqrt(2.0)))
+
+
+def _split_sweep(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """The fabricated sweep, whole in ALL; seed 0 alone in FIRST; seeds 1-2 alone in REST."""
+    roots = tuple(tmp_path / name for name in ("all", "first", "rest"))
+    for root in roots:
+        runs = fabricated_sweep(root)
+        for run in runs:
+            (run.workdir / report.LENGTHS_FILE).write_text(json.dumps(
+                {"64": {"eval_loss": 1.0 + run.overrides["train.seed"] ** 2}}))
+        seeds = {"all": {0, 1, 2}, "first": {0}, "rest": {1, 2}}[root.name]
+        kept = [run for run in runs if run.overrides["train.seed"] in seeds]
+        for run in runs:
+            if run not in kept:
+                for f in run.workdir.iterdir():
+                    f.unlink()
+                run.workdir.rmdir()
+        (root / sweep.SWEEP_FILE).write_text(json.dumps(
+            {**json.loads((root / sweep.SWEEP_FILE).read_text()),
+             "runs": [{**r.manifest()} for r in kept]}))
+    return roots
+
+
+@pytest.mark.parametrize("with_run_records", [True, False])
+def test_merging_an_earlier_report_equals_reporting_all_runs_at_once(tmp_path, with_run_records):
+    whole, first, rest = _split_sweep(tmp_path)
+    expected = report.write_report(whole, ["eval_exact_match", "eval_loss"])
+    report.write_report(first, ["eval_exact_match", "eval_loss"])
+    earlier = first / "report.json"
+    if not with_run_records:  # a report written before per-run records existed
+        saved = json.loads(earlier.read_text())
+        earlier.write_text(json.dumps({k: v for k, v in saved.items() if k != "runs"}))
+    for run_dir in [p for p in first.iterdir() if p.is_dir()]:
+        shutil.rmtree(run_dir)  # the workdirs are gone; only report.json is left
+    merged = report.write_report(rest, ["eval_exact_match", "eval_loss"], merge=[earlier])
+    by_scheme = lambda result: {row["model.position_scheme"]: row for row in result["rows"]}
+    for scheme, row in by_scheme(expected).items():
+        got = by_scheme(merged)[scheme]
+        assert got["seeds"] == row["seeds"]
+        for metric in ("eval_exact_match", "eval_loss"):
+            assert got[metric] == pytest.approx(row[metric], rel=1e-12)
+    markdown = (rest / "report.md").read_text()
+    assert "| rope | 3 | 90 ± 10 | 0.5 ± 0.2 |" in markdown
+    if with_run_records:  # eval lengths travel with the runs: seeds 0, 1, 2 -> 1, 2, 5
+        assert "| rope | 2.667 ± 2.1 |" in markdown
+        # Merging the merged report again adds nothing: runs are matched by name.
+        again = report.write_report(rest, ["eval_exact_match"], merge=[rest / "report.json"])
+        assert by_scheme(again)["rope"]["seeds"] == 3
+    else:
+        assert "pooled from its rows" in markdown
+
+
+def test_a_bad_merge_file_is_one_clear_error(tmp_path, capsys):
+    fabricated_sweep(tmp_path / "sweep")
+    (tmp_path / "bad.json").write_text("{not json")
+    assert report.main([str(tmp_path / "sweep"), "--merge", str(tmp_path / "bad.json")]) == 2
+    assert "bad.json: not a readable report.json" in capsys.readouterr().err
+    other = {"fields": ["model.d_model"], "metrics": [], "rows": [{"model.d_model": "64",
+                                                                    "seeds": 1}]}
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    assert report.main([str(tmp_path / "sweep"), "--merge", str(tmp_path / "other.json")]) == 2
+    assert "has no field model.position_scheme" in capsys.readouterr().err

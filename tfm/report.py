@@ -7,6 +7,12 @@ ROOT/report.{md,csv,json}, ROOT/report_<metric>.png (metric vs the swept field, 
 std) and ROOT/curves_<metric>.png (the metric over steps, a line per run). With runs evaluated
 at several lengths (`./launch.sh eval ... --eval_seq_len 64,128,...` writes eval_seq_len.json),
 also ROOT/report_eval_seq_len_<metric>.png: the metric vs eval length, a line per group.
+
+report.json keeps every run's final metrics and eval lengths (`runs`), so a results folder
+outlives its workdirs: `--merge OLD/report.json` pools an earlier report's runs (e.g. other
+seeds, run in another session or on another machine) into this one. Runs of the same name
+come from ROOT. A report written before `runs` existed is pooled through its rows: (seeds, mean,
+std) per group combine exactly into the pooled mean and sample std.
 """
 
 from __future__ import annotations
@@ -66,32 +72,97 @@ def mean_std(values: Sequence[float]) -> tuple[float, float]:
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
-def aggregate(runs: Sequence[dict[str, Any]], metrics: Sequence[str] | None = None
+def pooled_mean_std(parts: Sequence[tuple[int, float, float]]) -> tuple[float, float]:
+    """(mean, sample std) of the union of samples given as (count, mean, sample std) parts:
+    mean = sum(n m) / N, variance = (sum((n - 1) s^2) + sum(n (m - mean)^2)) / (N - 1)."""
+    parts = [part for part in parts if part[0] > 0 and not math.isnan(part[1])]
+    total = sum(n for n, _, _ in parts)
+    if total == 0:
+        return math.nan, math.nan
+    mean = sum(n * m for n, m, _ in parts) / total
+    if total == 1:
+        return mean, 0.0
+    within = sum((n - 1) * s * s for n, _, s in parts)
+    between = sum(n * (m - mean) ** 2 for n, m, _ in parts)
+    return mean, math.sqrt(max(within + between, 0.0) / (total - 1))
+
+
+def _group_key(overrides: dict[str, Any], fields: Sequence[str]) -> tuple:
+    return tuple(format_value(overrides.get(field, "")) for field in fields)
+
+
+def aggregate(runs: Sequence[dict[str, Any]], metrics: Sequence[str] | None = None,
+              earlier_rows: Sequence[dict[str, Any]] = ()
               ) -> tuple[list[str], list[str], list[dict[str, Any]]]:
     """(group fields, metric names, rows): a row per group of runs that differ only in their
-    seed, with `<metric>` = (mean, std) over the runs that have it and `seeds` = how many."""
+    seed, with `<metric>` = (mean, std) over the runs that have it and `seeds` = how many.
+    A run may carry its `final` metrics already (a run read back from a report.json).
+    `earlier_rows` (rows of an old report.json, with `seeds` and (mean, std) per metric) pool
+    into the group with the same field values."""
     for run in runs:
-        run["final"] = final_metrics(Path(run["workdir"]))
+        if "final" not in run:
+            run["final"] = final_metrics(Path(run["workdir"]))
     if metrics is None:
         names = {key for run in runs for key in run["final"] if key.startswith("eval_")}
+        names |= {key for row in earlier_rows for key in row if key.startswith("eval_")}
         metrics = sorted(names)
     fields: list[str] = []
     for run in runs:
         fields += [key for key in run["overrides"] if key != SEED_FIELD and key not in fields]
+    for row in earlier_rows:
+        missing = [f for f in fields if f not in row]
+        if missing:
+            raise ValueError(f"a merged report has no field {', '.join(missing)}; its fields: "
+                             f"{', '.join(k for k in row if not isinstance(row[k], list))}")
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for run in runs:
-        key = tuple(format_value(run["overrides"].get(field, "")) for field in fields)
-        groups.setdefault(key, []).append(run)
+        groups.setdefault(_group_key(run["overrides"], fields), []).append(run)
+    summaries: dict[tuple, list[dict[str, Any]]] = {}
+    for row in earlier_rows:
+        key = tuple(str(row[f]) for f in fields)
+        summaries.setdefault(key, []).append(row)
+        groups.setdefault(key, [])
     rows = []
     for key, members in groups.items():
         row: dict[str, Any] = dict(zip(fields, key, strict=True))
         done = [m for m in members if m["final"]]
-        row["seeds"] = len(done)
-        row["failed"] = sum(m.get("status") == "failed" for m in members)
+        old = summaries.get(key, [])
+        row["seeds"] = len(done) + sum(r["seeds"] for r in old)
+        row["failed"] = (sum(m.get("status") == "failed" for m in members)
+                         + sum(r.get("failed", 0) for r in old))
         for metric in metrics:
-            row[metric] = mean_std([m["final"][metric] for m in done if metric in m["final"]])
+            parts = [(1, m["final"][metric], 0.0) for m in done if metric in m["final"]]
+            parts += [(r["seeds"], *r[metric]) for r in old if metric in r]
+            row[metric] = pooled_mean_std(parts)
         rows.append(row)
     return fields, list(metrics), rows
+
+
+def read_merged(paths: Sequence[Path], runs: Sequence[dict[str, Any]]
+                ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[str]]:
+    """(runs, summary rows, notes) from earlier report.json files: their per-run records,
+    except runs named like one in `runs` (ROOT's own come first); the rows of a report that has
+    no per-run records; a line per file for the report."""
+    names = {run["name"] for run in runs}
+    merged_runs, summary_rows, notes = [], [], []
+    for path in paths:
+        try:
+            earlier = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as error:
+            raise ValueError(f"--merge {path}: not a readable report.json ({error})") from None
+        if not isinstance(earlier, dict) or "rows" not in earlier:
+            raise ValueError(f"--merge {path}: not a report.json (no 'rows')")
+        if "runs" in earlier:
+            fresh = [run for run in earlier["runs"] if run["name"] not in names]
+            names |= {run["name"] for run in fresh}
+            merged_runs += [{**run, "workdir": None} for run in fresh]
+            skipped = len(earlier["runs"]) - len(fresh)
+            notes.append(f"{path}: {len(fresh)} runs" + (f" ({skipped} already here)"
+                                                          if skipped else ""))
+        else:
+            summary_rows += [row for row in earlier["rows"] if row.get("seeds")]
+            notes.append(f"{path}: pooled from its rows (it has no per-run records)")
+    return merged_runs, summary_rows, notes
 
 
 def format_cell(value: tuple[float, float], seeds: int) -> str:
@@ -189,6 +260,8 @@ def plot_curves(runs: Sequence[dict], metric: str, path: Path) -> bool:
     figure, axes = plt.subplots(figsize=(6, 4))
     drawn = False
     for run in runs:
+        if not run.get("workdir"):
+            continue  # a run read back from a merged report.json: no curves
         workdir = Path(run["workdir"])
         if not (workdir / "metrics.jsonl").exists():
             continue
@@ -212,15 +285,16 @@ def length_table(runs: Sequence[dict], fields: Sequence[str], metric: str
     lengths: set[int] = set()
     per_run = {}
     for run in runs:
-        results = read_json(Path(run["workdir"]) / LENGTHS_FILE)
+        results = run.get("lengths") or (
+            read_json(Path(run["workdir"]) / LENGTHS_FILE) if run.get("workdir") else None)
         if results:
             per_run[run["name"]] = {int(k): v for k, v in results.items()}
             lengths |= set(per_run[run["name"]])
     groups: dict[tuple, list[dict]] = {}
     for run in runs:
         if run["name"] in per_run:
-            key = tuple(format_value(run["overrides"].get(f, "")) for f in fields)
-            groups.setdefault(key, []).append(per_run[run["name"]])
+            groups.setdefault(_group_key(run["overrides"], fields), []).append(
+                per_run[run["name"]])
     rows = []
     for key, members in groups.items():
         row: dict[str, Any] = dict(zip(fields, key, strict=True))
@@ -234,21 +308,27 @@ def length_table(runs: Sequence[dict], fields: Sequence[str], metric: str
 
 
 def write_report(root: Path, metrics: Sequence[str] | None = None, x_field: str | None = None,
-                 title: str | None = None) -> dict[str, Any]:
-    """Writes the table and plots; returns {"fields", "metrics", "rows", "files"}."""
-    runs = find_runs(root)
-    if not runs:
+                 title: str | None = None, merge: Sequence[Path] = ()) -> dict[str, Any]:
+    """Writes the table and plots; returns {"fields", "metrics", "rows", "files"}. `merge`:
+    earlier report.json files whose runs join ROOT's (see the module docstring)."""
+    runs = find_runs(root) if root.is_dir() else []
+    merged_runs, summary_rows, notes = read_merged(merge, runs)
+    runs = runs + merged_runs
+    if not runs and not summary_rows:
         raise FileNotFoundError(f"no runs under {root} (no sweep.json, no */metrics.jsonl)")
-    fields, metrics, rows = aggregate(runs, metrics)
+    fields, metrics, rows = aggregate(runs, metrics, summary_rows)
     if x_field is None:
         varying = [f for f in fields if len({row[f] for row in rows}) > 1]
         x_field = varying[0] if varying else (fields[0] if fields else None)
     elif x_field not in fields:
         raise ValueError(f"--x={x_field!r} is not a swept field; swept: {', '.join(fields)}")
+    root.mkdir(parents=True, exist_ok=True)
     files = []
     table = markdown_table(fields, metrics, rows)
     heading = title or f"Sweep {root}"
     sections = [f"# {heading}", "", table]
+    if notes:
+        sections += ["", "Merged with earlier reports:", *(f"- {note}" for note in notes)]
     for metric in metrics:
         lengths, length_rows = length_table(runs, fields, metric)
         if all(row[n] is None for row in length_rows for n in lengths):
@@ -270,7 +350,8 @@ def write_report(root: Path, metrics: Sequence[str] | None = None, x_field: str 
     (root / "report.md").write_text("\n".join(sections) + "\n")
     (root / "report.csv").write_text(csv_table(fields, metrics, rows))
     (root / "report.json").write_text(json.dumps(
-        {"fields": fields, "metrics": metrics, "rows": rows}, indent=1, default=str))
+        {"fields": fields, "metrics": metrics, "rows": rows, "runs": run_records(runs)},
+        indent=1, default=str))
     files += [root / "report.md", root / "report.csv", root / "report.json"]
     for metric in metrics:
         if x_field is not None and any(not math.isnan(row[metric][0]) for row in rows):
@@ -283,6 +364,22 @@ def write_report(root: Path, metrics: Sequence[str] | None = None, x_field: str 
     if plot_curves(runs, "train_loss", root / "curves_train_loss.png"):
         files.append(root / "curves_train_loss.png")
     return {"fields": fields, "metrics": metrics, "rows": rows, "files": files, "table": table}
+
+
+def run_records(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """What report.json keeps of each run: name, overrides, status, final metrics and the
+    eval-length results, enough for a later `--merge` without the workdir."""
+    records = []
+    for run in runs:
+        lengths = run.get("lengths")
+        if lengths is None and run.get("workdir"):
+            lengths = read_json(Path(run["workdir"]) / LENGTHS_FILE)
+        record = {"name": run["name"], "overrides": run["overrides"],
+                  "status": run.get("status", "done"), "final": run["final"]}
+        if lengths:
+            record["lengths"] = lengths
+        records.append(record)
+    return records
 
 
 def _plot_lengths(lengths: Sequence[int], rows: Sequence[dict], fields: Sequence[str],
@@ -309,10 +406,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="comma-separated metric names (default: every eval_* metric)")
     parser.add_argument("--x", default=None, help="the swept field on the plots' x axis")
     parser.add_argument("--title", default=None)
+    parser.add_argument("--merge", action="append", default=[], metavar="REPORT_JSON",
+                        help="an earlier report.json whose runs join ROOT's (repeatable)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     metrics = args.metrics.split(",") if args.metrics else None
     try:
-        result = write_report(Path(args.root), metrics, args.x, args.title)
+        result = write_report(Path(args.root), metrics, args.x, args.title,
+                              [Path(p) for p in args.merge])
     except (FileNotFoundError, ValueError) as error:
         sys.stderr.write(f"launch.sh report: {error}\n")
         return 2
