@@ -4,14 +4,17 @@ and the JSON object it printed last (what `./launch.sh train/eval` print at the 
     python experiments/record.py experiments/results/NAME/FILE -- ./launch.sh eval CONFIG ...
 
 Writes FILE.json ({"command", "wall_s", "machine", "result"}) and FILE.md; the command's own
-output still goes to the terminal. Exits with the command's status, writing nothing on failure,
-so a failed run never replaces an earlier record.
+output still goes to the terminal. When the result names a `workdir` with a metrics.jsonl (what
+`./launch.sh train` prints), FILE.metrics.jsonl keeps that run's learning curve too. Exits with
+the command's status, writing nothing on failure, so a failed run never replaces an earlier
+record.
 """
 
 from __future__ import annotations
 
 import json
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -70,6 +73,10 @@ def main(argv: list[str]) -> int:
     target.parent.mkdir(parents=True, exist_ok=True)
     target.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
     target.with_suffix(".md").write_text(markdown(record))
+    workdir = (record["result"] or {}).get("workdir")
+    curve = ROOT / workdir / "metrics.jsonl" if isinstance(workdir, str) else None
+    if curve is not None and curve.is_file():
+        shutil.copy(curve, target.with_suffix(".metrics.jsonl"))
     print(f"wrote {target.with_suffix('.json')} and .md")
     return 0
 

@@ -35,3 +35,13 @@ def test_a_failing_command_keeps_the_earlier_record(tmp_path):
     assert process.returncode == 3
     assert "nothing written" in process.stderr
     assert (tmp_path / "r.json").read_text() == before
+
+
+def test_the_learning_curve_of_the_printed_workdir_is_kept(tmp_path):
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    curve = '{"step": 1, "eval_bleu": 1.0}\n{"step": 2, "eval_bleu": 2.0}\n'
+    (workdir / "metrics.jsonl").write_text(curve)
+    code = f"import json; print(json.dumps({{'workdir': {str(workdir)!r}, 'eval_bleu': 2.0}}))"
+    assert _record(tmp_path / "r", code).returncode == 0
+    assert (tmp_path / "r.metrics.jsonl").read_text() == curve
