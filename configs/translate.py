@@ -106,7 +106,9 @@ def get_config(arg: str | None = None):
         c.data.batch_size = 256
         c.train.update(num_steps=100_000, eval_every=10_000)
 
-    apply_variants(config, arg, {"small": small, "cpu": cpu, "cpu_long": cpu_long, "runlocal": runlocal, "wmt": wmt})
+    variants = {"small": small, "cpu": cpu, "cpu_long": cpu_long, "runlocal": runlocal,
+                "wmt": wmt}
+    apply_variants(config, arg, variants)
     return config
 
 
