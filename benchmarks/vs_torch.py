@@ -4,6 +4,7 @@
     python benchmarks/vs_torch.py                         # the full run (about 25 minutes)
     python benchmarks/vs_torch.py --quick                 # batch 16, fewer repeats (5 minutes)
     python benchmarks/vs_torch.py --only train --dtypes float32
+    python benchmarks/vs_torch.py --only train --dtypes float32 --dropout_rng threefry,rbg
 
 Training: a char GPT (6 layers, 6 heads, d_model 384, block 256, batch 64, dropout 0.2, learned
 positions, pre-LN, GELU, no biases, tied output, AdamW), as tfm's real `train.train_step` and as
@@ -152,7 +153,7 @@ def model_config(args, dtype: str, max_len: int) -> ModelConfig:
     )
 
 
-def tfm_train_runner(args, dtype: str, batch: dict):
+def tfm_train_runner(args, dtype: str, batch: dict, dropout_rng: str = "threefry"):
     config = model_config(args, dtype, args.block)
     model = DecoderLM(config)
     optimizer = optax.adamw(1e-3, b1=0.9, b2=0.99, weight_decay=0.1)
@@ -168,6 +169,7 @@ def tfm_train_runner(args, dtype: str, batch: dict):
         lambda s, b: train.train_step(
             s, b, model=model, mode="lm", optimizer=optimizer,
             schedule=optax.constant_schedule(1e-3), label_smoothing=0.0,
+            dropout_rng_impl=dropout_rng,
         ),
         donate_argnums=(0,),
     )
@@ -223,27 +225,30 @@ def bench_train(args, peaks: dict) -> list[dict]:
     }
     tokens = args.batch * args.block
     rows = []
+    impls = args.dropout_rng.split(",")
     for dtype in args.dtypes.split(","):
-        tfm_run, config, compile_s = tfm_train_runner(args, dtype, batch)
+        tfm_runs = {impl: tfm_train_runner(args, dtype, batch, impl) for impl in impls}
         torch_run = torch_train_runner(args, dtype, inputs, targets)
-        tfm_times, torch_times = [], []
+        tfm_times: dict[str, list[float]] = {impl: [] for impl in impls}
+        torch_times = []
         for _ in range(args.repeats):  # interleaved
-            tfm_times.append(tfm_run(args.steps) / args.steps)
+            for impl, (tfm_run, _, _) in tfm_runs.items():
+                tfm_times[impl].append(tfm_run(args.steps) / args.steps)
             torch_times.append(torch_run(args.steps) / args.steps)
-        per_token = flops.flops_per_token(config, args.block, "lm")
+        torch_tps = tokens / statistics.median(torch_times)
         peak = max(peaks[dtype].values())
-        tfm_tps, torch_tps = tokens / statistics.median(tfm_times), tokens / statistics.median(
-            torch_times
-        )
-        rows.append({
-            "work": "train", "dtype": dtype, "batch": args.batch, "block": args.block,
-            "tfm_tokens_per_s": tfm_tps, "torch_tokens_per_s": torch_tps,
-            "ratio": tfm_tps / torch_tps,
-            "tfm_mfu": tfm_tps * per_token / peak, "torch_mfu": torch_tps * per_token / peak,
-            "tfm_step_s": sorted(tfm_times), "torch_step_s": sorted(torch_times),
-            "tfm_compile_s": compile_s, "flops_per_token": per_token,
-        })
-        print(json.dumps(rows[-1]), flush=True)
+        for impl, (_, config, compile_s) in tfm_runs.items():
+            per_token = flops.flops_per_token(config, args.block, "lm")
+            tfm_tps = tokens / statistics.median(tfm_times[impl])
+            rows.append({
+                "work": "train", "dtype": dtype, "dropout_rng": impl, "batch": args.batch,
+                "block": args.block, "tfm_tokens_per_s": tfm_tps, "torch_tokens_per_s": torch_tps,
+                "ratio": tfm_tps / torch_tps,
+                "tfm_mfu": tfm_tps * per_token / peak, "torch_mfu": torch_tps * per_token / peak,
+                "tfm_step_s": sorted(tfm_times[impl]), "torch_step_s": sorted(torch_times),
+                "tfm_compile_s": compile_s, "flops_per_token": per_token,
+            })
+            print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
@@ -342,7 +347,8 @@ def report(info: dict, peaks: dict, bandwidth: float, rows: list[dict], command:
         ]
         for r in train_rows:
             lines.append(
-                f"| {r['dtype']}, batch {r['batch']} x {r['block']} | "
+                f"| {r['dtype']}, batch {r['batch']} x {r['block']}"
+                f"{'' if r['dropout_rng'] == 'threefry' else ', dropout ' + r['dropout_rng']} | "
                 f"{r['tfm_tokens_per_s']:,.0f} | {r['torch_tokens_per_s']:,.0f} | "
                 f"**{r['ratio']:.2f}** | {100 * r['tfm_mfu']:.0f}% | {100 * r['torch_mfu']:.0f}% |"
             )
@@ -379,6 +385,9 @@ def main() -> None:
     parser.add_argument("--block", type=int, default=256)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--dropout", type=float, default=0.2)
+    parser.add_argument("--dropout_rng", default="threefry",
+                        help="tfm's dropout generators to time, comma-separated "
+                             "(train.dropout_rng: threefry, rbg, unsafe_rbg)")
     parser.add_argument("--steps", type=int, default=2, help="train steps per timing")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved train timings")
     parser.add_argument("--new_tokens", default="256,1024")

@@ -73,6 +73,9 @@ def _from_section(cls: type, values: Any, name: str) -> Any:
     return cls(**{key: tuple(v) if isinstance(v, list) else v for key, v in given.items()})
 
 
+DROPOUT_RNGS = ("threefry", "rbg", "unsafe_rbg")
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """The `train` section: the loop's length, logging, evaluation and checkpoint cadence."""
@@ -88,8 +91,13 @@ class TrainConfig:
     best_mode: str = "min"
     async_checkpoints: bool = True
     progress_bar: bool = True
+    # The generator of the dropout masks: "threefry" (jax's default), or "rbg" / "unsafe_rbg"
+    # (XLA's RngBitGenerator: cheaper bits, other masks). Each is reproducible for the same
+    # config, seed and mesh; "unsafe_rbg" may give other masks on another mesh or jax version.
+    dropout_rng: str = "threefry"
 
     def __post_init__(self) -> None:
+        check_choice("train.dropout_rng", self.dropout_rng, DROPOUT_RNGS)
         for field in ("num_steps", "log_every", "checkpoint_every"):
             check_int(f"train.{field}", getattr(self, field), 1)
         check_int("train.eval_every", self.eval_every, 0)

@@ -60,6 +60,17 @@ from tfm.experiment import (  # noqa: F401  (re-exported)
 )
 
 
+def dropout_key(base_rng: jax.Array, step: jax.Array, impl: str = "threefry") -> jax.Array:
+    """The dropout key of one step: the run's base key (uint32[2], threefry, as checkpointed)
+    folded with the step, so a resumed run draws the same masks. For impl "rbg"/"unsafe_rbg"
+    that key's bits seed a typed key of that generator (uint32[4] of key data), whose masks
+    cost less to draw; the checkpointed state is the same for every impl."""
+    key = jax.random.fold_in(base_rng, step)
+    if impl == "threefry":
+        return key
+    return jax.random.wrap_key_data(jax.random.bits(key, (4,), jnp.uint32), impl=impl)
+
+
 def train_step(
     state: TrainState,
     batch: Mapping[str, jax.Array],
@@ -70,10 +81,12 @@ def train_step(
     schedule: optax.Schedule,
     label_smoothing: float,
     grad_accum_steps: int = 1,
+    dropout_rng_impl: str = "threefry",
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One micro-batch step (pure); with grad_accum_steps = k the optimizer (optax.MultiSteps)
-    applies an update every k-th call. The loss is the token-weighted mean over real tokens."""
-    dropout_rng = jax.random.fold_in(state.rng, state.step)
+    applies an update every k-th call. The loss is the token-weighted mean over real tokens.
+    dropout_rng_impl: the generator of the dropout masks (train.dropout_rng)."""
+    dropout_rng = dropout_key(state.rng, state.step, dropout_rng_impl)
 
     def loss_fn(params):
         logits = compute_logits(
@@ -112,6 +125,7 @@ def jit_steps(experiment: Experiment, shardings: Any) -> tuple[Callable, Callabl
         schedule=experiment.schedule,
         label_smoothing=experiment.train.label_smoothing,
         grad_accum_steps=experiment.optimizer_config.grad_accum_steps,
+        dropout_rng_impl=experiment.train.dropout_rng,
     )
     jit_train = jax.jit(
         step_fn,
