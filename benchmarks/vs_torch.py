@@ -68,11 +68,12 @@ def best_time(fn, repeats: int = 5) -> float:
     return min(times)
 
 
-def matmul_peaks(size: int = 2048) -> dict:
-    """Best FLOP/s of a size^3 matmul, jax and torch, float32 and bfloat16 (f32 accumulation
-    in jax; torch bf16 output)."""
+def matmul_peaks(dtypes: list[str], size: int = 2048) -> dict:
+    """Best FLOP/s of a size^3 matmul, jax and torch, in each of `dtypes` (bfloat16: f32
+    accumulation in jax; torch bf16 output). Only the dtypes benchmarked: an emulated bf16
+    matmul takes minutes."""
     peaks = {}
-    for dtype in ("float32", "bfloat16"):
+    for dtype in dtypes:
         a = jnp.ones((size, size), dtype)
         dot = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
         jax_time = best_time(lambda dot=dot, a=a: dot(a, a).block_until_ready())
@@ -404,7 +405,7 @@ def main() -> None:
         print("warning: this CPU has no native bfloat16 (no AMX / AVX512-BF16); bfloat16 runs "
               "emulated and is expected to be slower than float32 on both sides", flush=True)
     # The matmul peaks are only for training MFU (torch's emulated bf16 peak alone takes minutes).
-    peaks = matmul_peaks() if args.only != "decode" else {}
+    peaks = matmul_peaks(args.dtypes.split(",")) if args.only != "decode" else {}
     bandwidth = memory_bandwidth()
     rows = []
     if args.only in (None, "train"):
