@@ -102,6 +102,23 @@ def test_dry_run_lists_runs_and_commands(capsys):
     assert not Path("/tmp/never_written").exists()
 
 
+def test_only_keeps_the_matching_runs_under_the_whole_sweeps_names(capsys):
+    args = ["configs/synthetic_lm.py:short", "--seeds", "1", "--dry_run", "--workdir", "/tmp/nw"]
+    assert sweep.main([*args, "--only", "data.task=reverse", "--only", "seed=1"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("7 runs of configs/synthetic_lm.py:short under /tmp/nw:")
+    assert "task=reverse,position_scheme=alibi,seed=1\n" in out  # the task stays in the name
+    assert "task=copy" not in out
+    assert sweep.main([*args, "--only", "position_scheme=rope"]) == 0
+    assert capsys.readouterr().out.startswith("3 runs")  # rope on copy, reverse, addition
+    for bad, message in [("data.task=sort", "no run has data.task=sort; values: addition, copy"),
+                         ("d_model=64", "'d_model' is not one swept field; swept: data.task"),
+                         ("reverse", "must be FIELD=VALUE")]:
+        assert sweep.main([*args, "--only", bad]) == 2
+        assert message in capsys.readouterr().err
+    assert not Path("/tmp/nw").exists()
+
+
 def test_launch_sh_sweep_dry_run():
     result = subprocess.run(
         ["bash", str(REPO / "launch.sh"), "sweep", "configs/synthetic_lm.py:reverse,runlocal",

@@ -441,6 +441,29 @@ def slurm_script(runs: Sequence[Run], root: Path, *, job_name: str, parallel: in
 # ------------------------------------------------------------------------- command line
 
 
+def select(overrides: Sequence[Overrides], only: Sequence[str]) -> list[Overrides]:
+    """The runs whose overrides match every `FIELD=VALUE` in `only` (values as on the command
+    line; FIELD is the full path, e.g. data.task, or its last part). A field no run sets, or a
+    value no run has, is a ValueError that lists what there is."""
+    selected = list(overrides)
+    for condition in only:
+        field, equals, value = condition.partition("=")
+        if not equals or not field:
+            raise ValueError(f"--only {condition!r} must be FIELD=VALUE, e.g. data.task=reverse")
+        fields = sorted({key for run in overrides for key in run})
+        matches = [key for key in fields if key == field or key.rsplit(".", 1)[-1] == field]
+        if len(matches) != 1:
+            raise ValueError(f"--only {condition!r}: {field!r} is not one swept field; "
+                             f"swept: {', '.join(fields)}")
+        key = matches[0]
+        values = sorted({format_value(run[key]) for run in overrides if key in run})
+        if value not in values:
+            raise ValueError(f"--only {condition!r}: no run has {key}={value}; "
+                             f"values: {', '.join(values)}")
+        selected = [run for run in selected if key in run and format_value(run[key]) == value]
+    return selected
+
+
 def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(
         prog="./launch.sh sweep", description="Train every run of a config's get_sweep(ARG).")
@@ -449,6 +472,10 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
                         help="comma-separated train.seed values, crossed with the sweep")
     parser.add_argument("--parallel", type=int, default=1, help="local runs at a time")
     parser.add_argument("--dry_run", action="store_true", help="print the runs, run nothing")
+    parser.add_argument("--only", action="append", default=[], metavar="FIELD=VALUE",
+                        help="keep the runs with this override (repeatable: all must hold), "
+                             "e.g. --only data.task=reverse; names and ROOT stay those of "
+                             "the whole sweep")
     parser.add_argument("--workdir", default=None,
                         help="sweep root (default workdirs/sweeps/<config>[_<arg>])")
     parser.add_argument("--eval_seq_len", default=None,
@@ -473,7 +500,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         seeds = None if args.seeds is None else [int(s) for s in args.seeds.split(",")]
-        overrides = with_seeds(load_sweep(args.config), seeds)
+        overrides = select(with_seeds(load_sweep(args.config), seeds), args.only)
     except (ValueError, FileNotFoundError) as error:
         sys.stderr.write(f"launch.sh sweep: {error}\n")
         return 2
