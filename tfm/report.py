@@ -125,7 +125,9 @@ def aggregate(runs: Sequence[dict[str, Any]], metrics: Sequence[str] | None = No
     rows = []
     for key, members in groups.items():
         row: dict[str, Any] = dict(zip(fields, key, strict=True))
-        done = [m for m in members if m["final"]]
+        # A run counts once it has one of the table's metrics (a run stopped before its first
+        # evaluation has only training metrics).
+        done = [m for m in members if any(metric in m["final"] for metric in metrics)]
         old = summaries.get(key, [])
         row["seeds"] = len(done) + sum(r["seeds"] for r in old)
         row["failed"] = (sum(m.get("status") == "failed" for m in members)
