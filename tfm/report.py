@@ -128,7 +128,8 @@ def aggregate(runs: Sequence[dict[str, Any]], metrics: Sequence[str] | None = No
         # A run counts once it has one of the table's metrics (a run stopped before its first
         # evaluation has only training metrics).
         done = [m for m in members if any(metric in m["final"] for metric in metrics)]
-        old = summaries.get(key, [])
+        old = [r for r in summaries.get(key, [])
+               if any(metric in r and not math.isnan(r[metric][0]) for metric in metrics)]
         row["seeds"] = len(done) + sum(r["seeds"] for r in old)
         row["failed"] = (sum(m.get("status") == "failed" for m in members)
                          + sum(r.get("failed", 0) for r in old))
