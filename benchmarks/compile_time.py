@@ -73,7 +73,6 @@ def decode_compile_seconds(config: ModelConfig, batch: int = 1, new_tokens: int 
     generate._lm_generate_jit.lower(
         params, jnp.zeros((batch, 8), jnp.int32), jnp.full((batch,), 8), jax.random.PRNGKey(0),
         config, decode, EOS_ID,
-        generate.use_transposed_kernels(config, decode, batch),
     ).compile()
     return time.perf_counter() - start
 

@@ -14,8 +14,7 @@ the two residual branches; eager mode, `F.scaled_dot_product_attention`). bfloat
 Decoding: greedy, 8-token prompts, batch 1 and 8, 256 and 1,024 new tokens, tfm's
 `lm_generate` (one jitted while_loop, KV cache) against Hugging Face `generate` (KV cache) on a
 GPT-2 of the same size. Also the batch-1 weight-bandwidth bound: weight bytes per token over the
-measured memory bandwidth. With several rows, also tfm reading its kernels as stored, [in, out]
-(`transposed_kernels=False`; by default decoding on CPU reads them transposed).
+measured memory bandwidth.
 
 Repeats interleave the two frameworks, and medians are reported, because the machine is shared.
 MFU is against the best measured matmul peak of either framework in that dtype. Writes
@@ -289,11 +288,9 @@ def bench_decode(args, bandwidth: float) -> list[dict]:
                 continue  # the grid: 1,024 new tokens at batch 1
             prompts = np.random.default_rng(batch).integers(3, VOCAB, (batch, 8))
 
-            def tfm_run(cfg=config, p=params, prompts=prompts, new_tokens=new_tokens,
-                        transposed=None):
+            def tfm_run(cfg=config, p=params, prompts=prompts, new_tokens=new_tokens):
                 out = lm_generate(p, cfg, prompts, np.full(len(prompts), 8),
-                                  max_new_tokens=new_tokens, eos_id=2,
-                                  transposed_kernels=transposed)
+                                  max_new_tokens=new_tokens, eos_id=2)
                 return np.asarray(out.lengths)
 
             def hf_run(prompts=prompts, new_tokens=new_tokens):
@@ -309,14 +306,9 @@ def bench_decode(args, bandwidth: float) -> list[dict]:
                                                                          prompts, n)
             assert (tfm_run() == new_tokens).all() and hf_run() == new_tokens
             tfm_bf16_run()
-            runs = [("tfm", tfm_run), ("tfm_bf16", tfm_bf16_run), ("hf", hf_run)]
-            if batch > 1:  # also the kernels as stored, [in, out] (tfm's CPU default reads
-                # them transposed, [out, in], when decoding several rows)
-                runs.append(("tfm_stored", lambda: tfm_run(transposed=False)))
-                runs[-1][1]()
-            times = {name: [] for name, _ in runs}
+            times = {"tfm": [], "tfm_bf16": [], "hf": []}
             for _ in range(args.decode_repeats):
-                for name, fn in runs:
+                for name, fn in (("tfm", tfm_run), ("tfm_bf16", tfm_bf16_run), ("hf", hf_run)):
                     start = time.perf_counter()
                     fn()
                     times[name].append(time.perf_counter() - start)
@@ -327,8 +319,6 @@ def bench_decode(args, bandwidth: float) -> list[dict]:
                 "hf_tokens_per_s": tps["hf"], "ratio": tps["tfm"] / tps["hf"],
                 "bf16_ratio": tps["tfm_bf16"] / tps["hf"],
             }
-            if "tfm_stored" in tps:
-                row["tfm_stored_kernels_tokens_per_s"] = tps["tfm_stored"]
             if batch == 1:
                 bound = bandwidth / weight_bytes  # tokens/s if only the f32 weights were read
                 row.update(bandwidth_bound_tokens_per_s=bound,
@@ -368,8 +358,8 @@ def report(info: dict, peaks: dict, bandwidth: float, rows: list[dict], command:
     if decode_rows:
         lines += [
             "| greedy decoding | tfm tokens/s | tfm bf16 tokens/s | HF generate tokens/s | "
-            "tfm / HF | bf16 / HF | batch-1 bound (f32 weights) | tfm, kernels as stored |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|",
+            "tfm / HF | bf16 / HF | batch-1 bound (f32 weights) |",
+            "|---|---:|---:|---:|---:|---:|---:|",
         ]
         for r in decode_rows:
             bound = (f"{r['bandwidth_bound_tokens_per_s']:,.0f} tokens/s "
@@ -378,9 +368,7 @@ def report(info: dict, peaks: dict, bandwidth: float, rows: list[dict], command:
             lines.append(
                 f"| batch {r['batch']}, {r['new_tokens']} new | {r['tfm_tokens_per_s']:,.0f} | "
                 f"{r['tfm_bf16_tokens_per_s']:,.0f} | {r['hf_tokens_per_s']:,.0f} | "
-                f"**{r['ratio']:.2f}** | {r['bf16_ratio']:.2f} | {bound} | "
-                + (f"{r['tfm_stored_kernels_tokens_per_s']:,.0f} |"
-                   if "tfm_stored_kernels_tokens_per_s" in r else " |")
+                f"**{r['ratio']:.2f}** | {r['bf16_ratio']:.2f} | {bound} |"
             )
         lines.append("")
     lines.append(f"Command: `{command}`")

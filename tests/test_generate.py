@@ -188,44 +188,6 @@ def test_translate_greedy_with_cache_equals_recomputation(scheme):
 
 
 # ---------------------------------------------------------------------------------------------
-# Decoding with the kernels transposed ([out, in], the CPU default for several rows)
-
-
-@pytest.mark.parametrize("method", ["greedy", "beam"])
-def test_transposed_kernels_decode_as_the_stored_layout(method):
-    lm_config, lm_params = lm_setup("rope")
-    s2s_config, s2s_params = seq2seq_setup("sinusoidal")
-    options = dict(method=method, beam_size=2)
-    runs = {
-        "lm": lambda t: lm_generate(lm_params, lm_config, PROMPTS, PROMPT_LENGTHS,
-                                    max_new_tokens=MAX_NEW, transposed_kernels=t, **options),
-        "translate": lambda t: translate(s2s_params, s2s_config, SOURCE, extra_len=EXTRA_LEN,
-                                         transposed_kernels=t, **options),
-    }
-    for name, run in runs.items():
-        stored, transposed = run(False), run(True)
-        np.testing.assert_array_equal(transposed.tokens, stored.tokens, err_msg=name)
-        np.testing.assert_allclose(transposed.scores, stored.scores, rtol=1e-5, atol=1e-5,
-                                   err_msg=name)
-
-
-def test_when_decoding_reads_transposed_kernels():
-    from tfm.decoding import DecodeConfig
-    from tfm.generate import use_transposed_kernels
-
-    config = config_for("rope")
-    greedy, beam = DecodeConfig("greedy", 4), DecodeConfig("beam", 4, beam_size=2)
-    assert use_transposed_kernels(config, greedy, batch=8) == (jax.default_backend() == "cpu")
-    assert not use_transposed_kernels(config, greedy, batch=1)  # one row: no gain
-    assert use_transposed_kernels(config, beam, batch=1) == (jax.default_backend() == "cpu")
-    scanned = config_for("rope", scan_layers=True)
-    assert not use_transposed_kernels(scanned, greedy, batch=8)
-    assert not use_transposed_kernels(config, greedy, batch=8, requested=False)
-    with pytest.raises(ValueError, match="scan_layers"):
-        use_transposed_kernels(scanned, greedy, batch=8, requested=True)
-
-
-# ---------------------------------------------------------------------------------------------
 # Beam 1, top-k 1 and seeds
 
 

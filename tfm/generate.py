@@ -20,7 +20,6 @@ from tfm.cache import init_cache
 from tfm.config import MODES, ModelConfig, check_choice
 from tfm.data.tokenizers import BOS_ID, EOS_ID, content_ids
 from tfm.decoding import DecodeConfig
-from tfm.layers import TRANSPOSED_KERNELS
 from tfm.models import DecoderLM, EncoderDecoder
 
 
@@ -45,45 +44,18 @@ def _check_length(config: ModelConfig, total_len: int) -> None:
         )
 
 
-def use_transposed_kernels(
-    config: ModelConfig, decode: DecodeConfig, batch: int, requested: bool | None = None
-) -> bool:
-    """Whether decoding reads its projection kernels transposed, [out, in] (copied once per call,
-    before the loop; layers.TRANSPOSED_KERNELS). XLA CPU reads weights about 1.3-1.4x faster that
-    way in a matmul with a few rows and equally fast with one, so by default (requested=None):
-    on CPU with more than one row (batch x beams), and never under scan_layers (the stacked
-    layers would need the collection scanned too). The tokens are the same either way; logits
-    differ by float32 rounding."""
-    rows = batch * (decode.beam_size if decode.method == "beam" else 1)
-    if requested is None:
-        return jax.default_backend() == "cpu" and rows > 1 and not config.scan_layers
-    if requested and config.scan_layers:
-        raise ValueError("transposed_kernels=True does not work with scan_layers=True")
-    return requested
-
-
-def _apply_first(model, params, transposed: bool, *args, **kwargs) -> tuple[Any, dict]:
-    """model.apply for the first decoding call, which also makes the transposed kernels when
-    asked: (output, the variables every later call uses)."""
-    variables = {"params": params}
-    if not transposed:
-        return model.apply(variables, *args, **kwargs), variables
-    output, made = model.apply(variables, *args, mutable=[TRANSPOSED_KERNELS], **kwargs)
-    return output, {**variables, **made}
-
-
-@functools.partial(jax.jit, static_argnames=("config", "decode", "eos_id", "transposed"))
-def _lm_generate_jit(params, prompts, prompt_lengths, rng, config, decode, eos_id, transposed):
+@functools.partial(jax.jit, static_argnames=("config", "decode", "eos_id"))
+def _lm_generate_jit(params, prompts, prompt_lengths, rng, config, decode, eos_id):
     model = DecoderLM(config)
     batch, prompt_len = prompts.shape
     cache = init_cache(config, batch, prompt_len + decode.max_new_tokens)
-    (logits, cache), variables = _apply_first(model, params, transposed, prompts, cache=cache)
+    logits, cache = model.apply({"params": params}, prompts, cache=cache)
     # Rows continue from their own prompt end; slots past it are overwritten as they decode.
     cache = cache.replace(lengths=prompt_lengths.astype(jnp.int32))
     last = jnp.take_along_axis(logits, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
 
     def tokens_to_logits(tokens, cache):
-        return model.apply(variables, tokens, cache=cache)
+        return model.apply({"params": params}, tokens, cache=cache)
 
     return decoding.decode(
         tokens_to_logits, last, cache, rng, decode, max_new_tokens=decode.max_new_tokens,
@@ -100,12 +72,10 @@ def lm_generate(
     *,
     eos_id: int = EOS_ID,
     rng: jax.Array | None = None,
-    transposed_kernels: bool | None = None,
     **options: Any,
 ) -> Any:
     """Continues each prompt as `decode` says (default: greedy, 64 new tokens); `options`
     (method=, max_new_tokens=, beam_size=, ... : DecodeConfig fields) replace its fields.
-    transposed_kernels: see use_transposed_kernels (None = by device and rows).
     Returns decoding.DecodeOutput (greedy, sample) or BeamOutput (beam)."""
     decode = _decode_config(decode, options)
     prompts = np.asarray(prompts)
@@ -121,18 +91,13 @@ def lm_generate(
         raise ValueError("max_new_tokens=None must be an integer >= 1 for a decoder-only LM")
     _check_length(config, int(prompt_lengths.max()) + decode.max_new_tokens)
     rng = jax.random.PRNGKey(0) if rng is None else rng
-    transposed = use_transposed_kernels(config, decode, len(prompts), transposed_kernels)
     return _lm_generate_jit(
-        params, jnp.asarray(prompts), jnp.asarray(prompt_lengths), rng, config, decode, eos_id,
-        transposed,
+        params, jnp.asarray(prompts), jnp.asarray(prompt_lengths), rng, config, decode, eos_id
     )
 
 
-@functools.partial(
-    jax.jit, static_argnames=("config", "decode", "bos_id", "eos_id", "transposed")
-)
-def _translate_jit(params, source, source_lengths, rng, config, decode, bos_id, eos_id,
-                   transposed):
+@functools.partial(jax.jit, static_argnames=("config", "decode", "bos_id", "eos_id"))
+def _translate_jit(params, source, source_lengths, rng, config, decode, bos_id, eos_id):
     model = EncoderDecoder(config)
     batch, source_len = source.shape
     source_valid = jnp.arange(source_len)[None, :] < source_lengths[:, None]
@@ -141,14 +106,18 @@ def _translate_jit(params, source, source_lengths, rng, config, decode, bos_id, 
     )
     cache = init_cache(config, batch, decode.max_new_tokens + 1, source_len=source_len)
     bos = jnp.full((batch, 1), bos_id, jnp.int32)
-    (logits, cache), variables = _apply_first(
-        model, params, transposed, bos, encoded=encoded, source_valid=source_valid, cache=cache,
+    logits, cache = model.apply(
+        {"params": params},
+        bos,
+        encoded=encoded,
+        source_valid=source_valid,
+        cache=cache,
         method=EncoderDecoder.decode,
     )
 
     def tokens_to_logits(tokens, cache):
         return model.apply(
-            variables, tokens, encoded=None, cache=cache, method=EncoderDecoder.decode
+            {"params": params}, tokens, encoded=None, cache=cache, method=EncoderDecoder.decode
         )
 
     source_lengths = source_valid.sum(axis=1).astype(jnp.int32)
@@ -170,7 +139,6 @@ def translate(
     bos_id: int = BOS_ID,
     eos_id: int = EOS_ID,
     rng: jax.Array | None = None,
-    transposed_kernels: bool | None = None,
     **options: Any,
 ) -> Any:
     """Translates as `decode` says, by default with the paper's settings: beam 4, alpha 0.6, at
@@ -191,7 +159,6 @@ def translate(
         decode = dataclasses.replace(decode, max_new_tokens=source.shape[1] + decode.extra_len)
     _check_length(config, decode.max_new_tokens + 1)
     rng = jax.random.PRNGKey(0) if rng is None else rng
-    transposed = use_transposed_kernels(config, decode, len(source), transposed_kernels)
     return _translate_jit(
         params,
         jnp.asarray(source),
@@ -201,7 +168,6 @@ def translate(
         decode,
         bos_id,
         eos_id,
-        transposed,
     )
 
 

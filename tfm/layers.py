@@ -20,11 +20,6 @@ from tfm.config import ModelConfig
 Array = jax.Array
 
 
-# A variable collection holding each Projection's kernel as [out, in] (flattened), made once
-# per decoding call by generate.py: XLA CPU's few-row matmuls read weights faster that way.
-TRANSPOSED_KERNELS = "transposed_kernels"
-
-
 def _kernel(names: tuple[str | None, ...], init: Any = None) -> Any:
     return nn.with_logical_partitioning(init or nn.initializers.xavier_uniform(), names)
 
@@ -39,9 +34,7 @@ class Projection(nn.Module):
     kernel: [*in_features, *features] with logical axis `names`; Glorot-uniform over those
     fans. The matmul is `tfm.ops.linear`: compute-dtype operands in both passes, float32
     accumulation. `kernel` and `bias` are attributes, so a layer can fuse several projections
-    of one input into one matmul (`project_together`). When the TRANSPOSED_KERNELS collection is
-    mutable (it is then filled) or given, `kernel_t` is the kernel as [prod(features),
-    prod(in_features)] and the matmul reads it instead (`ops.linear_transposed`).
+    of one input into one matmul (`project_together`).
     """
 
     config: ModelConfig
@@ -62,14 +55,6 @@ class Projection(nn.Module):
             self.bias = self.param(
                 "bias", _zeros(self.names[n_in:]), self.features, config.params_dtype
             )
-        self.kernel_t = None
-        if self.is_mutable_collection(TRANSPOSED_KERNELS) or self.has_variable(
-            TRANSPOSED_KERNELS, "kernel"
-        ):
-            flat = (math.prod(self.in_features), math.prod(self.features))
-            self.kernel_t = self.variable(
-                TRANSPOSED_KERNELS, "kernel", lambda: self.kernel.reshape(flat).T
-            ).value
 
     def __call__(self, x: Array) -> Array:  # x: [..., *in_features] -> [..., *features]
         return project_together(self.config, x, [self])[0]
@@ -84,19 +69,18 @@ def project_together(config: ModelConfig, x: Array, projections: list[Projection
     """
     num_in = len(projections[0].in_features)
     widths = [math.prod(p.features) for p in projections]
+    kernels = [p.kernel.reshape(*p.in_features, math.prod(p.features)) for p in projections]
+    kernel = kernels[0] if len(kernels) == 1 else jnp.concatenate(kernels, axis=-1)
     has_bias = projections[0].bias is not None
     if any((p.bias is not None) != has_bias for p in projections):
         raise ValueError("project_together needs projections that all have a bias or all none")
-    dtypes = dict(compute_dtype=config.compute_dtype,
-                  out_dtype=jnp.float32 if has_bias else config.compute_dtype)
-    if all(p.kernel_t is not None for p in projections):  # decoding: [out, in] kernels
-        kernels_t = [p.kernel_t for p in projections]
-        kernel_t = kernels_t[0] if len(kernels_t) == 1 else jnp.concatenate(kernels_t, axis=0)
-        y = ops.linear_transposed(x, kernel_t, num_contracted=num_in, **dtypes)
-    else:
-        kernels = [p.kernel.reshape(*p.in_features, math.prod(p.features)) for p in projections]
-        kernel = kernels[0] if len(kernels) == 1 else jnp.concatenate(kernels, axis=-1)
-        y = ops.linear(x, kernel, num_contracted=num_in, **dtypes)
+    y = ops.linear(
+        x,
+        kernel,
+        num_contracted=num_in,
+        compute_dtype=config.compute_dtype,
+        out_dtype=jnp.float32 if has_bias else config.compute_dtype,
+    )
     if has_bias:
         bias = jnp.concatenate([p.bias.reshape(-1) for p in projections])
         y = (y + bias.astype(jnp.float32)).astype(config.compute_dtype)
