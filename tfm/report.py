@@ -288,8 +288,7 @@ def length_table(runs: Sequence[dict], fields: Sequence[str], metric: str
     lengths: set[int] = set()
     per_run = {}
     for run in runs:
-        results = run.get("lengths") or (
-            read_json(Path(run["workdir"]) / LENGTHS_FILE) if run.get("workdir") else None)
+        results = run.get("lengths")
         if results:
             per_run[run["name"]] = {int(k): v for k, v in results.items()}
             lengths |= set(per_run[run["name"]])
@@ -315,6 +314,8 @@ def write_report(root: Path, metrics: Sequence[str] | None = None, x_field: str 
     """Writes the table and plots; returns {"fields", "metrics", "rows", "files"}. `merge`:
     earlier report.json files whose runs join ROOT's (see the module docstring)."""
     runs = find_runs(root) if root.is_dir() else []
+    for run in runs:  # read once: the length tables and report.json's run records use it
+        run["lengths"] = read_json(Path(run["workdir"]) / LENGTHS_FILE)
     merged_runs, summary_rows, notes = read_merged(merge, runs)
     runs = runs + merged_runs
     if not runs and not summary_rows:
@@ -375,8 +376,6 @@ def run_records(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     records = []
     for run in runs:
         lengths = run.get("lengths")
-        if lengths is None and run.get("workdir"):
-            lengths = read_json(Path(run["workdir"]) / LENGTHS_FILE)
         record = {"name": run["name"], "overrides": run["overrides"],
                   "status": run.get("status", "done"), "final": run["final"]}
         if lengths:

@@ -63,8 +63,8 @@ from tfm.experiment import (  # noqa: F401  (re-exported)
 def dropout_key(base_rng: jax.Array, step: jax.Array, impl: str = "threefry") -> jax.Array:
     """The dropout key of one step: the run's base key (uint32[2], threefry, as checkpointed)
     folded with the step, so a resumed run draws the same masks. For impl "rbg"/"unsafe_rbg"
-    that key's bits seed a typed key of that generator (uint32[4] of key data), whose masks
-    cost less to draw; the checkpointed state is the same for every impl."""
+    that key's bits seed a typed key of that generator (XLA's RngBitGenerator, uint32[4] of key
+    data); the checkpointed state is the same for every impl."""
     key = jax.random.fold_in(base_rng, step)
     if impl == "threefry":
         return key
