@@ -206,15 +206,23 @@ def _pyplot():
     return plt
 
 
+# More legend entries than this are drawn below the axes (a sweep's learning curves, one per run).
+_LEGEND_INSIDE = 10
+
+
 def _save(plt, figure, axes, xlabel: str, ylabel: str, path: Path, legend: bool = True) -> None:
     """Labels, grid and legend, then the PNG; closes the figure."""
     axes.set_xlabel(xlabel)
     axes.set_ylabel(ylabel)
     axes.grid(alpha=0.3)
-    if legend:
+    entries = len(axes.get_legend_handles_labels()[1]) if legend else 0
+    figure.tight_layout()  # before a legend below the axes, which must not shrink them
+    if entries > _LEGEND_INSIDE:  # many runs: the legend goes below the axes, not over them
+        axes.legend(fontsize=6, ncol=2, loc="upper left", bbox_to_anchor=(0.0, -0.18))
+    elif entries:
         axes.legend(fontsize=7)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
+        figure.tight_layout()
+    figure.savefig(path, dpi=120, bbox_inches="tight")  # "tight" grows the PNG to fit it
     plt.close(figure)
 
 
