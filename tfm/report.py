@@ -216,12 +216,11 @@ def _save(plt, figure, axes, xlabel: str, ylabel: str, path: Path, legend: bool 
     axes.set_ylabel(ylabel)
     axes.grid(alpha=0.3)
     entries = len(axes.get_legend_handles_labels()[1]) if legend else 0
-    figure.tight_layout()  # before a legend below the axes, which must not shrink them
+    figure.tight_layout()  # before the legend: one below the axes must not shrink them
     if entries > _LEGEND_INSIDE:  # many runs: the legend goes below the axes, not over them
         axes.legend(fontsize=6, ncol=2, loc="upper left", bbox_to_anchor=(0.0, -0.18))
     elif entries:
         axes.legend(fontsize=7)
-        figure.tight_layout()
     figure.savefig(path, dpi=120, bbox_inches="tight")  # "tight" grows the PNG to fit it
     plt.close(figure)
 
