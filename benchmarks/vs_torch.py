@@ -4,7 +4,7 @@
     python benchmarks/vs_torch.py                         # the full run (about 25 minutes)
     python benchmarks/vs_torch.py --quick                 # batch 16, fewer repeats (5 minutes)
     python benchmarks/vs_torch.py --only train --dtypes float32
-    python benchmarks/vs_torch.py --only train --dtypes float32 --dropout_rng threefry,rbg
+    python benchmarks/vs_torch.py --only train --dtypes float32 --dropout_rng threefry,threefry2x32
 
 Training: a char GPT (6 layers, 6 heads, d_model 384, block 256, batch 64, dropout 0.2, learned
 positions, pre-LN, GELU, no biases, tied output, AdamW), as tfm's real `train.train_step` and as
@@ -388,7 +388,7 @@ def main() -> None:
     parser.add_argument("--dropout", type=float, default=0.2)
     parser.add_argument("--dropout_rng", default="threefry",
                         help="tfm's dropout generators to time, comma-separated "
-                             "(train.dropout_rng: threefry, rbg, unsafe_rbg)")
+                             "(train.dropout_rng: threefry, threefry2x32, rbg, unsafe_rbg)")
     parser.add_argument("--steps", type=int, default=2, help="train steps per timing")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved train timings")
     parser.add_argument("--new_tokens", default="256,1024")

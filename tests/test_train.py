@@ -619,14 +619,15 @@ def test_rbg_dropout_keys_are_reproducible_and_drop_at_the_configured_rate(impl)
 
 
 def test_the_dropout_generator_is_reproducible_in_the_train_step(data_dir, tmp_path):
-    """The same state and batch give bit-identical steps with each generator; rbg draws other
-    masks than threefry (so a different loss), from the same checkpointed state."""
+    """The same state and batch give bit-identical steps with each generator; tfm's fused
+    threefry draws jax's threefry masks (the same step as jax's own lowering), rbg other masks
+    (so a different loss), from the same checkpointed state."""
     experiment = train.setup(seq2seq_config(data_dir), tmp_path)
     _, shardings = train.state_shardings(experiment)
     state = train.init_state(experiment, shardings)
     batch = {k: jnp.asarray(v) for k, v in next(experiment.data.train_iterator()).items()}
-    losses = {}
-    for impl in ("rbg", "threefry"):
+    losses, params = {}, {}
+    for impl in ("rbg", "threefry", "threefry2x32"):
         step = jax.jit(functools.partial(
             train.train_step, model=experiment.model, mode=experiment.mode,
             optimizer=experiment.optimizer, schedule=experiment.schedule, label_smoothing=0.0,
@@ -635,8 +636,10 @@ def test_the_dropout_generator_is_reproducible_in_the_train_step(data_dir, tmp_p
         second, out_again = step(state, batch)
         assert_trees_equal(first.params, second.params)
         assert float(out["loss_sum"]) == float(out_again["loss_sum"])
-        losses[impl] = float(out["loss_sum"])
+        losses[impl], params[impl] = float(out["loss_sum"]), first.params
     assert losses["rbg"] != losses["threefry"]
+    assert losses["threefry"] == losses["threefry2x32"]
+    assert_trees_equal(params["threefry"], params["threefry2x32"])
 
 
 # --------------------------------------------------------------------------- config validation

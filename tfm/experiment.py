@@ -73,7 +73,7 @@ def _from_section(cls: type, values: Any, name: str) -> Any:
     return cls(**{key: tuple(v) if isinstance(v, list) else v for key, v in given.items()})
 
 
-DROPOUT_RNGS = ("threefry", "rbg", "unsafe_rbg")
+DROPOUT_RNGS = ("threefry", "threefry2x32", "rbg", "unsafe_rbg")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,10 +91,11 @@ class TrainConfig:
     best_mode: str = "min"
     async_checkpoints: bool = True
     progress_bar: bool = True
-    # The generator of the dropout masks: "threefry" (jax's default), or "rbg" / "unsafe_rbg"
-    # (XLA's RngBitGenerator, made for accelerators; 12% slower on a 2-core CPU; other masks).
-    # Each is reproducible for the same config, seed and mesh; the rbg ones may give other
-    # masks on another mesh or jax version.
+    # The generator of the dropout masks: "threefry" (jax's default generator, hashed in fused
+    # elementwise code: tfm.prng), "threefry2x32" (the same masks through jax's own lowering,
+    # ~4x slower on CPU), or "rbg" / "unsafe_rbg" (XLA's RngBitGenerator, made for
+    # accelerators; other masks). Each is reproducible for the same config, seed and mesh; the
+    # rbg ones may give other masks on another mesh or jax version.
     dropout_rng: str = "threefry"
 
     def __post_init__(self) -> None:

@@ -24,7 +24,7 @@ import ml_collections
 import numpy as np
 import optax
 
-from tfm import checkpoint, flops, losses, metrics, sharding
+from tfm import checkpoint, flops, losses, metrics, prng, sharding
 from tfm.evaluate import (  # noqa: F401  (re-exported)
     PromptError,
     check_prompts,
@@ -62,12 +62,17 @@ from tfm.experiment import (  # noqa: F401  (re-exported)
 
 def dropout_key(base_rng: jax.Array, step: jax.Array, impl: str = "threefry") -> jax.Array:
     """The dropout key of one step: the run's base key (uint32[2], threefry, as checkpointed)
-    folded with the step, so a resumed run draws the same masks. For impl "rbg"/"unsafe_rbg"
-    that key's bits seed a typed key of that generator (XLA's RngBitGenerator, uint32[4] of key
-    data); the checkpointed state is the same for every impl."""
+    folded with the step, so a resumed run draws the same masks.
+
+    impl "threefry": a `prng.FUSED_THREEFRY` key, jax's threefry masks bit for bit, hashed in
+    fused elementwise code. Any jax generator name ("threefry2x32": jax's own lowering of the
+    same masks; "rbg"/"unsafe_rbg": XLA's RngBitGenerator, other masks) gives a typed key of that
+    generator seeded from the folded key's bits; the checkpointed state is the same for all."""
     key = jax.random.fold_in(base_rng, step)
     if impl == "threefry":
-        return key
+        return prng.fused_threefry_key(key)
+    if impl == "threefry2x32":
+        return jax.random.wrap_key_data(key, impl=impl)
     return jax.random.wrap_key_data(jax.random.bits(key, (4,), jnp.uint32), impl=impl)
 
 
