@@ -19,14 +19,16 @@ non-overlapping window of 64 ... 1,024 characters of the contiguous validation t
 (`get_sweep`; learned positions have max_len=128, so they are n/a past 128; position schemes
 named in ARG keep just those):
 
-    ./launch.sh sweep configs/char_lm.py:extrapolation --seeds 0 --parallel 1 \
+    ./launch.sh sweep configs/char_lm.py:extrapolation --seeds 0,1,2 --parallel 2 \
         --eval_seq_len 64,128,256,512,1024
     ./launch.sh report workdirs/sweeps/char_lm_extrapolation --metrics eval_loss,eval_perplexity
 
 Budget: EXTRAPOLATION_STEPS = 1,200 steps of 12 x 128 characters. A pilot (learned and alibi,
 40 steps, shared 2-core AMD EPYC under a load of ~4) ran 2.7 steps/s, so about 7.5 minutes per
 scheme there and about 4 on a quiet machine (the `small` recipe: 103 ms/step at half the context);
-relative and t5_bias cost more per step.
+relative and t5_bias cost more per step. Measured in the 3-seed sweep, two runs at a time on
+a shared 2-core AMD EPYC: 10-17 minutes a run, train and evaluations
+(experiments/results/char_lm_extrapolation/).
 """
 
 from configs.base import apply_variants, base_config, position_sweep
