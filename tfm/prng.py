@@ -26,6 +26,7 @@ from jax.extend import random as jax_random
 
 _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))  # Threefry-2x32's rotation schedule
 _KEY_PARITY = 0x1BD11BDA  # the constant of the key schedule's third word
+_THREEFRY = jax_random.threefry_prng_impl  # jax's generator, whose keys and draws these are
 
 
 def _rotate_left(x: jax.Array, bits: int) -> jax.Array:
@@ -63,20 +64,18 @@ def _row_major_index(shape: tuple[int, ...]) -> jax.Array:
 
 def _random_bits(key: jax.Array, bit_width: int, shape: tuple[int, ...]) -> jax.Array:
     """key: uint32[2] -> uint{bit_width} [*shape], as jax's partitionable threefry draws them."""
-    jax_threefry = jax_random.threefry_prng_impl
     if (
         not getattr(jax.config, "jax_threefry_partitionable", True)
         or math.prod(shape) >= 2**32
         or bit_width not in (8, 16, 32)
     ):  # jax's other layouts (and 64-bit draws): its own, rolled, implementation
-        return jax_threefry.random_bits(key, bit_width, shape)
+        return _THREEFRY.random_bits(key, bit_width, shape)
     counts_lo = _row_major_index(tuple(shape))
     word0, word1 = threefry2x32_hash(key, jnp.zeros_like(counts_lo), counts_lo)
     bits = word0 ^ word1
     return bits if bit_width == 32 else bits.astype(jnp.dtype(f"uint{bit_width}"))
 
 
-_THREEFRY = jax_random.threefry_prng_impl
 FUSED_THREEFRY = jax_random.define_prng_impl(
     key_shape=(2,),
     seed=_THREEFRY.seed,
