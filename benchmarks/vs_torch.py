@@ -5,6 +5,7 @@
     python benchmarks/vs_torch.py --quick                 # batch 16, fewer repeats (5 minutes)
     python benchmarks/vs_torch.py --only train --dtypes float32
     python benchmarks/vs_torch.py --only train --dtypes float32 --dropout_rng threefry,threefry2x32
+    python benchmarks/vs_torch.py --only train --dtypes float32 --microbatches 1,8,32
 
 Training: a char GPT (6 layers, 6 heads, d_model 384, block 256, batch 64, dropout 0.2, learned
 positions, pre-LN, GELU, no biases, tied output, AdamW), as tfm's real `train.train_step` and as
@@ -154,7 +155,8 @@ def model_config(args, dtype: str, max_len: int) -> ModelConfig:
     )
 
 
-def tfm_train_runner(args, dtype: str, batch: dict, dropout_rng: str = "threefry"):
+def tfm_train_runner(args, dtype: str, batch: dict, dropout_rng: str = "threefry",
+                     microbatches: int = 1):
     config = model_config(args, dtype, args.block)
     model = DecoderLM(config)
     optimizer = optax.adamw(1e-3, b1=0.9, b2=0.99, weight_decay=0.1)
@@ -170,7 +172,7 @@ def tfm_train_runner(args, dtype: str, batch: dict, dropout_rng: str = "threefry
         lambda s, b: train.train_step(
             s, b, model=model, mode="lm", optimizer=optimizer,
             schedule=optax.constant_schedule(1e-3), label_smoothing=0.0,
-            dropout_rng_impl=dropout_rng,
+            dropout_rng_impl=dropout_rng, microbatches=microbatches,
         ),
         donate_argnums=(0,),
     )
@@ -190,7 +192,10 @@ def tfm_train_runner(args, dtype: str, batch: dict, dropout_rng: str = "threefry
     return run, config, compile_s
 
 
-def torch_train_runner(args, dtype: str, inputs: np.ndarray, targets: np.ndarray):
+def torch_train_runner(args, dtype: str, inputs: np.ndarray, targets: np.ndarray,
+                       microbatches: int = 1):
+    """One AdamW step per call; with microbatches = k the batch's k chunks are run forward and
+    backward one after another, their gradients accumulated (tfm's train.microbatches)."""
     torch.manual_seed(0)
     model = TorchGPT(args.layers, args.d_model, args.heads, args.block, args.dropout)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.99),
@@ -198,10 +203,11 @@ def torch_train_runner(args, dtype: str, inputs: np.ndarray, targets: np.ndarray
     x, y = torch.from_numpy(inputs).long(), torch.from_numpy(targets).long()
 
     def one_step():
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
-            loss = model(x, y)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        for x_chunk, y_chunk in zip(x.chunk(microbatches), y.chunk(microbatches), strict=True):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
+                loss = model(x_chunk, y_chunk) / microbatches
+            loss.backward()
         optimizer.step()
 
     def run(steps: int) -> float:
@@ -227,26 +233,31 @@ def bench_train(args, peaks: dict) -> list[dict]:
     tokens = args.batch * args.block
     rows = []
     impls = args.dropout_rng.split(",")
+    splits = [int(k) for k in args.microbatches.split(",")]
     for dtype in args.dtypes.split(","):
-        tfm_runs = {impl: tfm_train_runner(args, dtype, batch, impl) for impl in impls}
-        torch_run = torch_train_runner(args, dtype, inputs, targets)
-        tfm_times: dict[str, list[float]] = {impl: [] for impl in impls}
-        torch_times = []
+        tfm_runs = {(impl, k): tfm_train_runner(args, dtype, batch, impl, k)
+                    for k in splits for impl in impls}
+        torch_runs = {k: torch_train_runner(args, dtype, inputs, targets, k) for k in splits}
+        tfm_times: dict[tuple, list[float]] = {key: [] for key in tfm_runs}
+        torch_times: dict[int, list[float]] = {k: [] for k in splits}
         for _ in range(args.repeats):  # interleaved
-            for impl, (tfm_run, _, _) in tfm_runs.items():
-                tfm_times[impl].append(tfm_run(args.steps) / args.steps)
-            torch_times.append(torch_run(args.steps) / args.steps)
-        torch_tps = tokens / statistics.median(torch_times)
+            for key, (tfm_run, _, _) in tfm_runs.items():
+                tfm_times[key].append(tfm_run(args.steps) / args.steps)
+            for k, torch_run in torch_runs.items():
+                torch_times[k].append(torch_run(args.steps) / args.steps)
+        torch_tps = {k: tokens / statistics.median(times) for k, times in torch_times.items()}
         peak = max(peaks[dtype].values())
-        for impl, (_, config, compile_s) in tfm_runs.items():
+        for (impl, k), (_, config, compile_s) in tfm_runs.items():
             per_token = flops.flops_per_token(config, args.block, "lm")
-            tfm_tps = tokens / statistics.median(tfm_times[impl])
+            tfm_tps = tokens / statistics.median(tfm_times[impl, k])
             rows.append({
-                "work": "train", "dtype": dtype, "dropout_rng": impl, "batch": args.batch,
-                "block": args.block, "tfm_tokens_per_s": tfm_tps, "torch_tokens_per_s": torch_tps,
-                "ratio": tfm_tps / torch_tps,
-                "tfm_mfu": tfm_tps * per_token / peak, "torch_mfu": torch_tps * per_token / peak,
-                "tfm_step_s": sorted(tfm_times[impl]), "torch_step_s": sorted(torch_times),
+                "work": "train", "dtype": dtype, "dropout_rng": impl, "microbatches": k,
+                "batch": args.batch, "block": args.block, "tfm_tokens_per_s": tfm_tps,
+                "torch_tokens_per_s": torch_tps[k], "ratio": tfm_tps / torch_tps[k],
+                # against torch taking the batch at once, the anchor of issue 9
+                "ratio_to_whole_batch_torch": tfm_tps / torch_tps[1] if 1 in torch_tps else None,
+                "tfm_mfu": tfm_tps * per_token / peak, "torch_mfu": torch_tps[k] * per_token / peak,
+                "tfm_step_s": sorted(tfm_times[impl, k]), "torch_step_s": sorted(torch_times[k]),
                 "tfm_compile_s": compile_s, "flops_per_token": per_token,
             })
             print(json.dumps(rows[-1]), flush=True)
@@ -343,15 +354,20 @@ def report(info: dict, peaks: dict, bandwidth: float, rows: list[dict], command:
     train_rows = [r for r in rows if r["work"] == "train"]
     if train_rows:
         lines += [
-            "| training | tfm tokens/s | torch tokens/s | tfm / torch | tfm MFU | torch MFU |",
-            "|---|---:|---:|---:|---:|---:|",
+            "| training | tfm tokens/s | torch tokens/s (same microbatches) | tfm / torch | "
+            "tfm / torch whole batch | tfm MFU | torch MFU |",
+            "|---|---:|---:|---:|---:|---:|---:|",
         ]
         for r in train_rows:
+            k = r.get("microbatches", 1)
+            whole = r.get("ratio_to_whole_batch_torch")
             lines.append(
                 f"| {r['dtype']}, batch {r['batch']} x {r['block']}"
+                f"{f', {k} microbatches' if k > 1 else ''}"
                 f"{'' if r['dropout_rng'] == 'threefry' else ', dropout ' + r['dropout_rng']} | "
                 f"{r['tfm_tokens_per_s']:,.0f} | {r['torch_tokens_per_s']:,.0f} | "
-                f"**{r['ratio']:.2f}** | {100 * r['tfm_mfu']:.0f}% | {100 * r['torch_mfu']:.0f}% |"
+                f"**{r['ratio']:.2f}** | {'' if whole is None else f'{whole:.2f}'} | "
+                f"{100 * r['tfm_mfu']:.0f}% | {100 * r['torch_mfu']:.0f}% |"
             )
         lines.append("")
     decode_rows = [r for r in rows if r["work"] == "decode"]
@@ -389,6 +405,9 @@ def main() -> None:
     parser.add_argument("--dropout_rng", default="threefry",
                         help="tfm's dropout generators to time, comma-separated "
                              "(train.dropout_rng: threefry, threefry2x32, rbg, unsafe_rbg)")
+    parser.add_argument("--microbatches", default="1",
+                        help="train.microbatches values to time, comma-separated; torch runs "
+                             "each with the same gradient accumulation inside its step")
     parser.add_argument("--steps", type=int, default=2, help="train steps per timing")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved train timings")
     parser.add_argument("--new_tokens", default="256,1024")

@@ -642,6 +642,52 @@ def test_the_dropout_generator_is_reproducible_in_the_train_step(data_dir, tmp_p
     assert_trees_equal(params["threefry"], params["threefry2x32"])
 
 
+def _one_step(config, workdir):
+    """(params before, state after one compiled train step on the first batch, its metrics),
+    on the config's mesh (all 8 test devices, data parallel)."""
+    experiment = train.setup(config, workdir)
+    _, shardings = train.state_shardings(experiment)
+    state = train.init_state(experiment, shardings)
+    batch = train.sharding.shard_batch(
+        next(experiment.data.train_iterator()), experiment.mesh,
+        train.sharding.batch_sharding(experiment.mesh, experiment.rules), experiment.rules,
+    )
+    jit_train, _ = train.jit_steps(experiment, shardings)
+    before = jax.tree.map(np.asarray, state.params)
+    return (before, *jit_train(state, batch))
+
+
+def test_microbatches_give_the_whole_batch_update(data_dir, tmp_path):
+    """train.microbatches=2 splits each device's share of the (padded, seq2seq) batch in two
+    and sums the halves' gradients: without dropout, the whole batch's loss sums, gradient norm
+    and updated params, up to float summation order; with dropout, a reproducible step."""
+    config = seq2seq_config(data_dir)
+    config.model.dropout_rate = 0.0
+    # Adam's first step is nearly sign(g); with eps = 1 it is nearly linear in g, so the
+    # summation-order differences of near-zero gradient entries stay near zero in the update;
+    # a large rate makes the update large beside the params' float32 rounding.
+    config.optimizer.update(eps=1.0, learning_rate=1000.0)
+    before, whole, whole_metrics = _one_step(config, tmp_path / "whole")
+    config.train.microbatches = 2
+    _, split, split_metrics = _one_step(config, tmp_path / "split")
+    for name in ("loss_sum", "nll_sum", "weight_sum", "correct_sum", "grad_norm"):
+        np.testing.assert_allclose(split_metrics[name], whole_metrics[name], rtol=1e-5)
+    assert float(whole_metrics["weight_sum"]) < 16 * 12  # padding: weights are not all 1
+    whole_update = jax.tree.map(lambda new, old: np.asarray(new) - old, whole.params, before)
+    split_update = jax.tree.map(lambda new, old: np.asarray(new) - old, split.params, before)
+    scale = max(np.abs(update).max() for update in jax.tree.leaves(whole_update))
+    assert scale > 1e-3  # the step moved the params
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * scale),
+                 split_update, whole_update)
+
+    config.model.dropout_rate = 0.1
+    _, first, first_metrics = _one_step(config, tmp_path / "dropout")
+    _, again, again_metrics = _one_step(config, tmp_path / "dropout_again")
+    assert float(first_metrics["loss_sum"]) == float(again_metrics["loss_sum"])
+    assert_trees_equal(first.params, again.params)
+    assert float(first_metrics["loss_sum"]) != float(split_metrics["loss_sum"])
+
+
 # --------------------------------------------------------------------------- config validation
 
 
@@ -676,6 +722,9 @@ def _set(config: ml_collections.ConfigDict, path: str, value) -> None:
         ("generate.temperature", 0.0, "generate.temperature=0.0"),
         ("train.keep_best_metric", "eval_bleu", "train.keep_best_metric='eval_bleu'"),
         ("train.dropout_rng", "philox", "train.dropout_rng='philox'"),
+        ("train.microbatches", 0, "train.microbatches=0"),
+        # batch_size 16 over 8 devices leaves 2 rows per device
+        ("train.microbatches", 4, "train.microbatches=4 must divide each device's share"),
     ],
 )
 def test_config_errors_name_the_field_before_compiling(data_dir, tmp_path, path, value, match):

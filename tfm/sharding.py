@@ -332,11 +332,12 @@ def param_shardings(abstract_variables: Any, mesh: Mesh, rules: Rules | None = N
 
 
 def check_divisibility(model_config: Any, mesh: Mesh | Mapping[str, int], batch_size: int,
-                       rules: Rules | None = None) -> None:
+                       rules: Rules | None = None, microbatches: int = 1) -> None:
     """Model- and batch-level divisibility checks, before anything is built or compiled.
 
     `model_config`: a tfm ModelConfig; `mesh`: a Mesh or {axis: size}; `batch_size`: the global
-    batch. Raises ConfigError naming `batch_size` or the model field and the mesh axes.
+    batch; `microbatches`: train.microbatches, which must divide each device's share of it.
+    Raises ConfigError naming `batch_size` or the model field and the mesh axes.
     """
     rules = DEFAULT_LOGICAL_RULES if rules is None else rules
     sizes = _axis_sizes(mesh)
@@ -346,6 +347,12 @@ def check_divisibility(model_config: Any, mesh: Mesh | Mapping[str, int], batch_
         raise ConfigError(
             f"batch_size={batch_size} is not divisible by {_describe(axes, sizes)} = {shards}, "
             "the mesh axes the batch is split over; pick a multiple of it"
+        )
+    if (batch_size // shards) % microbatches:
+        raise ConfigError(
+            f"train.microbatches={microbatches} must divide each device's share of the batch, "
+            f"batch_size={batch_size} / {shards} = {batch_size // shards} (the batch is split "
+            f"over {_describe(axes, sizes)})"
         )
     fields = [
         ("d_model", "embed", model_config.d_model),
