@@ -205,8 +205,10 @@ def dot_product_attention(
     return out
 
 
-# Causal attention skips key blocks after the query block once q_len reaches this size.
-CAUSAL_BLOCK = 128
+# Causal attention skips the key blocks after each block of this many queries once q_len reaches
+# twice this. 64 beat 128 and 32 for the forward + backward pass on a 2-core CPU at lengths 128
+# to 512 (10-21% faster than 128, e.g. 9.5 vs 12.0 ms at batch 2 x 256 x 6 heads of 64).
+CAUSAL_BLOCK = 64
 
 
 def _causal_blocks(q_len: int, kv_len: int) -> list[tuple[int, int]]:
