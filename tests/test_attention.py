@@ -334,6 +334,22 @@ def test_causal_block_skipping_equals_the_full_computation():
         np.testing.assert_allclose(got, want, atol=1e-5)
 
 
+@pytest.mark.parametrize("length", [100, 128, 145, 512, 513, 1024, 4096])
+def test_causal_blocks_cover_the_queries_in_few_blocks(length):
+    blocks = attention._causal_blocks(length, length)
+    starts, stops = zip(*blocks, strict=True)
+    assert starts[0] == 0 and stops[-1] == length
+    assert list(starts[1:]) == list(stops[:-1])  # contiguous, each query once
+    assert len(blocks) <= attention.MAX_CAUSAL_BLOCKS
+    if length >= 2 * attention.CAUSAL_BLOCK:
+        assert len(blocks) >= 2
+        sizes = {stop - start for start, stop in blocks[:-1]}
+        assert len(sizes) == 1 and sizes.pop() % attention.CAUSAL_BLOCK == 0
+    else:
+        assert blocks == [(0, length)]
+    assert attention._causal_blocks(length, length + 1) == [(0, length)]  # not self-attention
+
+
 def test_cache_layout_equals_the_default_layout():
     query, key, value = _qkv(2, seed=12)
     mask, bias = _random_mask(), _random_bias()

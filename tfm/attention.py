@@ -104,9 +104,10 @@ def dot_product_attention(
     dropout_rate > 0 drops attention weights (inverted dropout, needs dropout_rng).
     causal=True promises that query i never attends to key j > i (self-attention without a
     cache; the mask must still say so): the reference backend then skips the key blocks after
-    each block of CAUSAL_BLOCK queries. cache_layout=True: key comes as [batch, num_kv_heads,
-    head_dim, kv_len] and value as [batch, num_kv_heads, kv_len, head_dim] (tfm/cache.py's
-    layout, which the matmuls read without transposing).
+    each block of CAUSAL_BLOCK queries (longer blocks past MAX_CAUSAL_BLOCKS of them).
+    cache_layout=True: key comes as [batch, num_kv_heads, head_dim, kv_len] and value as
+    [batch, num_kv_heads, kv_len, head_dim] (tfm/cache.py's layout, which the matmuls read
+    without transposing).
     Returns out [batch, q_len, num_heads, head_dim], plus the (post-dropout) weights
     [batch, num_heads, q_len, kv_len] float32 when return_weights.
     """
@@ -209,13 +210,18 @@ def dot_product_attention(
 # twice this. 64 beat 128 and 32 for the forward + backward pass on a 2-core CPU at lengths 128
 # to 512 (10-21% faster than 128, e.g. 9.5 vs 12.0 ms at batch 2 x 256 x 6 heads of 64).
 CAUSAL_BLOCK = 64
+# Longer queries use fewer, longer blocks: each block is its own matmuls in the compiled program,
+# so this bounds compile time (at 1,024 the forward pass ran as fast with 8 blocks as with 16).
+MAX_CAUSAL_BLOCKS = 8
 
 
 def _causal_blocks(q_len: int, kv_len: int) -> list[tuple[int, int]]:
     """Query blocks [start, stop) for causal self-attention without a cache (q_len == kv_len)."""
     if q_len != kv_len or q_len < 2 * CAUSAL_BLOCK:
         return [(0, q_len)]
-    return [(start, min(start + CAUSAL_BLOCK, q_len)) for start in range(0, q_len, CAUSAL_BLOCK)]
+    size = max(CAUSAL_BLOCK, -(-q_len // MAX_CAUSAL_BLOCKS))
+    size = -(-size // CAUSAL_BLOCK) * CAUSAL_BLOCK  # a multiple of CAUSAL_BLOCK
+    return [(start, min(start + size, q_len)) for start in range(0, q_len, size)]
 
 
 def _rows_cols(array: jax.Array, start: int, stop: int, kv_stop: int) -> jax.Array:
