@@ -15,8 +15,9 @@ validation loss and sacreBLEU of beam-search translations (detokenized, beam 4).
 model needs an accelerator; `runlocal` is a smoke test and learns only a little.
 
 Measured on a 2-core AMD EPYC (results in experiments/results/, with their commands):
-- `cpu_long`, the CPU recipe (d_model 128, 3+3 layers, 4k vocabulary, 3,000 steps, 43 min):
-  validation BLEU 38.48, perplexity 5.35 at step 3,000 (multi30k_cpu/recipe_train.md).
+- `cpu_long`, the CPU recipe (d_model 128, 3+3 layers, 4k vocabulary, 3,000 steps, 39 min):
+  validation BLEU 38.65, perplexity 5.34 at step 3,000 (multi30k_cpu/recipe_train.md; the
+  learning curve in multi30k_cpu/README.md).
 - Table 3 row (E), sinusoidal vs learned positions at the `cpu` budget (1,500 steps, 23 min a
   run, `get_sweep`): BLEU 35.75 vs 34.52, perplexity 6.76 vs 6.69 (translate_row_e/):
 
