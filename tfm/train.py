@@ -97,22 +97,33 @@ def train_step(
     since a slice's activations stay in cache. Slice i holds rows i, i + m, i + 2m, ... (so each
     device's rows stay on it) and draws its dropout masks from fold_in(step key, i)."""
     dropout_rng = dropout_key(state.rng, state.step, dropout_rng_impl)
+    # The mean's denominator is the whole batch's weight, so slices' gradients just add up.
+    total_weight = jnp.maximum(jnp.sum(batch["weights"].astype(jnp.float32)), 1.0)
+    grads_of = functools.partial(
+        _grads_and_sums, total_weight=total_weight, model=model, mode=mode,
+        label_smoothing=label_smoothing,
+    )
     if microbatches == 1:
-        def loss_fn(params):
-            logits = compute_logits(
-                model, params, batch, mode=mode, deterministic=False, dropout_rng=dropout_rng
-            )
-            sums = losses.cross_entropy(
-                logits, batch["targets"], batch["weights"], label_smoothing=label_smoothing
-            )
-            return sums["loss_sum"] / jnp.maximum(sums["weight_sum"], 1.0), sums
-
-        (_, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+        grads, sums = grads_of(state.params, batch, dropout_rng)
     else:
-        grads, sums = _microbatch_grads(
-            state.params, batch, dropout_rng, microbatches,
-            model=model, mode=mode, label_smoothing=label_smoothing,
+        sliced = jax.tree.map(  # [batch, ...] -> [microbatches, batch // microbatches, ...]
+            lambda x: x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:]).swapaxes(
+                0, 1),
+            dict(batch),
         )
+
+        def accumulate(grads, inputs):
+            microbatch, index = inputs
+            slice_grads, slice_sums = grads_of(
+                state.params, microbatch, jax.random.fold_in(dropout_rng, index)
+            )
+            return jax.tree.map(jnp.add, grads, slice_grads), slice_sums
+
+        grads, sums = jax.lax.scan(
+            accumulate, jax.tree.map(jnp.zeros_like, state.params),
+            (sliced, jnp.arange(microbatches)),
+        )
+        sums = jax.tree.map(lambda x: jnp.sum(x, axis=0), sums)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     step_metrics = {
@@ -123,43 +134,29 @@ def train_step(
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state), step_metrics
 
 
-def _microbatch_grads(
+def _grads_and_sums(
     params: Any,
-    batch: Mapping[str, jax.Array],  # every entry [batch, ...], batch % microbatches == 0
+    batch: Mapping[str, jax.Array],  # a batch or a slice of one, every entry [rows, ...]
     dropout_rng: jax.Array,
-    microbatches: int,
     *,
+    total_weight: jax.Array,  # [] the whole batch's token weight (>= 1)
     model: nn.Module,
     mode: str,
     label_smoothing: float,
 ) -> tuple[Any, dict[str, jax.Array]]:
-    """(gradient of the batch's token-weighted mean loss, the batch's loss sums), accumulated
-    over `microbatches` strided slices of the batch in a lax.scan."""
-    # The mean's denominator is the whole batch's weight, so the slices' gradients just add up.
-    total_weight = jnp.maximum(jnp.sum(batch["weights"].astype(jnp.float32)), 1.0)
-    sliced = jax.tree.map(  # [batch, ...] -> [microbatches, batch // microbatches, ...]
-        lambda x: x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:]).swapaxes(0, 1),
-        dict(batch),
-    )
+    """(gradient of loss_sum / total_weight, the loss sums) of `batch`."""
 
-    def loss_fn(params, microbatch, index):
+    def loss_fn(params):
         logits = compute_logits(
-            model, params, microbatch, mode=mode, deterministic=False,
-            dropout_rng=jax.random.fold_in(dropout_rng, index),
+            model, params, batch, mode=mode, deterministic=False, dropout_rng=dropout_rng
         )
         sums = losses.cross_entropy(
-            logits, microbatch["targets"], microbatch["weights"], label_smoothing=label_smoothing
+            logits, batch["targets"], batch["weights"], label_smoothing=label_smoothing
         )
         return sums["loss_sum"] / total_weight, sums
 
-    def accumulate(grads, inputs):
-        (_, sums), microbatch_grads = jax.value_and_grad(loss_fn, has_aux=True)(params, *inputs)
-        return jax.tree.map(jnp.add, grads, microbatch_grads), sums
-
-    grads, sums = jax.lax.scan(
-        accumulate, jax.tree.map(jnp.zeros_like, params), (sliced, jnp.arange(microbatches))
-    )
-    return grads, jax.tree.map(lambda x: jnp.sum(x, axis=0), sums)
+    (_, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    return grads, sums
 
 
 def jit_steps(experiment: Experiment, shardings: Any) -> tuple[Callable, Callable]:
