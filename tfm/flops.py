@@ -210,16 +210,18 @@ def measure_matmul_flops(
 def device_peak_flops(device: jax.Device | None = None, dtype: Any = jnp.bfloat16) -> float | None:
     """Peak FLOP/s of one device. Accelerators: the dense bf16 figure from PEAK_FLOPS whatever
     `dtype` (MFU is quoted against it by convention); None for an unknown accelerator. CPU: the
-    host's matmul speed in `dtype`, measured once and cached in $TFM_CACHE_DIR (default
-    ~/.cache/tfm)/peak_flops.json, divided by the number of local CPU devices (so simulated
-    devices share the host and `mfu(..., num_devices=jax.device_count(), ...)` stays right)."""
+    host's matmul speed in `dtype`, measured once per CPU model and cached in $TFM_CACHE_DIR
+    (default ~/.cache/tfm)/peak_flops.json, divided by the number of local CPU devices (so
+    simulated devices share the host and `mfu(..., num_devices=jax.device_count(), ...)` stays
+    right)."""
     device = device or jax.devices()[0]
     if device.platform != "cpu":
         kind = device.device_kind.lower()
         matches = [key for key in PEAK_FLOPS if key.lower() in kind]
         return PEAK_FLOPS[max(matches, key=len)] if matches else None
     dtype_name = jnp.dtype(dtype).name
-    key = f"{device.device_kind}/{os.cpu_count()}cpus/{dtype_name}"
+    # The CPU model is part of the key: a home directory can outlive the machine under it.
+    key = f"{device.device_kind}/{cpu_features()['model']}/{os.cpu_count()}cpus/{dtype_name}"
     path = _cache_path()
     try:
         cache = json.loads(path.read_text())
