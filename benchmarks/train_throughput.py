@@ -43,13 +43,7 @@ def measure(config, dtype: str, steps: int, repeats: int, workdir: Path) -> dict
     experiment = train.setup(config, workdir)
     _, shardings = train.state_shardings(experiment)
     state = train.init_state(experiment, shardings)
-    step_fn = jax.jit(
-        lambda s, b: train.train_step(
-            s, b, model=experiment.model, mode=experiment.mode,
-            optimizer=experiment.optimizer, schedule=experiment.schedule, label_smoothing=0.0,
-        ),
-        donate_argnums=(0,),
-    )
+    step_fn, _ = train.jit_steps(experiment, shardings)  # what train_and_evaluate runs
     iterator = experiment.data.train_iterator()
     batches = [
         sharding.shard_batch(next(iterator), experiment.mesh, rules=experiment.rules)

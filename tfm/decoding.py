@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tfm import compile_options
 from tfm.config import ConfigError, check_choice, check_int, check_number
 
 Cache = Any  # any pytree whose leaves have batch on axis 0
@@ -165,7 +166,7 @@ def filter_logits(logits: jax.Array, *, top_k: int = 0, top_p: float = 1.0) -> j
     return _filter_logits(logits, top_k=int(top_k), top_p=float(top_p))
 
 
-@functools.partial(jax.jit, static_argnames=("top_k", "top_p"))
+@functools.partial(compile_options.jit, static_argnames=("top_k", "top_p"))
 def _filter_logits(logits: jax.Array, *, top_k: int, top_p: float) -> jax.Array:
     if top_k == 0 and top_p >= 1.0:
         return logits
@@ -203,7 +204,7 @@ class _SequentialState(NamedTuple):
 
 
 @functools.partial(
-    jax.jit,
+    compile_options.jit,
     static_argnames=("tokens_to_logits", "max_new_tokens", "eos_id", "pad_id", "sampling"),
 )
 def _decode_sequential(
@@ -356,7 +357,7 @@ def _rows(mask: jax.Array, like: jax.Array) -> jax.Array:
 _BEAM_STATIC = ("tokens_to_logits", "beam_size", "max_new_tokens", "eos_id", "pad_id", "alpha")
 
 
-@functools.partial(jax.jit, static_argnames=_BEAM_STATIC)
+@functools.partial(compile_options.jit, static_argnames=_BEAM_STATIC)
 def _beam_search(
     tokens_to_logits: TokensToLogits,
     initial_logits: jax.Array,

@@ -19,7 +19,7 @@ import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
 
-from tfm import generate, losses, metrics, sharding
+from tfm import compile_options, generate, losses, metrics, sharding
 from tfm.data import tokenizers
 from tfm.decoding import DecodeConfig
 from tfm.experiment import (
@@ -51,7 +51,7 @@ def jit_eval_step(experiment: Experiment, param_shardings: Any) -> InShardingCon
     """`eval_step` jit-compiled: params placed as `param_shardings`, batches split over the
     "batch" rule's mesh axes, loss sums replicated. `eval(params, batch) -> loss sums`."""
     mesh = experiment.mesh
-    jitted = jax.jit(
+    jitted = compile_options.jit(
         functools.partial(eval_step, model=experiment.model, mode=experiment.mode),
         in_shardings=(param_shardings, sharding.batch_sharding(mesh, experiment.rules)),
         out_shardings=sharding.replicated(mesh),

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tfm import decoding
+from tfm import compile_options, decoding
 from tfm.cache import init_cache
 from tfm.config import MODES, ModelConfig, check_choice
 from tfm.data.tokenizers import BOS_ID, EOS_ID, content_ids
@@ -44,7 +44,7 @@ def _check_length(config: ModelConfig, total_len: int) -> None:
         )
 
 
-@functools.partial(jax.jit, static_argnames=("config", "decode", "eos_id"))
+@functools.partial(compile_options.jit, static_argnames=("config", "decode", "eos_id"))
 def _lm_generate_jit(params, prompts, prompt_lengths, rng, config, decode, eos_id):
     model = DecoderLM(config)
     batch, prompt_len = prompts.shape
@@ -96,7 +96,9 @@ def lm_generate(
     )
 
 
-@functools.partial(jax.jit, static_argnames=("config", "decode", "bos_id", "eos_id"))
+@functools.partial(
+    compile_options.jit, static_argnames=("config", "decode", "bos_id", "eos_id")
+)
 def _translate_jit(params, source, source_lengths, rng, config, decode, bos_id, eos_id):
     model = EncoderDecoder(config)
     batch, source_len = source.shape

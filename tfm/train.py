@@ -24,7 +24,7 @@ import ml_collections
 import numpy as np
 import optax
 
-from tfm import checkpoint, flops, losses, metrics, prng, sharding
+from tfm import checkpoint, compile_options, flops, losses, metrics, prng, sharding
 from tfm.evaluate import (  # noqa: F401  (re-exported)
     PromptError,
     check_prompts,
@@ -179,7 +179,7 @@ def jit_steps(experiment: Experiment, shardings: Any) -> tuple[Callable, Callabl
         dropout_rng_impl=experiment.train.dropout_rng,
         microbatches=experiment.train.microbatches,
     )
-    jit_train = jax.jit(
+    jit_train = compile_options.jit(
         step_fn,
         in_shardings=(shardings, sharding.batch_sharding(mesh, experiment.rules)),
         out_shardings=(shardings, sharding.replicated(mesh)),

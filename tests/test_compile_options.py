@@ -1,0 +1,72 @@
+"""tfm.compile_options: jax.jit with tfm's XLA options, nested or not, same numbers."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tfm import compile_options
+
+
+def _mlp(x, w1, w2):  # x: [rows, d]; w1: [d, f]; w2: [f, d]
+    return jax.nn.gelu(x @ w1) @ w2 + x
+
+
+@pytest.fixture
+def fresh_options():
+    compile_options.compiler_options.cache_clear()
+    yield
+    compile_options.compiler_options.cache_clear()
+
+
+def _inputs():
+    keys = jax.random.split(jax.random.PRNGKey(0), 3)
+    return (jax.random.normal(keys[0], (8, 32)), jax.random.normal(keys[1], (32, 64)) * 0.1,
+            jax.random.normal(keys[2], (64, 32)) * 0.1)
+
+
+def test_jit_matches_jax_jit_top_level_nested_and_lowered():
+    x, w1, w2 = _inputs()
+    reference = jax.jit(_mlp)(x, w1, w2)
+    fast = compile_options.jit(_mlp)
+    np.testing.assert_allclose(fast(x, w1, w2), reference, rtol=1e-5, atol=1e-6)
+    # Inside another jit the arguments are tracers: a nested jax.jit may not carry options.
+    outer = jax.jit(lambda x, w1, w2: fast(x, w1, w2) * 2.0)
+    np.testing.assert_allclose(outer(x, w1, w2), 2.0 * reference, rtol=1e-5, atol=1e-6)
+    grads = jax.grad(lambda w1: fast(x, w1, w2).sum())(w1)
+    np.testing.assert_allclose(grads, jax.grad(lambda w1: _mlp(x, w1, w2).sum())(w1),
+                               rtol=1e-5, atol=1e-6)
+    compiled = fast.lower(x, w1, w2).compile()
+    np.testing.assert_allclose(compiled(x, w1, w2), reference, rtol=1e-5, atol=1e-6)
+
+
+def test_jit_as_decorator_keeps_static_arguments():
+    calls = []
+
+    def power(x, *, exponent):  # x: [n]
+        calls.append(exponent)
+        return x**exponent
+
+    fast = compile_options.jit(static_argnames=("exponent",))(power)
+    x = jnp.arange(4.0)
+    np.testing.assert_array_equal(fast(x, exponent=3), x**3)
+    np.testing.assert_array_equal(fast(x, exponent=3), x**3)
+    np.testing.assert_array_equal(fast(x, exponent=2), x**2)
+    assert calls == [3, 2]  # traced once per static value, as jax.jit does
+    assert fast.__name__ == "power"
+
+
+def test_options_on_cpu_and_the_ways_to_turn_them_off(fresh_options, monkeypatch):
+    if jax.default_backend() != "cpu":
+        pytest.skip("CPU options")
+    monkeypatch.delenv("TFM_XLA_DEFAULTS", raising=False)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+    options = compile_options.compiler_options()
+    assert options in (None, compile_options.CPU_OPTIONS)  # None: this jaxlib lacks the option
+    compile_options.compiler_options.cache_clear()
+    monkeypatch.setenv("TFM_XLA_DEFAULTS", "0")
+    assert compile_options.compiler_options() is None
+    compile_options.compiler_options.cache_clear()
+    monkeypatch.delenv("TFM_XLA_DEFAULTS")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_experimental_ynn_fusion_type=")  # the user's
+    assert compile_options.compiler_options() is None
