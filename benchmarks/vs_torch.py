@@ -6,6 +6,8 @@
     python benchmarks/vs_torch.py --only train --dtypes float32
     python benchmarks/vs_torch.py --only train --dtypes float32 --dropout_rng threefry,threefry2x32
     python benchmarks/vs_torch.py --only train --dtypes float32 --microbatches 1,8,32
+    python benchmarks/vs_torch.py --only train --dtypes float32 --microbatches 32 --cpu_devices 1,2
+    python benchmarks/vs_torch.py --xla_defaults off      # tfm without tfm/compile_options.py
 
 Training: a char GPT (6 layers, 6 heads, d_model 384, block 256, batch 64, dropout 0.2, learned
 positions, pre-LN, GELU, no biases, tied output, AdamW), as tfm's real `train.train_step` and as
@@ -16,6 +18,10 @@ Decoding: greedy, 8-token prompts, batch 1 and 8, 256 and 1,024 new tokens, tfm'
 `lm_generate` (one jitted while_loop, KV cache) against Hugging Face `generate` (KV cache) on a
 GPT-2 of the same size. Also the batch-1 weight-bandwidth bound: weight bytes per token over the
 measured memory bandwidth.
+
+--cpu_devices 1,2 also times tfm training data-parallel over 2 CPU devices of this host (what
+`./launch.sh train ... --devices_per_process 2` runs): each device runs its half of the batch on
+its own thread, so small ops on the two halves overlap instead of leaving a core idle.
 
 Repeats interleave the two frameworks, and medians are reported, because the machine is shared.
 MFU is against the best measured matmul peak of either framework in that dtype. Writes
@@ -40,7 +46,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from tfm import flops, train  # noqa: E402
+from tfm import compile_options, flops, train  # noqa: E402
 from tfm.config import ModelConfig  # noqa: E402
 from tfm.generate import lm_generate  # noqa: E402
 from tfm.models import DecoderLM  # noqa: E402
@@ -56,7 +62,8 @@ VOCAB = 65
 
 
 def cpu_info() -> dict:
-    return {**flops.cpu_features(), "jax": jax.__version__, "torch": torch.__version__}
+    return {**flops.cpu_features(), "jax": jax.__version__, "torch": torch.__version__,
+            "tfm_compiler_options": compile_options.compiler_options()}
 
 
 def best_time(fn, repeats: int = 5) -> float:
@@ -156,7 +163,9 @@ def model_config(args, dtype: str, max_len: int) -> ModelConfig:
 
 
 def tfm_train_runner(args, dtype: str, batch: dict, dropout_rng: str = "threefry",
-                     microbatches: int = 1):
+                     microbatches: int = 1, devices: int = 1):
+    """tfm's train step as `train.jit_steps` compiles it, the batch split over `devices` CPU
+    devices (a "data" mesh axis; params and optimizer state replicated)."""
     config = model_config(args, dtype, args.block)
     model = DecoderLM(config)
     optimizer = optax.adamw(1e-3, b1=0.9, b2=0.99, weight_decay=0.1)
@@ -168,12 +177,17 @@ def tfm_train_runner(args, dtype: str, batch: dict, dropout_rng: str = "threefry
     state = train.TrainState(
         jnp.zeros((), jnp.int32), params, optimizer.init(params), jax.random.PRNGKey(1)
     )
-    step = jax.jit(
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:devices]), ("data",))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    state, batch = jax.device_put(state, replicated), jax.device_put(batch, split)
+    step = compile_options.jit(
         lambda s, b: train.train_step(
             s, b, model=model, mode="lm", optimizer=optimizer,
             schedule=optax.constant_schedule(1e-3), label_smoothing=0.0,
             dropout_rng_impl=dropout_rng, microbatches=microbatches,
         ),
+        in_shardings=(replicated, split), out_shardings=(replicated, replicated),
         donate_argnums=(0,),
     )
     start = time.perf_counter()
@@ -234,9 +248,10 @@ def bench_train(args, peaks: dict) -> list[dict]:
     rows = []
     impls = args.dropout_rng.split(",")
     splits = [int(k) for k in args.microbatches.split(",")]
+    devices = [int(n) for n in args.cpu_devices.split(",")]
     for dtype in args.dtypes.split(","):
-        tfm_runs = {(impl, k): tfm_train_runner(args, dtype, batch, impl, k)
-                    for k in splits for impl in impls}
+        tfm_runs = {(impl, k, n): tfm_train_runner(args, dtype, batch, impl, k, n)
+                    for k in splits for impl in impls for n in devices}
         torch_runs = {k: torch_train_runner(args, dtype, inputs, targets, k) for k in splits}
         tfm_times: dict[tuple, list[float]] = {key: [] for key in tfm_runs}
         torch_times: dict[int, list[float]] = {k: [] for k in splits}
@@ -247,17 +262,18 @@ def bench_train(args, peaks: dict) -> list[dict]:
                 torch_times[k].append(torch_run(args.steps) / args.steps)
         torch_tps = {k: tokens / statistics.median(times) for k, times in torch_times.items()}
         peak = max(peaks[dtype].values())
-        for (impl, k), (_, config, compile_s) in tfm_runs.items():
+        for (impl, k, n), (_, config, compile_s) in tfm_runs.items():
             per_token = flops.flops_per_token(config, args.block, "lm")
-            tfm_tps = tokens / statistics.median(tfm_times[impl, k])
+            tfm_tps = tokens / statistics.median(tfm_times[impl, k, n])
             rows.append({
                 "work": "train", "dtype": dtype, "dropout_rng": impl, "microbatches": k,
+                "cpu_devices": n,
                 "batch": args.batch, "block": args.block, "tfm_tokens_per_s": tfm_tps,
                 "torch_tokens_per_s": torch_tps[k], "ratio": tfm_tps / torch_tps[k],
                 # against torch taking the batch at once, the anchor of issue 9
                 "ratio_to_whole_batch_torch": tfm_tps / torch_tps[1] if 1 in torch_tps else None,
                 "tfm_mfu": tfm_tps * per_token / peak, "torch_mfu": torch_tps[k] * per_token / peak,
-                "tfm_step_s": sorted(tfm_times[impl, k]), "torch_step_s": sorted(torch_times[k]),
+                "tfm_step_s": sorted(tfm_times[impl, k, n]), "torch_step_s": sorted(torch_times[k]),
                 "tfm_compile_s": compile_s, "flops_per_token": per_token,
             })
             print(json.dumps(rows[-1]), flush=True)
@@ -348,7 +364,8 @@ def report(info: dict, peaks: dict, bandwidth: float, rows: list[dict], command:
         ("Matmul peak (2048^3, GFLOP/s): "
          + "; ".join(f"{d} jax {p['jax'] / 1e9:.0f}, torch {p['torch'] / 1e9:.0f}"
                      for d, p in peaks.items()) + ". " if peaks else "")
-        + f"Memory bandwidth (512 MiB sum): {bandwidth / 1e9:.1f} GB/s.",
+        + f"Memory bandwidth (512 MiB sum): {bandwidth / 1e9:.1f} GB/s. "
+        f"tfm's XLA options: {info.get('tfm_compiler_options') or 'XLA defaults'}.",
         "",
     ]
     train_rows = [r for r in rows if r["work"] == "train"]
@@ -364,6 +381,7 @@ def report(info: dict, peaks: dict, bandwidth: float, rows: list[dict], command:
             lines.append(
                 f"| {r['dtype']}, batch {r['batch']} x {r['block']}"
                 f"{f', {k} microbatches' if k > 1 else ''}"
+                f"{f', {n} CPU devices' if (n := r.get('cpu_devices', 1)) > 1 else ''}"
                 f"{'' if r['dropout_rng'] == 'threefry' else ', dropout ' + r['dropout_rng']} | "
                 f"{r['tfm_tokens_per_s']:,.0f} | {r['torch_tokens_per_s']:,.0f} | "
                 f"**{r['ratio']:.2f}** | {'' if whole is None else f'{whole:.2f}'} | "
@@ -408,6 +426,12 @@ def main() -> None:
     parser.add_argument("--microbatches", default="1",
                         help="train.microbatches values to time, comma-separated; torch runs "
                              "each with the same gradient accumulation inside its step")
+    parser.add_argument("--cpu_devices", default="1",
+                        help="CPU device counts to time tfm training on, comma-separated "
+                             "(data parallel over this host's cores; torch uses all cores)")
+    parser.add_argument("--xla_defaults", choices=("on", "off"), default="on",
+                        help="off: tfm compiles with XLA's defaults, not "
+                             "tfm/compile_options.py's (TFM_XLA_DEFAULTS=0)")
     parser.add_argument("--steps", type=int, default=2, help="train steps per timing")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved train timings")
     parser.add_argument("--new_tokens", default="256,1024")
@@ -417,6 +441,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.batch, args.repeats, args.decode_repeats = 16, 3, 3
+    if args.xla_defaults == "off":
+        os.environ["TFM_XLA_DEFAULTS"] = "0"
+    # Before anything starts the backend: devices for --cpu_devices (1 device runs on the first).
+    jax.config.update("jax_num_cpu_devices", max(int(n) for n in args.cpu_devices.split(",")))
     torch.set_num_threads(os.cpu_count() or 1)
     info = cpu_info()
     print(json.dumps(info), flush=True)

@@ -364,3 +364,16 @@ def test_constrain_sets_activation_sharding():
             jax.jit(lambda v: sharding.constrain(v, ("batch", "hiden")))(x)
     assert out.sharding.spec == P(("data", "fsdp"), "tensor")
     np.testing.assert_array_equal(np.asarray(out), 2 * np.asarray(x))
+
+
+def test_cpu_devices_hint_names_a_device_count_the_batch_allows():
+    hint = sharding.cpu_devices_hint(12, 1, "cpu", 1, cores=2)
+    assert "--devices_per_process 2" in hint and "2-core" in hint
+    # 8 cores, batch 12 with 2 microbatches: 6 devices x 2 microbatches divide 12, 7 and 8 not.
+    assert "--devices_per_process 6" in sharding.cpu_devices_hint(12, 2, "cpu", 1, cores=8)
+    assert "--devices_per_process 3" in sharding.cpu_devices_hint(12, 2, "cpu", 1, cores=5)
+    assert "--devices_per_process 8" in sharding.cpu_devices_hint(64, 1, "cpu", 1, cores=32)
+    assert sharding.cpu_devices_hint(7, 1, "cpu", 1, cores=4) is None  # no split divides 7
+    assert sharding.cpu_devices_hint(12, 1, "cpu", 2, cores=2) is None  # already split
+    assert sharding.cpu_devices_hint(12, 1, "cpu", 1, cores=1) is None
+    assert sharding.cpu_devices_hint(12, 1, "gpu", 1, cores=16) is None

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -396,6 +397,11 @@ def setup(
     model_config = _model_for_data(sections, data)
     if (warning := flops.bf16_warning(model_config)) and jax.process_index() == 0:
         logger.warning(warning)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    hint = sharding.cpu_devices_hint(data.config.batch_size, sections.train.microbatches,
+                                     jax.default_backend(), jax.device_count(), cores or 1)
+    if hint and jax.process_count() == 1:
+        logger.warning(hint)
     sharding.check_divisibility(
         model_config, mesh, data.config.batch_size, sections.rules, sections.train.microbatches
     )

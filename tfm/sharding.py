@@ -331,6 +331,23 @@ def param_shardings(abstract_variables: Any, mesh: Mesh, rules: Rules | None = N
 # ----------------------------------------------------------------------------- checks
 
 
+def cpu_devices_hint(batch_size: int, microbatches: int, backend: str, num_devices: int,
+                     cores: int) -> str | None:
+    """A hint for a run on one CPU device of a host with several cores, else None: split into
+    N devices (launch.sh --devices_per_process N), each device runs its share of the batch on
+    its own thread, so the many small ops of a small model overlap instead of leaving cores idle
+    (the char_lm.py:small recipe: 1.34x tokens/s with 2 devices on 2 cores). N is the most
+    devices, at most `cores` and 8, whose share of the batch `microbatches` still divides."""
+    if backend != "cpu" or num_devices != 1:
+        return None
+    fits = [n for n in range(2, min(cores, 8) + 1) if batch_size % (n * microbatches) == 0]
+    if not fits:
+        return None
+    return (f"training on 1 CPU device of a {cores}-core host: ./launch.sh train ... "
+            f"--devices_per_process {fits[-1]} splits each batch over {fits[-1]} devices, one "
+            "thread each (data parallel; faster for small models)")
+
+
 def check_divisibility(model_config: Any, mesh: Mesh | Mapping[str, int], batch_size: int,
                        rules: Rules | None = None, microbatches: int = 1) -> None:
     """Model- and batch-level divisibility checks, before anything is built or compiled.
