@@ -361,36 +361,3 @@ def test_cache_layout_equals_the_default_layout():
         np.testing.assert_allclose(out, expected, atol=1e-5, err_msg=backend)
     with pytest.raises(ValueError, match="with cache_layout"):
         attention.dot_product_attention(query, key, value, cache_layout=True)
-
-
-@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the filled-blocks path is CPU's")
-def test_reading_only_the_filled_cache_blocks_equals_the_whole_cache(monkeypatch):
-    monkeypatch.setattr(attention, "DECODE_FILLED_MIN_BYTES", 0)  # take it at any cache size
-    rng = np.random.default_rng(13)
-    batch, slots, heads, kv_heads, dim = 3, 2 * attention.DECODE_BLOCK + 9, 4, 2, 8
-    query = jnp.asarray(rng.normal(size=(batch, 1, heads, dim)), jnp.float32)
-    key = jnp.asarray(rng.normal(size=(batch, kv_heads, dim, slots)), jnp.float32)
-    value = jnp.asarray(rng.normal(size=(batch, kv_heads, slots, dim)), jnp.float32)
-    bias = jnp.asarray(rng.normal(size=(1, heads, 1, slots)), jnp.float32)
-
-    @jax.jit
-    def both(filled, lengths):  # [] and [batch]: rows attend to slots below their length
-        mask = (jnp.arange(slots) < lengths[:, None])[:, None, None, :]
-        args = dict(bias=bias, mask=mask, cache_layout=True)
-        return (attention.dot_product_attention(query, key, value, kv_filled=filled, **args),
-                attention.dot_product_attention(query, key, value, **args))
-
-    # One block, a block edge, a partial last block, the whole cache; rows of unequal lengths.
-    for filled in (1, attention.DECODE_BLOCK, attention.DECODE_BLOCK + 1, slots - 3, slots):
-        lengths = jnp.asarray([filled, max(1, filled - 5), max(1, filled // 2)])
-        fast, whole = both(filled, lengths)
-        np.testing.assert_allclose(fast, whole, rtol=1e-5, atol=1e-6, err_msg=str(filled))
-        naive, _ = _naive(query, key.transpose(0, 3, 1, 2), value.transpose(0, 2, 1, 3), bias,
-                          (np.arange(slots) < np.asarray(lengths)[:, None])[:, None, None, :])
-        np.testing.assert_allclose(fast, naive, rtol=1e-5, atol=1e-5, err_msg=str(filled))
-    # The switch really cuts: garbage past `filled` (masked) must not reach the output.
-    poisoned = value.at[:, :, attention.DECODE_BLOCK:].set(jnp.nan)
-    out = jax.jit(lambda v: attention.dot_product_attention(
-        query, key, v, mask=(jnp.arange(slots) < 10)[None, None, None, :], cache_layout=True,
-        kv_filled=10))(poisoned)
-    assert np.isfinite(np.asarray(out)).all()

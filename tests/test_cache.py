@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 from tiny_model import TINY
 
-from tfm import attention
 from tfm.cache import init_cache
 from tfm.config import POSITION_SCHEMES, ModelConfig
 from tfm.models import DecoderLM, EncoderDecoder
@@ -19,19 +18,12 @@ def config_for(scheme: str, **changes) -> ModelConfig:
     return ModelConfig(**{**TINY, "position_scheme": scheme, **changes})
 
 
-# Every scheme unrolled; the scanned cache path on two schemes, to keep the suite fast. "filled":
-# decode steps read only the filled blocks of the cache (tfm.attention's CPU path, here in
-# blocks of 4 slots at any cache size).
+# Every scheme unrolled; the scanned cache path on two schemes, to keep the suite fast.
 @pytest.mark.parametrize(
-    "scheme,scan,filled",
-    [(scheme, False, False) for scheme in POSITION_SCHEMES]
-    + [("rope", True, False), ("t5_bias", True, False)]
-    + [("alibi", False, True), ("t5_bias", False, True), ("rope", True, True)],
+    "scheme,scan",
+    [(scheme, False) for scheme in POSITION_SCHEMES] + [("rope", True), ("t5_bias", True)],
 )
-def test_lm_prefill_then_steps_equal_full_forward(scheme, scan, filled, monkeypatch):
-    if filled:
-        monkeypatch.setattr(attention, "DECODE_BLOCK", 4)
-        monkeypatch.setattr(attention, "DECODE_FILLED_MIN_BYTES", 0)
+def test_lm_prefill_then_steps_equal_full_forward(scheme, scan):
     config = config_for(scheme, scan_layers=scan, local_window=4 if scheme == "alibi" else None)
     model = DecoderLM(config)
     params = model.init(jax.random.PRNGKey(1), TOKENS)["params"]

@@ -8,8 +8,6 @@ Masks are bool, True = may attend, shaped [batch, 1, q_len, kv_len] (or broadcas
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -93,7 +91,6 @@ def dot_product_attention(
     dropout_rng: jax.Array | None = None,
     causal: bool = False,
     cache_layout: bool = False,
-    kv_filled: jax.Array | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """softmax(Q K^T * scale + bias) V, Vaswani et al. 2017 eq. (1), with grouped-query heads.
 
@@ -111,10 +108,6 @@ def dot_product_attention(
     cache_layout=True: key comes as [batch, num_kv_heads, head_dim, kv_len] and value as
     [batch, num_kv_heads, kv_len, head_dim] (tfm/cache.py's layout, which the matmuls read
     without transposing).
-    kv_filled ([] int, with cache_layout) promises that no query attends to a slot at or past it
-    (the mask must still say so): decoding one token against a large cache on CPU, the reference
-    backend then reads only the blocks of DECODE_BLOCK slots below it (lax.switch over the block
-    count) with fused multiply-reduces instead of matmuls.
     Returns out [batch, q_len, num_heads, head_dim], plus the (post-dropout) weights
     [batch, num_heads, q_len, kv_len] float32 when return_weights.
     """
@@ -185,12 +178,6 @@ def dot_product_attention(
     )
     key_major = key if cache_layout else key.transpose(0, 2, 1, 3)
     value_major = value if cache_layout else value.transpose(0, 2, 1, 3)
-    if (kv_filled is not None and cache_layout and q_len == 1 and not return_weights
-            and dropout_rate == 0 and kv_len > DECODE_BLOCK
-            and key.size * key.dtype.itemsize >= DECODE_FILLED_MIN_BYTES
-            and jax.default_backend() == "cpu"):
-        out = _attend_filled(grouped_query, key_major, value_major, bias, mask, scale, kv_filled)
-        return out.transpose(0, 3, 1, 2, 4).reshape(query.shape).astype(query.dtype)
     blocks = _causal_blocks(q_len, kv_len) if causal and not return_weights else [(0, q_len)]
     outs, all_weights = [], []
     for start, stop in blocks:
@@ -237,47 +224,6 @@ def _causal_blocks(q_len: int, kv_len: int) -> list[tuple[int, int]]:
     return [(start, min(start + size, q_len)) for start in range(0, q_len, size)]
 
 
-# Decoding one token, the reference backend on CPU reads the cache only up to `kv_filled`, in
-# blocks of DECODE_BLOCK slots, once a layer's keys take DECODE_FILLED_MIN_BYTES. With less (the
-# cache fits the CPU's caches) whole-cache matmuls were faster: batch 1 x 264 slots x 6 heads of
-# 64, 6 layers, 0.10 ms vs 0.16 ms a step; at batch 8 (3.2 MB of keys a layer) 1.27 vs 2.33 ms.
-# Past DECODE_FILLED_MAX_SLOTS filled slots the whole-cache matmuls are faster again (their
-# per-slot rate grows with length, the multiply-reduces' does not; benchmarks/decode_attention.py).
-DECODE_BLOCK = 64
-DECODE_FILLED_MIN_BYTES = 2 * 2**20
-DECODE_FILLED_MAX_SLOTS = 512
-
-
-def _attend_filled(
-    grouped_query: jax.Array,  # [batch, kv_heads, groups, 1, head_dim]
-    key: jax.Array,  # [batch, kv_heads, head_dim, kv_len]
-    value: jax.Array,  # [batch, kv_heads, kv_len, head_dim]
-    bias: jax.Array | None,  # broadcastable to [batch, num_heads, 1, kv_len]
-    mask: jax.Array | None,  # likewise, bool
-    scale: float,
-    kv_filled: jax.Array,  # [] int: no query attends to a slot at or past it
-) -> jax.Array:
-    """One query per row against the first ceil(kv_filled / DECODE_BLOCK) blocks of the cache
-    (fused multiply-reduces), or the whole cache (matmuls) past DECODE_FILLED_MAX_SLOTS; returns
-    out [batch, kv_heads, groups, 1, head_dim] float32."""
-    kv_len = value.shape[2]
-    stops = list(range(DECODE_BLOCK, min(kv_len - 1, DECODE_FILLED_MAX_SLOTS) + 1, DECODE_BLOCK))
-
-    def attend_prefix(stop: int, multiply_sum: bool) -> Callable[[], jax.Array]:
-        def attend() -> jax.Array:
-            return _attend_block(
-                grouped_query, key[..., :stop], value[:, :, :stop],
-                None if bias is None else _rows_cols(bias, 0, 1, stop),
-                None if mask is None else _rows_cols(mask, 0, 1, stop),
-                scale, 0.0, None, True, multiply_sum=multiply_sum,
-            )[0]
-        return attend
-
-    branches = [attend_prefix(stop, True) for stop in stops] + [attend_prefix(kv_len, False)]
-    blocks = (jnp.asarray(kv_filled, jnp.int32) + DECODE_BLOCK - 1) // DECODE_BLOCK
-    return jax.lax.switch(jnp.clip(blocks - 1, 0, len(stops)), branches)
-
-
 def _rows_cols(array: jax.Array, start: int, stop: int, kv_stop: int) -> jax.Array:
     """Slices query rows [start, stop) and key columns [0, kv_stop) of a broadcastable
     [batch, heads, q_len, kv_len] mask or bias (size-1 dims stay)."""
@@ -296,13 +242,9 @@ def _attend_block(
     dropout_rate: float,
     dropout_rng: jax.Array | None,
     keys_transposed: bool,
-    multiply_sum: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """One block of queries against keys; returns (out [batch, kv_heads, groups, q_len,
-    head_dim] float32, weights [batch, kv_heads, groups, q_len, kv_len] float32).
-    multiply_sum (transposed keys): both products as broadcast multiplies summed over the
-    contracted axis, which XLA CPU fuses into one pass over the keys (and the values) that
-    slices without copying, instead of matmuls."""
+    head_dim] float32, weights [batch, kv_heads, groups, q_len, kv_len] float32)."""
     num_kv_heads, groups = grouped_query.shape[1:3]
 
     def grouped(array: jax.Array) -> jax.Array:  # [b|1, heads|1, q, k] -> [b|1, kv|1, g|1, q, k]
@@ -310,13 +252,8 @@ def _attend_block(
             return array[:, :, None]
         return array.reshape(array.shape[0], num_kv_heads, groups, *array.shape[2:])
 
-    f32 = jnp.float32
-    if multiply_sum:  # [b, k, g, t, h, 1] * [b, k, 1, 1, h, s] summed over h
-        logits = jnp.sum(grouped_query[..., None].astype(f32) * key[:, :, None, None].astype(f32),
-                         axis=-2)
-    else:
-        spec = "bkgth,bkhs->bkgts" if keys_transposed else "bkgth,bksh->bkgts"
-        logits = jnp.einsum(spec, grouped_query, key, preferred_element_type=f32)
+    spec = "bkgth,bkhs->bkgts" if keys_transposed else "bkgth,bksh->bkgts"
+    logits = jnp.einsum(spec, grouped_query, key, preferred_element_type=jnp.float32)
     logits = logits * jnp.float32(scale)
     if bias is not None:
         logits = logits + grouped(bias).astype(jnp.float32)
@@ -328,13 +265,10 @@ def _attend_block(
     if dropout_rate > 0:
         keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, weights.shape)
         weights = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)
-    if multiply_sum:  # [b, k, g, t, s, 1] * [b, k, 1, 1, s, h] summed over s
-        out = jnp.sum(weights.astype(value.dtype).astype(f32)[..., None]
-                      * value[:, :, None, None].astype(f32), axis=-2)
-    else:
-        out = jnp.einsum(
-            "bkgts,bksh->bkgth", weights.astype(value.dtype), value, preferred_element_type=f32,
-        )
+    out = jnp.einsum(
+        "bkgts,bksh->bkgth", weights.astype(value.dtype), value,
+        preferred_element_type=jnp.float32,
+    )
     return out, weights
 
 

@@ -308,9 +308,6 @@ class MultiHeadAttention(nn.Module):
             dropout_rng=dropout_rng,
             causal=causal,
             cache_layout=cache_layout,
-            # Self-attention over the cache: no row reads a slot past the last one written now.
-            kv_filled=(jnp.max(write_index) + query.shape[1]
-                       if cache_layout and not self.is_cross else None),
         )
         if want_weights:
             out, weights = result
