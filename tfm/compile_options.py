@@ -1,11 +1,10 @@
 """XLA compile options for tfm's jitted steps, and `jit`: jax.jit with them.
 
 On CPU, XLA (jaxlib 0.10) hands dots and the element-wise work around them to the YNNPACK
-library by default. On a 2-core AMD EPYC (AVX2), compiling without it
-(xla_cpu_experimental_ynn_fusion_type="") made tfm's batch-8 greedy decoding 1.5x faster
-(530 -> 801 tokens/s), the vs_torch training step 7-12% and the small char-LM recipe's step
-about 10% faster, with the same numbers to float32 rounding; batch-1 decoding was unchanged.
-benchmarks/vs_torch.py --xla_defaults off measures it again.
+library by default; tfm compiles its steps without it (xla_cpu_experimental_ynn_fusion_type=""),
+which made its batch-8 decode loop faster on the CPU measured, with the same numbers to float32
+rounding. README "Speed" has the figures; `benchmarks/vs_torch.py --xla_defaults off`
+measures them again.
 
 Left alone when the backend is not a CPU, when $XLA_FLAGS already sets the option (yours wins),
 when TFM_XLA_DEFAULTS=0, or when this jaxlib does not know the option.
