@@ -25,7 +25,7 @@ import jax.numpy as jnp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tfm import flops, sharding, train  # noqa: E402
+from tfm import flops, host_memory, sharding, train  # noqa: E402
 
 
 def load_config(spec: str):
@@ -44,6 +44,7 @@ def measure(config, dtype: str, steps: int, repeats: int, workdir: Path) -> dict
     _, shardings = train.state_shardings(experiment)
     state = train.init_state(experiment, shardings)
     step_fn, _ = train.jit_steps(experiment, shardings)  # what train_and_evaluate runs
+    host_memory.keep_freed_memory()  # as train_and_evaluate does on CPU
     iterator = experiment.data.train_iterator()
     batches = [
         sharding.shard_batch(next(iterator), experiment.mesh, rules=experiment.rules)

@@ -8,6 +8,7 @@
     python benchmarks/vs_torch.py --only train --dtypes float32 --microbatches 1,8,32
     python benchmarks/vs_torch.py --only train --dtypes float32 --microbatches 32 --cpu_devices 1,2
     python benchmarks/vs_torch.py --xla_defaults off      # tfm without tfm/compile_options.py
+    python benchmarks/vs_torch.py --malloc_defaults off   # glibc's, not tfm/host_memory.py's
 
 Training: a char GPT (6 layers, 6 heads, d_model 384, block 256, batch 64, dropout 0.2, learned
 positions, pre-LN, GELU, no biases, tied output, AdamW), as tfm's real `train.train_step` and as
@@ -23,6 +24,9 @@ measured memory bandwidth.
 `./launch.sh train ... --devices_per_process 2` runs): each device runs its half of the batch on
 its own thread, so small ops on the two halves overlap instead of leaving a core idle.
 
+The run keeps freed host memory as tfm's training loop does (`tfm/host_memory.py`; the setting
+is the process's, so torch runs under it too); `--malloc_defaults off` leaves glibc's defaults.
+
 Repeats interleave the two frameworks, and medians are reported, because the machine is shared.
 MFU is against the best measured matmul peak of either framework in that dtype. Writes
 benchmarks/results/vs_torch.{json,md}.
@@ -33,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -46,7 +51,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from tfm import compile_options, flops, train  # noqa: E402
+from tfm import compile_options, flops, host_memory, train  # noqa: E402
 from tfm.config import ModelConfig  # noqa: E402
 from tfm.generate import lm_generate  # noqa: E402
 from tfm.models import DecoderLM  # noqa: E402
@@ -63,7 +68,8 @@ VOCAB = 65
 
 def cpu_info() -> dict:
     return {**flops.cpu_features(), "jax": jax.__version__, "torch": torch.__version__,
-            "tfm_compiler_options": compile_options.compiler_options()}
+            "tfm_compiler_options": compile_options.compiler_options(),
+            "keeps_freed_memory": host_memory.keep_freed_memory()}
 
 
 def best_time(fn, repeats: int = 5) -> float:
@@ -74,6 +80,11 @@ def best_time(fn, repeats: int = 5) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return min(times)
+
+
+def page_faults() -> int:
+    """Minor page faults of this process so far (memory touched for the first time)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def matmul_peaks(dtypes: list[str], size: int = 2048) -> dict:
@@ -255,11 +266,17 @@ def bench_train(args, peaks: dict) -> list[dict]:
         torch_runs = {k: torch_train_runner(args, dtype, inputs, targets, k) for k in splits}
         tfm_times: dict[tuple, list[float]] = {key: [] for key in tfm_runs}
         torch_times: dict[int, list[float]] = {k: [] for k in splits}
+        faults = {key: 0 for key in [*tfm_runs, *torch_runs]}  # minor page faults while timed
         for _ in range(args.repeats):  # interleaved
             for key, (tfm_run, _, _) in tfm_runs.items():
+                before = page_faults()
                 tfm_times[key].append(tfm_run(args.steps) / args.steps)
+                faults[key] += page_faults() - before
             for k, torch_run in torch_runs.items():
+                before = page_faults()
                 torch_times[k].append(torch_run(args.steps) / args.steps)
+                faults[k] += page_faults() - before
+        timed_steps = args.repeats * args.steps
         torch_tps = {k: tokens / statistics.median(times) for k, times in torch_times.items()}
         peak = max(peaks[dtype].values())
         for (impl, k, n), (_, config, compile_s) in tfm_runs.items():
@@ -275,6 +292,8 @@ def bench_train(args, peaks: dict) -> list[dict]:
                 "tfm_mfu": tfm_tps * per_token / peak, "torch_mfu": torch_tps[k] * per_token / peak,
                 "tfm_step_s": sorted(tfm_times[impl, k, n]), "torch_step_s": sorted(torch_times[k]),
                 "tfm_compile_s": compile_s, "flops_per_token": per_token,
+                "tfm_page_faults_per_step": faults[impl, k, n] / timed_steps,
+                "torch_page_faults_per_step": faults[k] / timed_steps,
             })
             print(json.dumps(rows[-1]), flush=True)
     return rows
@@ -365,7 +384,9 @@ def report(info: dict, peaks: dict, bandwidth: float, rows: list[dict], command:
          + "; ".join(f"{d} jax {p['jax'] / 1e9:.0f}, torch {p['torch'] / 1e9:.0f}"
                      for d, p in peaks.items()) + ". " if peaks else "")
         + f"Memory bandwidth (512 MiB sum): {bandwidth / 1e9:.1f} GB/s. "
-        f"tfm's XLA options: {info.get('tfm_compiler_options') or 'XLA defaults'}.",
+        f"tfm's XLA options: {info.get('tfm_compiler_options') or 'XLA defaults'}. "
+        "Freed host memory: " + ("kept (tfm/host_memory.py)." if info.get("keeps_freed_memory")
+                                 else "glibc's defaults."),
         "",
     ]
     train_rows = [r for r in rows if r["work"] == "train"]
@@ -432,6 +453,10 @@ def main() -> None:
     parser.add_argument("--xla_defaults", choices=("on", "off"), default="on",
                         help="off: tfm compiles with XLA's defaults, not "
                              "tfm/compile_options.py's (TFM_XLA_DEFAULTS=0)")
+    parser.add_argument("--malloc_defaults", choices=("on", "off"), default="on",
+                        help="off: glibc's malloc defaults, not tfm/host_memory.py's "
+                             "(TFM_MALLOC_DEFAULTS=0); the setting is the process's, so torch "
+                             "runs under it too")
     parser.add_argument("--steps", type=int, default=2, help="train steps per timing")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved train timings")
     parser.add_argument("--new_tokens", default="256,1024")
@@ -443,6 +468,8 @@ def main() -> None:
         args.batch, args.repeats, args.decode_repeats = 16, 3, 3
     if args.xla_defaults == "off":
         os.environ["TFM_XLA_DEFAULTS"] = "0"
+    if args.malloc_defaults == "off":
+        os.environ["TFM_MALLOC_DEFAULTS"] = "0"
     # Before anything starts the backend: devices for --cpu_devices (1 device runs on the first).
     jax.config.update("jax_num_cpu_devices", max(int(n) for n in args.cpu_devices.split(",")))
     torch.set_num_threads(os.cpu_count() or 1)

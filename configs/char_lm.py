@@ -79,10 +79,10 @@ def get_config(arg: str | None = None):
         blocks, batch 12, 2,000 steps, no dropout, learned positions, no biases; AdamW (0.9,
         0.99), lr 1e-3 with 100 warmup steps and cosine to 1e-4, weight decay 0.1, clip 1.0.
         Eval covers every non-overlapping 64-char window of the validation split. Measured
-        (`./launch.sh train configs/char_lm.py:small`, shared 2-core AMD EPYC): eval_loss 1.801
-        at step 2,000; 62 ms/step in the loop, 2 min 24 s wall. With `--devices_per_process 2`
-        (data parallel over the two cores): the same eval_loss (1.8014), 54 ms/step, 2 min 9 s;
-        the jitted step alone is 59 vs 41 ms (torch: 46 ms; README "Speed")."""
+        (`./launch.sh train configs/char_lm.py:small`, shared 2-core AMD EPYC): eval_loss 1.8014
+        at step 2,000; about 49 ms/step in the loop, 2 min 0 s wall (60 ms/step and 2 min 21 s
+        with TFM_MALLOC_DEFAULTS=0). With `--devices_per_process 2`: the same eval_loss, 48
+        ms/step, 1 min 58 s. The jitted step alone: 48.0 ms, torch 54.4 ms (README "Speed")."""
         c.model.update(d_model=128, num_heads=4, d_ff=512, num_decoder_layers=4,
                        dropout_rate=0.0, position_scheme="learned", max_len=256, use_bias=False)
         c.data.update(seq_len=64, eval_seq_len=64, batch_size=12, eval_batch_size=256)

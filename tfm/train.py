@@ -24,7 +24,7 @@ import ml_collections
 import numpy as np
 import optax
 
-from tfm import checkpoint, compile_options, flops, losses, metrics, prng, sharding
+from tfm import checkpoint, compile_options, flops, host_memory, losses, metrics, prng, sharding
 from tfm.evaluate import (  # noqa: F401  (re-exported)
     PromptError,
     check_prompts,
@@ -193,6 +193,8 @@ def train_and_evaluate(
 ) -> dict[str, Any]:
     """Trains `config` in `workdir`, resuming from its latest checkpoint; returns final metrics."""
     experiment = setup(config, workdir)
+    if jax.default_backend() == "cpu":  # each step then reuses its temporaries' pages
+        host_memory.keep_freed_memory()
     options = experiment.train
     experiment.workdir.mkdir(parents=True, exist_ok=True)
     if jax.process_index() == 0:
