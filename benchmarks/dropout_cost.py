@@ -1,14 +1,14 @@
 """What dropout costs in tfm's training step, per mask generator, against no dropout.
 
-    python benchmarks/dropout_cost.py                 # about 6 minutes on 2 cores; needs the
-                                                      # bench extra (it reuses vs_torch.py)
+    python benchmarks/dropout_cost.py                 # about 6 minutes on 2 cores
     python benchmarks/dropout_cost.py --batch 16 --repeats 3
 
-The char-GPT step of benchmarks/vs_torch.py (6 layers, d_model 384, block 256, dropout 0.2 on
-the embeddings and both residual branches), tfm only, in one process: `train.dropout_rng`
-threefry (tfm.prng's fused hash), threefry2x32 (the same masks through jax's own lowering) and
-rbg, next to the same step with dropout 0. Repeats interleave the variants; medians of wall and
-process CPU time. Writes benchmarks/results/dropout_cost.{json,md}.
+The char-GPT step of benchmarks/vs_torch.py (benchmarks/char_gpt.py: 6 layers, d_model 384,
+block 256, dropout 0.2 on the embeddings and both residual branches), tfm only, in one
+process: `train.dropout_rng` threefry (tfm.prng's fused hash), threefry2x32 (the same masks
+through jax's own lowering) and rbg, next to the same step with dropout 0. Repeats interleave
+the variants; medians of wall and process CPU time. Writes
+benchmarks/results/dropout_cost.{json,md}.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+
+import char_gpt  # noqa: E402
 
 from tfm import flops  # noqa: E402
 
@@ -39,29 +39,18 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--variants", default=f"threefry,threefry2x32,rbg,{NO_DROPOUT}")
     args = parser.parse_args()
-    import vs_torch  # the same model and step runner as the side-by-side benchmark
-
     info = flops.cpu_features()
     print(json.dumps(info))
     shape = types.SimpleNamespace(layers=6, heads=6, d_model=384, block=256, batch=args.batch,
                                   dropout=0.2)
-    rng = np.random.default_rng(0)
-    inputs = rng.integers(0, vs_torch.VOCAB, (args.batch, shape.block)).astype(np.int32)
-    targets = rng.integers(0, vs_torch.VOCAB, (args.batch, shape.block)).astype(np.int32)
-    batch = {
-        "inputs": jnp.asarray(inputs), "targets": jnp.asarray(targets),
-        "weights": jnp.ones(inputs.shape, jnp.float32),
-        "positions": jnp.asarray(np.broadcast_to(np.arange(shape.block, dtype=np.int32),
-                                                 inputs.shape)),
-        "segment_ids": jnp.ones(inputs.shape, jnp.int32),
-    }
+    batch = char_gpt.random_batch(args.batch, shape.block)[0]
     runs = {}
     for variant in args.variants.split(","):
         config = types.SimpleNamespace(**vars(shape))
         if variant == NO_DROPOUT:
             config.dropout = 0.0
         impl = "threefry" if variant == NO_DROPOUT else variant
-        runs[variant] = vs_torch.tfm_train_runner(config, "float32", batch, impl)[0]
+        runs[variant] = char_gpt.tfm_train_runner(config, "float32", batch, impl)[0]
     wall = {v: [] for v in runs}
     cpu = {v: [] for v in runs}
     for _ in range(args.repeats):

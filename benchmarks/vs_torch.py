@@ -49,12 +49,12 @@ sys.path.insert(0, str(ROOT))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
 
-from tfm import compile_options, flops, host_memory, train  # noqa: E402
-from tfm.config import ModelConfig  # noqa: E402
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from char_gpt import VOCAB, init_params, model_config, random_batch, tfm_train_runner  # noqa: E402
+
+from tfm import compile_options, flops, host_memory  # noqa: E402
 from tfm.generate import lm_generate  # noqa: E402
-from tfm.models import DecoderLM  # noqa: E402
 
 try:
     import torch
@@ -63,7 +63,6 @@ try:
 except ImportError:  # pragma: no cover - the benchmark says what to install
     sys.exit('vs_torch.py needs torch and transformers: pip install -e ".[bench]"')
 
-VOCAB = 65
 
 
 def cpu_info() -> dict:
@@ -164,59 +163,6 @@ class TorchGPT(nn.Module):
 # Training
 
 
-def model_config(args, dtype: str, max_len: int) -> ModelConfig:
-    return ModelConfig(
-        vocab_size=VOCAB, d_model=args.d_model, num_heads=args.heads, d_ff=4 * args.d_model,
-        num_encoder_layers=0, num_decoder_layers=args.layers, dropout_rate=args.dropout,
-        position_scheme="learned", max_len=max_len, norm_placement="pre", activation="gelu",
-        use_bias=False, scale_embeddings=False, dtype=dtype,
-    )
-
-
-def tfm_train_runner(args, dtype: str, batch: dict, dropout_rng: str = "threefry",
-                     microbatches: int = 1, devices: int = 1):
-    """tfm's train step as `train.jit_steps` compiles it, the batch split over `devices` CPU
-    devices (a "data" mesh axis; params and optimizer state replicated)."""
-    config = model_config(args, dtype, args.block)
-    model = DecoderLM(config)
-    optimizer = optax.adamw(1e-3, b1=0.9, b2=0.99, weight_decay=0.1)
-    params = jax.tree.map(
-        lambda x: getattr(x, "value", x),
-        model.init(jax.random.PRNGKey(0), batch["inputs"][:1])["params"],
-        is_leaf=lambda x: hasattr(x, "value"),
-    )
-    state = train.TrainState(
-        jnp.zeros((), jnp.int32), params, optimizer.init(params), jax.random.PRNGKey(1)
-    )
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:devices]), ("data",))
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
-    state, batch = jax.device_put(state, replicated), jax.device_put(batch, split)
-    step = compile_options.jit(
-        lambda s, b: train.train_step(
-            s, b, model=model, mode="lm", optimizer=optimizer,
-            schedule=optax.constant_schedule(1e-3), label_smoothing=0.0,
-            dropout_rng_impl=dropout_rng, microbatches=microbatches,
-        ),
-        in_shardings=(replicated, split), out_shardings=(replicated, replicated),
-        donate_argnums=(0,),
-    )
-    start = time.perf_counter()
-    compiled = step.lower(state, batch).compile()
-    compile_s = time.perf_counter() - start
-    holder = {"state": state}
-
-    def run(steps: int) -> float:
-        begin = time.perf_counter()
-        for _ in range(steps):
-            holder["state"], metrics = compiled(holder["state"], batch)
-        jax.block_until_ready(metrics)
-        return time.perf_counter() - begin
-
-    run(1)  # warm up
-    return run, config, compile_s
-
-
 def torch_train_runner(args, dtype: str, inputs: np.ndarray, targets: np.ndarray,
                        microbatches: int = 1):
     """One AdamW step per call; with microbatches = k the batch's k chunks are run forward and
@@ -246,15 +192,7 @@ def torch_train_runner(args, dtype: str, inputs: np.ndarray, targets: np.ndarray
 
 
 def bench_train(args, peaks: dict) -> list[dict]:
-    rng = np.random.default_rng(0)
-    inputs = rng.integers(0, VOCAB, (args.batch, args.block)).astype(np.int32)
-    targets = rng.integers(0, VOCAB, (args.batch, args.block)).astype(np.int32)
-    positions = np.broadcast_to(np.arange(args.block, dtype=np.int32), inputs.shape)
-    batch = {
-        "inputs": jnp.asarray(inputs), "targets": jnp.asarray(targets),
-        "weights": jnp.ones(inputs.shape, jnp.float32), "positions": jnp.asarray(positions),
-        "segment_ids": jnp.ones(inputs.shape, jnp.int32),
-    }
+    batch, inputs, targets = random_batch(args.batch, args.block)
     tokens = args.batch * args.block
     rows = []
     impls = args.dropout_rng.split(",")
@@ -318,11 +256,7 @@ def hf_model(args, max_positions: int):
 def bench_decode(args, bandwidth: float) -> list[dict]:
     max_new = max(int(n) for n in args.new_tokens.split(","))
     config = model_config(args, "float32", 8 + max_new).replace(dropout_rate=0.0)
-    params = jax.tree.map(
-        lambda x: getattr(x, "value", x),
-        DecoderLM(config).init(jax.random.PRNGKey(0), jnp.ones((1, 8), jnp.int32))["params"],
-        is_leaf=lambda x: hasattr(x, "value"),
-    )
+    params = init_params(config, prompt_len=8)
     bf16_config = config.replace(dtype="bfloat16", param_dtype="bfloat16")
     bf16_params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
     weight_bytes = sum(x.size * 4 for x in jax.tree.leaves(params))

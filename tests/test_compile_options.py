@@ -70,3 +70,23 @@ def test_options_on_cpu_and_the_ways_to_turn_them_off(fresh_options, monkeypatch
     monkeypatch.delenv("TFM_XLA_DEFAULTS")
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_experimental_ynn_fusion_type=")  # the user's
     assert compile_options.compiler_options() is None
+
+
+def test_using_compiles_calls_inside_it_with_the_given_options(fresh_options, monkeypatch):
+    monkeypatch.delenv("TFM_XLA_DEFAULTS", raising=False)
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    if compile_options.compiler_options() is None:
+        pytest.skip("not a CPU, or this jaxlib lacks the option")
+    x, w1, w2 = _inputs()
+    step = compile_options.jit(_mlp)
+
+    def program() -> str:
+        return step.lower(x, w1, w2).compile().as_text()
+
+    with compile_options.using(None):  # XLA's defaults hand the dots to YNNPACK
+        assert "__ynn_fusion" in program()
+        inside = step(x, w1, w2)
+    assert "__ynn_fusion" not in program()  # tfm's options again
+    np.testing.assert_allclose(inside, step(x, w1, w2), rtol=1e-5, atol=1e-6)
+    with compile_options.using({compile_options.YNN_FUSION: "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}):
+        assert "__ynn_fusion" in program()

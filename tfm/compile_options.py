@@ -1,10 +1,9 @@
 """XLA compile options for tfm's jitted steps, and `jit`: jax.jit with them.
 
-On CPU, XLA (jaxlib 0.10) hands dots and the element-wise work around them to the YNNPACK
-library by default; tfm compiles its steps without it (xla_cpu_experimental_ynn_fusion_type=""),
-which made its batch-8 decode loop faster on the CPU measured, with the same numbers to float32
-rounding. README "Speed" has the figures; `benchmarks/vs_torch.py --xla_defaults off`
-measures them again.
+On CPU, XLA (jaxlib 0.10) hands dots and reductions to the YNNPACK library by default; tfm
+compiles its train, eval and decode steps without it (xla_cpu_experimental_ynn_fusion_type=""),
+with the same numbers to float32 rounding. `benchmarks/xla_options.py` times each kind of step
+both ways, and with YNNPACK taking only the dots; README "Speed" has the figures.
 
 Left alone when the backend is not a CPU, when $XLA_FLAGS already sets the option (yours wins),
 when TFM_XLA_DEFAULTS=0, or when this jaxlib does not know the option.
@@ -12,15 +11,32 @@ when TFM_XLA_DEFAULTS=0, or when this jaxlib does not know the option.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-CPU_OPTIONS: dict[str, Any] = {"xla_cpu_experimental_ynn_fusion_type": ""}
+YNN_FUSION = "xla_cpu_experimental_ynn_fusion_type"
+CPU_OPTIONS: dict[str, Any] = {YNN_FUSION: ""}
+_UNSET = object()
+_forced: Any = _UNSET  # set by `using`
+
+
+@contextlib.contextmanager
+def using(options: dict[str, Any] | None) -> Iterator[None]:
+    """Calls of `jit`-wrapped steps inside this block run programs compiled with `options`
+    (None: XLA's defaults); outside it, with tfm's. For side-by-side measurements
+    (benchmarks/xla_options.py); each setting compiles once per step."""
+    global _forced
+    previous, _forced = _forced, None if options is None else tuple(sorted(options.items()))
+    try:
+        yield
+    finally:
+        _forced = previous
 
 
 @functools.cache
@@ -49,9 +65,17 @@ def jit(fun: Callable | None = None, /, **jit_kwargs: Any) -> Callable:
         return functools.partial(jit, **jit_kwargs)
 
     @functools.cache
-    def jitted(top_level: bool) -> Callable:
-        options = compiler_options() if top_level else None
+    def jitted(top_level: bool, forced: Any) -> Callable:
+        if not top_level:
+            options = None
+        elif forced is _UNSET:
+            options = compiler_options()
+        else:
+            options = None if forced is None else dict(forced)
         return jax.jit(fun, compiler_options=options, **jit_kwargs)
+
+    def build(top_level: bool) -> Callable:
+        return jitted(top_level, _forced)
 
     def top_level(args: tuple, kwargs: dict) -> bool:
         leaves = jax.tree.leaves((args, kwargs))
@@ -59,7 +83,7 @@ def jit(fun: Callable | None = None, /, **jit_kwargs: Any) -> Callable:
 
     @functools.wraps(fun)
     def call(*args: Any, **kwargs: Any) -> Any:
-        return jitted(top_level(args, kwargs))(*args, **kwargs)
+        return build(top_level(args, kwargs))(*args, **kwargs)
 
-    call.lower = lambda *args, **kwargs: jitted(top_level(args, kwargs)).lower(*args, **kwargs)
+    call.lower = lambda *args, **kwargs: build(top_level(args, kwargs)).lower(*args, **kwargs)
     return call
