@@ -404,6 +404,7 @@ def main() -> None:
         os.environ["TFM_XLA_DEFAULTS"] = "0"
     if args.malloc_defaults == "off":
         os.environ["TFM_MALLOC_DEFAULTS"] = "0"
+    host_memory.keep_freed_memory()  # before the backend's threads start (one malloc arena)
     # Before anything starts the backend: devices for --cpu_devices (1 device runs on the first).
     jax.config.update("jax_num_cpu_devices", max(int(n) for n in args.cpu_devices.split(",")))
     torch.set_num_threads(os.cpu_count() or 1)

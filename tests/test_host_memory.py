@@ -60,10 +60,26 @@ def _run(code: str, **env: str) -> list[str]:
     return result.stdout.split()
 
 
+# A 2.5 GiB block, one byte touched per MiB (2,560 pages, so the test needs little memory), freed
+# and taken again three times: the pages stay only if glibc never trims the heap (with the
+# largest positive threshold, 2 GiB, they would be given back and fault in again).
+_HUGE_ROUNDS = _MALLOC_ROUNDS.replace("size = 64 << 20", "size = 5 << 29").replace(
+    "ctypes.memset(block, 1, size)",
+    "[ctypes.memset(block + offset, 1, 1) for offset in range(0, size, 1 << 20)]")
+
+
 def test_freed_block_is_reused_without_faults():
     applied, faults = _run(_MALLOC_ROUNDS)
     assert applied == "True"
     assert int(faults) < 1_000  # 64 MiB is 16,384 pages
+
+
+def test_blocks_past_two_gib_are_kept_too():
+    applied, faults = _run(_HUGE_ROUNDS)
+    assert applied == "True"
+    assert int(faults) < 256  # 2,560 touched pages
+    _, default_faults = _run(_HUGE_ROUNDS, TFM_MALLOC_DEFAULTS="0")
+    assert int(default_faults) >= 2_560
 
 
 def test_glibc_defaults_fault_again_when_turned_off():

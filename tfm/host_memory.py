@@ -8,7 +8,8 @@ page-faults and zeroes its whole temporary block again (10,000 faults per small-
 back to the system, so the next step reuses the same pages. README "Speed" has the figures;
 `benchmarks/vs_torch.py --malloc_defaults off` measures them again.
 
-The cost is resident memory: freed blocks stay in the process. A training loop reuses them
+The cost is resident memory: freed blocks stay in the process, and its resident size does not
+shrink below its high-water mark until it exits. A training loop reuses them
 (its resident size stayed flat over 400 small-recipe steps with evaluations), but a program that
 keeps large step outputs alive across calls can hold several freed copies (a loop returning
 48 MB arrays settled at 0.9 GB instead of 0.3 GB). So tfm sets it only in its training loop
@@ -29,9 +30,11 @@ import os
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
 _M_ARENA_MAX = -8
-# mallopt takes an int: freed memory at the top of the heap goes back to the system only past
-# 2 GiB (the largest value it accepts).
-_TRIM_THRESHOLD = 2**31 - 1
+# mallopt takes an int, and glibc stores the trim threshold as a size_t: -1 becomes SIZE_MAX, so
+# freed memory at the top of the heap never goes back to the system. (The largest positive int,
+# 2 GiB, let the 5.4 GB of temporaries of a batch-64 char-GPT step go back and fault in again
+# every step: a million faults per step; README "Speed" has the before and after.)
+_NEVER_TRIM = -1
 
 
 @functools.cache
@@ -48,7 +51,7 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError):  # not glibc (macOS, musl without mallopt, Windows)
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    kept = mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD) == 1
+    kept = mallopt(_M_TRIM_THRESHOLD, _NEVER_TRIM) == 1
     no_mmap = mallopt(_M_MMAP_MAX, 0) == 1
     one_arena = mallopt(_M_ARENA_MAX, 1) == 1
     return kept and no_mmap and one_arena
