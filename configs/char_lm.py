@@ -81,7 +81,7 @@ def get_config(arg: str | None = None):
         Eval covers every non-overlapping 64-char window of the validation split. Measured
         (`./launch.sh train configs/char_lm.py:small`, shared 2-core AMD EPYC): eval_loss 1.8014
         at step 2,000; about 49 ms/step in the loop, 2 min 0 s wall (60 ms/step and 2 min 21 s
-        with TFM_MALLOC_DEFAULTS=0; a later rerun: 43-48 ms/step, 1 min 50 s). With
+        with TFM_MALLOC_DEFAULTS=0; later reruns: 40-48 ms/step, 1 min 38 s to 1 min 50 s). With
         `--devices_per_process 2`: the same eval_loss, 48 ms/step, 1 min 58 s. The jitted step
         alone: 48.0 ms, torch 54.4 ms (README "Speed")."""
         c.model.update(d_model=128, num_heads=4, d_ff=512, num_decoder_layers=4,
