@@ -74,16 +74,14 @@ def jit(fun: Callable | None = None, /, **jit_kwargs: Any) -> Callable:
             options = None if forced is None else dict(forced)
         return jax.jit(fun, compiler_options=options, **jit_kwargs)
 
-    def build(top_level: bool) -> Callable:
-        return jitted(top_level, _forced)
-
     def top_level(args: tuple, kwargs: dict) -> bool:
         leaves = jax.tree.leaves((args, kwargs))
         return not any(isinstance(leaf, jax.core.Tracer) for leaf in leaves)
 
     @functools.wraps(fun)
     def call(*args: Any, **kwargs: Any) -> Any:
-        return build(top_level(args, kwargs))(*args, **kwargs)
+        return jitted(top_level(args, kwargs), _forced)(*args, **kwargs)
 
-    call.lower = lambda *args, **kwargs: build(top_level(args, kwargs)).lower(*args, **kwargs)
+    call.lower = lambda *args, **kwargs: jitted(top_level(args, kwargs), _forced).lower(
+        *args, **kwargs)
     return call
