@@ -16,9 +16,10 @@ an equivalent PyTorch module defined here (nanoGPT's shape, same dropout sites: 
 the two residual branches; eager mode, `F.scaled_dot_product_attention`). bfloat16 is tfm's
 `dtype=bfloat16` (float32 params and accumulation) against torch autocast.
 Decoding: greedy, 8-token prompts, batch 1 and 8, 256 and 1,024 new tokens, tfm's
-`lm_generate` (one jitted while_loop, KV cache) against Hugging Face `generate` (KV cache) on a
-GPT-2 of the same size. Also the batch-1 weight-bandwidth bound: weight bytes per token over the
-measured memory bandwidth.
+`lm_generate` (while loops over a KV cache grown before each, `DecodeConfig.cache_segments`;
+beside it one loop over a full-size cache, `cache_segments=1`) against Hugging Face `generate`
+(KV cache) on a GPT-2 of the same size. Also the batch-1 weight-bandwidth bound: weight bytes per
+token over the measured memory bandwidth.
 
 --cpu_devices 1,2 also times tfm training data-parallel over 2 CPU devices of this host (what
 `./launch.sh train ... --devices_per_process 2` runs): each device runs its half of the batch on
@@ -35,6 +36,7 @@ benchmarks/results/vs_torch.{json,md}.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import resource
@@ -53,7 +55,8 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from char_gpt import VOCAB, init_params, model_config, random_batch, tfm_train_runner  # noqa: E402
 
-from tfm import compile_options, flops, host_memory  # noqa: E402
+from tfm import compile_options, decoding, flops, host_memory  # noqa: E402
+from tfm.decoding import DecodeConfig  # noqa: E402
 from tfm.generate import lm_generate  # noqa: E402
 
 try:
@@ -268,9 +271,10 @@ def bench_decode(args, bandwidth: float) -> list[dict]:
                 continue  # the grid: 1,024 new tokens at batch 1
             prompts = np.random.default_rng(batch).integers(3, VOCAB, (batch, 8))
 
-            def tfm_run(cfg=config, p=params, prompts=prompts, new_tokens=new_tokens):
+            def tfm_run(cfg=config, p=params, prompts=prompts, new_tokens=new_tokens,
+                        segments=DecodeConfig.cache_segments):
                 out = lm_generate(p, cfg, prompts, np.full(len(prompts), 8),
-                                  max_new_tokens=new_tokens, eos_id=2)
+                                  max_new_tokens=new_tokens, eos_id=2, cache_segments=segments)
                 return np.asarray(out.lengths)
 
             def hf_run(prompts=prompts, new_tokens=new_tokens):
@@ -284,18 +288,24 @@ def bench_decode(args, bandwidth: float) -> list[dict]:
 
             tfm_bf16_run = lambda prompts=prompts, n=new_tokens: tfm_run(bf16_config, bf16_params,
                                                                          prompts, n)
+            one_loop_run = functools.partial(tfm_run, segments=1)
             assert (tfm_run() == new_tokens).all() and hf_run() == new_tokens
+            assert (one_loop_run() == new_tokens).all()
             tfm_bf16_run()
-            times = {"tfm": [], "tfm_bf16": [], "hf": []}
+            runs = (("tfm", tfm_run), ("tfm_one_loop", one_loop_run), ("tfm_bf16", tfm_bf16_run),
+                    ("hf", hf_run))
+            times = {name: [] for name, _ in runs}
             for _ in range(args.decode_repeats):
-                for name, fn in (("tfm", tfm_run), ("tfm_bf16", tfm_bf16_run), ("hf", hf_run)):
+                for name, fn in runs:
                     start = time.perf_counter()
                     fn()
                     times[name].append(time.perf_counter() - start)
             tps = {k: batch * new_tokens / statistics.median(v) for k, v in times.items()}
             row = {
                 "work": "decode", "batch": batch, "new_tokens": new_tokens,
+                "cache_segments": decoding.segment_ends(new_tokens, DecodeConfig.cache_segments),
                 "tfm_tokens_per_s": tps["tfm"], "tfm_bf16_tokens_per_s": tps["tfm_bf16"],
+                "tfm_one_loop_tokens_per_s": tps["tfm_one_loop"],
                 "hf_tokens_per_s": tps["hf"], "ratio": tps["tfm"] / tps["hf"],
                 "bf16_ratio": tps["tfm_bf16"] / tps["hf"],
             }
@@ -346,9 +356,10 @@ def report(info: dict, peaks: dict, bandwidth: float, rows: list[dict], command:
     decode_rows = [r for r in rows if r["work"] == "decode"]
     if decode_rows:
         lines += [
-            "| greedy decoding | tfm tokens/s | tfm bf16 tokens/s | HF generate tokens/s | "
-            "tfm / HF | bf16 / HF | batch-1 bound (f32 weights) |",
-            "|---|---:|---:|---:|---:|---:|---:|",
+            "| greedy decoding | tfm tokens/s | tfm one loop (cache_segments=1) | "
+            "tfm bf16 tokens/s | HF generate tokens/s | tfm / HF | one loop / HF | bf16 / HF | "
+            "batch-1 bound (f32 weights) |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in decode_rows:
             bound = (f"{r['bandwidth_bound_tokens_per_s']:,.0f} tokens/s "
@@ -356,8 +367,11 @@ def report(info: dict, peaks: dict, bandwidth: float, rows: list[dict], command:
                      if "bandwidth_bound_tokens_per_s" in r else "")
             lines.append(
                 f"| batch {r['batch']}, {r['new_tokens']} new | {r['tfm_tokens_per_s']:,.0f} | "
+                f"{r['tfm_one_loop_tokens_per_s']:,.0f} | "
                 f"{r['tfm_bf16_tokens_per_s']:,.0f} | {r['hf_tokens_per_s']:,.0f} | "
-                f"**{r['ratio']:.2f}** | {r['bf16_ratio']:.2f} | {bound} |"
+                f"**{r['ratio']:.2f}** | "
+                f"{r['tfm_one_loop_tokens_per_s'] / r['hf_tokens_per_s']:.2f} | "
+                f"{r['bf16_ratio']:.2f} | {bound} |"
             )
         lines.append("")
     lines.append(f"Command: `{command}`")

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from tiny_model import TINY
 
-from tfm.cache import init_cache
+from tfm.cache import grow, init_cache
 from tfm.config import POSITION_SCHEMES, ModelConfig
 from tfm.models import DecoderLM, EncoderDecoder
 
@@ -139,3 +139,31 @@ def test_cache_form_per_layer_or_stacked_and_both_decode_exactly():
         for position in range(4, 8):
             logits, cache = step(rows[:, position : position + 1], cache)
             np.testing.assert_allclose(logits[:, 0], full[: len(rows), position], atol=1e-5)
+
+
+@pytest.mark.parametrize("batch, scan", [(2, False), (1, False), (2, True)])
+def test_grown_cache_decodes_like_a_full_size_one(batch, scan):
+    """A cache with room for the prompt only, grown slot block by slot block (per-layer and
+    stacked layouts), decodes exactly like one built at full size; grow keeps what was filled."""
+    config = config_for("rope", scan_layers=scan)
+    model = DecoderLM(config)
+    params = model.init(jax.random.PRNGKey(1), TOKENS)["params"]
+    full = model.apply({"params": params}, TOKENS)[:batch]
+    step = jax.jit(lambda tokens, cache: model.apply({"params": params}, tokens, cache=cache))
+    logits, cache = step(TOKENS[:batch, :4], init_cache(config, batch, max_len=4))
+    before = jax.tree.leaves(cache)
+    cache = grow(cache, 2)
+    assert cache.max_len == 6 and bool(cache.valid.all())
+    for old, new in zip(before, jax.tree.leaves(cache), strict=True):
+        if old.shape != new.shape:  # slots: the old ones kept, the new ones empty
+            axis = next(a for a in range(old.ndim) if old.shape[a] != new.shape[a])
+            np.testing.assert_array_equal(jnp.take(new, jnp.arange(4), axis=axis), old)
+            added = jnp.take(new, jnp.arange(4, 6), axis=axis)
+            assert added.all() if new.dtype == bool else not added.any()  # valid / empty
+    for position in range(4, 8):
+        if position == 6:
+            cache = grow(cache, 2)
+        logits, cache = step(TOKENS[:batch, position : position + 1], cache)
+        np.testing.assert_allclose(logits[:, 0], full[:, position], atol=1e-5)
+    with pytest.raises(ValueError, match="extra_slots=-1"):
+        grow(cache, -1)

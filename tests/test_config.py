@@ -94,6 +94,7 @@ def test_decode_config_is_hashable_and_checked_once():
         (dict(top_p=0.0), "top_p=0.0 must be a number in"),
         (dict(temperature=True), "temperature=True must be a number > 0"),
         (dict(max_new_tokens=0), "max_new_tokens=0 must be an integer >= 1"),
+        (dict(cache_segments=0), "cache_segments=0 must be an integer >= 1"),
     ]:
         with pytest.raises(ConfigError, match=message):
             DecodeConfig(**changes)
@@ -106,6 +107,10 @@ def test_experiment_sections_name_their_field():
         GenerateConfig.from_section({"beam_size": 0})
     with pytest.raises(ConfigError, match=r"eval.alpha=nan must be a finite number"):
         EvalConfig(alpha=float("nan"))
+    with pytest.raises(ConfigError, match=r"eval.cache_segments=1.5 must be an integer >= 1"):
+        EvalConfig(cache_segments=1.5)
+    with pytest.raises(ConfigError, match=r"generate.cache_segments=0 must be an integer"):
+        GenerateConfig.from_section({"cache_segments": 0})
     with pytest.raises(ConfigError, match=r"train.max_to_keep=0 must be an integer >= 1"):
         TrainConfig(max_to_keep=0)
     beam = GenerateConfig.from_section({"method": "beam"})

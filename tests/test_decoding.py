@@ -19,6 +19,7 @@ from tfm.decoding import (
     greedy,
     length_penalty,
     sample,
+    segment_ends,
 )
 
 PAD, BOS, EOS = 0, 1, 2
@@ -568,6 +569,85 @@ def test_traced_once_under_jit(algorithm):
 
 
 # ---------------------------------------------------------------------------------------------
+# Growing the cache: segments of the loop
+
+
+@pytest.mark.parametrize(
+    "max_new, segments, ends",
+    [
+        (256, 4, (64, 128, 192, 256)),
+        (1024, 4, (256, 512, 768, 1024)),
+        (200, 4, (64, 128, 200)),  # 200 / 4 rounds up to 64; 192..200 is merged
+        (100, 4, (100,)),  # a second segment would be shorter than 64 steps
+        (64, 4, (64,)),
+        (192, 1, (192,)),
+        (1000, 3, (384, 768, 1000)),
+    ],
+)
+def test_segment_ends(max_new, segments, ends):
+    assert segment_ends(max_new, segments) == ends
+
+
+def slot_history_model(table):
+    """logits = table[sum of every token fed so far % V]: the whole history is read from the
+    cache {"tokens": [B, slots], "length": [B]}, and a step with no free slot returns NaN."""
+    table = jnp.asarray(table, jnp.float32)
+
+    def tokens_to_logits(tokens, cache):
+        slots, length = cache["tokens"].shape[1], cache["length"]
+        write = lambda row, token, at: jax.lax.dynamic_update_slice(row, token[None], (at,))
+        written = jax.vmap(write)(cache["tokens"], tokens[:, -1], length)
+        history = jnp.sum(jnp.where(jnp.arange(slots) <= length[:, None], written, 0), axis=1)
+        logits = jnp.where((length < slots)[:, None], table[history % V], jnp.nan)
+        return logits[:, None], {"tokens": written, "length": length + 1}
+
+    return tokens_to_logits
+
+
+def grow_history(cache, extra_slots):
+    return {**cache, "tokens": jnp.pad(cache["tokens"], ((0, 0), (0, extra_slots)))}
+
+
+def history_cache(batch, slots):
+    return {"tokens": jnp.zeros((batch, slots), jnp.int32),
+            "length": jnp.zeros((batch,), jnp.int32)}
+
+
+HISTORY_TABLE = random_logits(3, (V, V))
+HISTORY_TABLE[:, EOS] = -5.0  # rare: rows run long enough to cross segments
+HISTORY_MODEL = slot_history_model(HISTORY_TABLE)
+
+
+@pytest.mark.parametrize("algorithm", ["greedy", "sample", "beam_search"])
+def test_growing_the_cache_in_segments_equals_one_full_cache(algorithm):
+    """Three loops growing an empty cache by 64 slots each give the tokens and scores of one
+    loop over a full-size cache; a cache one segment too small would give NaN logits."""
+    max_new = 192
+
+    def decode(cache, **grow):
+        kwargs = dict(max_new_tokens=max_new, eos_id=EOS, **grow)
+        if algorithm == "greedy":
+            return greedy(HISTORY_MODEL, RANDOM_INITIAL, cache, **kwargs)
+        if algorithm == "sample":
+            return sample(HISTORY_MODEL, RANDOM_INITIAL, cache, KEY, top_k=3, **kwargs)
+        return beam_search(HISTORY_MODEL, RANDOM_INITIAL, cache, beam_size=2, **kwargs)
+
+    grown = dict(grow_cache=grow_history, cache_segments=3)
+    jaxpr = str(jax.make_jaxpr(lambda cache: decode(cache, **grown))(history_cache(4, 0)))
+    assert jaxpr.count("while[") == 3
+    full = jax.device_get(decode(history_cache(4, max_new)))
+    segmented = jax.device_get(decode(history_cache(4, 0), **grown))
+    assert np.asarray(full.lengths).max() > 128  # some row reaches the third segment
+    assert np.isfinite(np.asarray(full.scores)[np.asarray(full.lengths) > 0]).all()
+    np.testing.assert_array_equal(segmented.tokens, full.tokens)
+    np.testing.assert_array_equal(segmented.lengths, full.lengths)
+    np.testing.assert_allclose(segmented.scores, full.scores, rtol=1e-6)
+    one_short = lambda cache, extra_slots: grow_history(cache, extra_slots - 1)
+    short = jax.device_get(decode(history_cache(4, 0), grow_cache=one_short, cache_segments=3))
+    assert not np.array_equal(short.tokens, full.tokens)  # a cache without room is caught
+
+
+# ---------------------------------------------------------------------------------------------
 # Errors
 
 
@@ -671,3 +751,11 @@ def test_bad_arguments_raise_clear_errors(call, match):
 def test_bad_hyperparameters_are_config_errors():
     with pytest.raises(ConfigError, match=r"beam_size=0 must be an integer >= 1"):
         beam_search(CHAIN_MODEL, INITIAL, CACHE, beam_size=0, max_new_tokens=3, eos_id=EOS)
+    with pytest.raises(ConfigError, match=r"cache_segments=0 must be an integer >= 1"):
+        greedy(CHAIN_MODEL, INITIAL, CACHE, max_new_tokens=3, eos_id=EOS,
+               grow_cache=grow_history, cache_segments=0)
+
+
+def test_segments_without_grow_cache_are_rejected():
+    with pytest.raises(ValueError, match=r"cache_segments=2 needs grow_cache"):
+        greedy(CHAIN_MODEL, INITIAL, CACHE, max_new_tokens=3, eos_id=EOS, cache_segments=2)

@@ -187,6 +187,34 @@ def test_translate_greedy_with_cache_equals_recomputation(scheme):
     assert_rows(output, expected)
 
 
+def test_lm_greedy_over_a_growing_cache_equals_recomputation():
+    """192 new tokens in 3 loop segments (the cache grown by 64 slots before each) against full
+    recomputation; and against one loop over a full-size cache."""
+    config, params = lm_setup("rope")
+    output = lm_generate(params, config, PROMPTS, PROMPT_LENGTHS, max_new_tokens=192,
+                         cache_segments=3)
+    expected, _ = naive_lm_greedy(config, params, max_new=192)
+    assert max(len(row) for row in expected) > 128, "no row reaches the third segment"
+    assert_rows(output, expected)
+    one_loop = lm_generate(params, config, PROMPTS, PROMPT_LENGTHS, max_new_tokens=192,
+                           cache_segments=1)
+    np.testing.assert_allclose(output.scores, one_loop.scores, rtol=1e-5)
+
+
+def test_translate_beam_over_a_growing_cache_equals_one_loop():
+    config, params = seq2seq_setup("t5_bias")
+    source_lengths = (SOURCE != PAD).sum(axis=1)
+    outputs = [
+        translate(params, config, SOURCE, source_lengths, method="beam", beam_size=2,
+                  extra_len=190, cache_segments=segments)
+        for segments in (1, 3)
+    ]
+    assert np.asarray(outputs[0].lengths).max() > 128, "no hypothesis reaches the third segment"
+    np.testing.assert_array_equal(outputs[1].tokens, outputs[0].tokens)
+    np.testing.assert_array_equal(outputs[1].lengths, outputs[0].lengths)
+    np.testing.assert_allclose(outputs[1].scores, outputs[0].scores, rtol=1e-5)
+
+
 # ---------------------------------------------------------------------------------------------
 # Beam 1, top-k 1 and seeds
 

@@ -137,6 +137,30 @@ def check_room(cache: DecoderCache, new_len: int) -> None:
         )
 
 
+def grow(cache: DecoderCache, extra_slots: int) -> DecoderCache:
+    """`cache` with `extra_slots` more empty self-attention slots at the end of every row (keys,
+    values and `valid`, which marks them real); filled slots, lengths and the cross-attention
+    slots are unchanged. Decoding grows its cache as it goes (tfm.decoding, `cache_segments`), so
+    its early steps attend over fewer slots. One copy of the slots per call."""
+
+    def pad(slots: LayerSlots, slot_axis: int) -> LayerSlots:
+        def pad_one(array: jax.Array) -> jax.Array:
+            widths = [(0, 0)] * array.ndim
+            widths[slot_axis % array.ndim] = (0, extra_slots)
+            return jnp.pad(array, widths)
+
+        if isinstance(slots, tuple | list):
+            return tuple(pad_one(array) for array in slots)
+        return pad_one(slots)
+
+    if extra_slots < 0:
+        raise ValueError(f"extra_slots={extra_slots} must be >= 0")
+    valid = cache.valid
+    if valid is not None:
+        valid = jnp.pad(valid, ((0, 0), (0, extra_slots)), constant_values=True)
+    return cache.replace(keys=pad(cache.keys, -1), values=pad(cache.values, -2), valid=valid)
+
+
 def write_layer(
     slots: LayerSlots,  # keys: per layer [batch, kv_heads, head_dim, slots]; values [.., slots, hd]
     new: jax.Array,  # [batch, kv_heads, new_len, head_dim]

@@ -131,6 +131,7 @@ class EvalConfig:
     beam_size: int = 4
     alpha: float = 0.6
     extra_len: int = 50  # seq2seq: at most source length + 50 tokens
+    cache_segments: int = 4  # decode loops, the KV cache grown before each (tfm.decoding)
 
     def __post_init__(self) -> None:
         check_int("eval.max_batches", self.max_batches, 0, " (0 = all)")
@@ -146,13 +147,14 @@ class EvalConfig:
         with field_prefix("eval"):
             return DecodeConfig(
                 method, None, beam_size=self.beam_size, alpha=self.alpha,
-                extra_len=self.extra_len,
+                extra_len=self.extra_len, cache_segments=self.cache_segments,
             )
 
 
 # The decoding fields of the `generate` section (flat in the config, one DecodeConfig here).
 GENERATE_DECODE_FIELDS = (
-    "method", "max_new_tokens", "temperature", "top_k", "top_p", "beam_size", "alpha"
+    "method", "max_new_tokens", "temperature", "top_k", "top_p", "beam_size", "alpha",
+    "cache_segments",
 )
 
 

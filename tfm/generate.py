@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tfm import compile_options, decoding
-from tfm.cache import init_cache
+from tfm.cache import grow, init_cache
 from tfm.config import MODES, ModelConfig, check_choice
 from tfm.data.tokenizers import BOS_ID, EOS_ID, content_ids
 from tfm.decoding import DecodeConfig
@@ -48,7 +48,7 @@ def _check_length(config: ModelConfig, total_len: int) -> None:
 def _lm_generate_jit(params, prompts, prompt_lengths, rng, config, decode, eos_id):
     model = DecoderLM(config)
     batch, prompt_len = prompts.shape
-    cache = init_cache(config, batch, prompt_len + decode.max_new_tokens)
+    cache = init_cache(config, batch, prompt_len)  # the loop grows it (decode.cache_segments)
     logits, cache = model.apply({"params": params}, prompts, cache=cache)
     # Rows continue from their own prompt end; slots past it are overwritten as they decode.
     cache = cache.replace(lengths=prompt_lengths.astype(jnp.int32))
@@ -59,7 +59,7 @@ def _lm_generate_jit(params, prompts, prompt_lengths, rng, config, decode, eos_i
 
     return decoding.decode(
         tokens_to_logits, last, cache, rng, decode, max_new_tokens=decode.max_new_tokens,
-        eos_id=eos_id, pad_id=fill_id(config),
+        eos_id=eos_id, pad_id=fill_id(config), grow_cache=grow,
     )
 
 
@@ -106,7 +106,7 @@ def _translate_jit(params, source, source_lengths, rng, config, decode, bos_id, 
     encoded = model.apply(
         {"params": params}, source, source_valid=source_valid, method=EncoderDecoder.encode
     )
-    cache = init_cache(config, batch, decode.max_new_tokens + 1, source_len=source_len)
+    cache = init_cache(config, batch, 1, source_len=source_len)  # BOS; the loop grows it
     bos = jnp.full((batch, 1), bos_id, jnp.int32)
     logits, cache = model.apply(
         {"params": params},
@@ -127,7 +127,7 @@ def _translate_jit(params, source, source_lengths, rng, config, decode, bos_id, 
     return decoding.decode(
         tokens_to_logits, logits[:, 0], cache, rng, decode,
         max_new_tokens=decode.max_new_tokens, eos_id=eos_id, pad_id=fill_id(config),
-        max_new_per_row=max_new_per_row,
+        max_new_per_row=max_new_per_row, grow_cache=grow,
     )
 
 
