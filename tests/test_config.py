@@ -111,6 +111,7 @@ def test_experiment_sections_name_their_field():
         EvalConfig(cache_segments=1.5)
     with pytest.raises(ConfigError, match=r"generate.cache_segments=0 must be an integer"):
         GenerateConfig.from_section({"cache_segments": 0})
+    assert GenerateConfig.from_section({"cache_segments": 3}).decode.cache_segments == 3
     with pytest.raises(ConfigError, match=r"train.max_to_keep=0 must be an integer >= 1"):
         TrainConfig(max_to_keep=0)
     beam = GenerateConfig.from_section({"method": "beam"})

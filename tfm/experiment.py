@@ -158,13 +158,18 @@ GENERATE_DECODE_FIELDS = (
 )
 
 
+# `./launch.sh generate` decodes its prompts once, so by default it compiles one decode loop:
+# growing the cache in segments saves time per call but costs compile time (tfm.decoding).
+GENERATE_DECODE = DecodeConfig(cache_segments=1)
+
+
 @dataclasses.dataclass(frozen=True)
 class GenerateConfig:
     """The `generate` section: how `./launch.sh generate` decodes prompts (`decode`, from the
     section's GENERATE_DECODE_FIELDS), the sampling seed, and what to do with characters
     outside the vocabulary (map_unknown=True: they become <unk>)."""
 
-    decode: DecodeConfig = DecodeConfig()
+    decode: DecodeConfig = GENERATE_DECODE
     seed: int = 0
     map_unknown: bool = False
 
@@ -178,7 +183,7 @@ class GenerateConfig:
         given = section_dict(values, "generate", [*GENERATE_DECODE_FIELDS, "seed", "map_unknown"])
         decode_fields = {key: given.pop(key) for key in GENERATE_DECODE_FIELDS if key in given}
         with field_prefix("generate"):
-            decode = DecodeConfig(**decode_fields)
+            decode = dataclasses.replace(GENERATE_DECODE, **decode_fields)
         return cls(decode, **given)
 
     def decode_config(self, mode: str) -> DecodeConfig:
@@ -193,7 +198,7 @@ class GenerateConfig:
 TRAIN_DEFAULTS = field_defaults(TrainConfig)
 EVAL_DEFAULTS = field_defaults(EvalConfig)
 GENERATE_DEFAULTS = {
-    **{key: getattr(DecodeConfig(), key) for key in GENERATE_DECODE_FIELDS},
+    **{key: getattr(GENERATE_DECODE, key) for key in GENERATE_DECODE_FIELDS},
     **{key: value for key, value in field_defaults(GenerateConfig).items() if key != "decode"},
 }
 
