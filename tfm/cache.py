@@ -15,6 +15,8 @@ Layout (every leaf has batch on axis 0, so decoding algorithms can reorder beams
   drops the unit batch axis before the attention matmul and then duplicates each per-layer
   write into that reader and the loop carry: four whole-layer copies per layer and step in
   the compiled decode loop, against one slice copy when stacked).
+  `grow` appends empty slots: decoding starts from a cache with room for the prompt and grows
+  it before each segment of its loop (tfm.decoding, `cache_segments`).
 - `lengths`: [batch] int32, how many slots of each row are filled = where the next token is written.
   Rows advance independently (prompts of different lengths, rows that stopped at EOS).
 - `valid`: [batch, max_len] bool, which filled slots hold real tokens (False for left padding
