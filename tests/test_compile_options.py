@@ -90,3 +90,33 @@ def test_using_compiles_calls_inside_it_with_the_given_options(fresh_options, mo
     np.testing.assert_allclose(inside, step(x, w1, w2), rtol=1e-5, atol=1e-6)
     with compile_options.using({compile_options.YNN_FUSION: "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}):
         assert "__ynn_fusion" in program()
+
+
+CACHE_SCRIPT = """
+import sys, jax, jax.numpy as jnp
+from tfm import compile_options
+events = []
+jax.monitoring.register_event_listener(lambda name, **kwargs: events.append(name))
+jax.jit(jnp.cos)(1.0)  # compiled before the cache is on: it must still take effect after
+compile_options.use_compilation_cache(sys.argv[1], min_compile_seconds=0)
+step = compile_options.jit(lambda x: jnp.tanh(x @ x.T).sum())
+print(float(step(jnp.arange(12.0).reshape(3, 4))))
+print("HITS", sum(name.endswith("/cache_hits") for name in events))
+"""
+
+
+def test_compilation_cache_is_written_then_read_by_a_later_process(tmp_path):
+    """The first process compiles and writes the step to the folder; a second process with the
+    same folder loads it (a cache hit) and computes the same value."""
+    import subprocess
+    import sys
+
+    cache = tmp_path / "xla_cache"
+    runs = [
+        subprocess.run([sys.executable, "-c", CACHE_SCRIPT, str(cache)], capture_output=True,
+                       text=True, check=True).stdout.split("\n")
+        for _ in range(2)
+    ]
+    assert any(cache.iterdir()), "the first run wrote no cache entry"
+    assert runs[0][0] == runs[1][0]
+    assert runs[0][1] == "HITS 0" and runs[1][1] != "HITS 0", runs

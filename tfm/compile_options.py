@@ -7,6 +7,9 @@ both ways, and with YNNPACK taking only the dots; README "Speed" has the figures
 
 Left alone when the backend is not a CPU, when $XLA_FLAGS already sets the option (yours wins),
 when TFM_XLA_DEFAULTS=0, or when this jaxlib does not know the option.
+
+`use_compilation_cache(directory)` turns on jax's persistent compilation cache, so later
+processes load compiled steps instead of compiling them again (`train.compilation_cache_dir`).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import contextlib
 import functools
 import os
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -85,3 +89,19 @@ def jit(fun: Callable | None = None, /, **jit_kwargs: Any) -> Callable:
     call.lower = lambda *args, **kwargs: jitted(top_level(args, kwargs), _forced).lower(
         *args, **kwargs)
     return call
+
+
+def use_compilation_cache(directory: str | Path, min_compile_seconds: float = 1.0) -> Path:
+    """Turns on jax's persistent compilation cache in `directory` (created if missing) for this
+    process: programs that took at least `min_compile_seconds` to compile are written there, and
+    a later process compiling the same program with the same options and jax version loads it
+    instead (XLA:CPU checks the host's CPU features on load and compiles again on a mismatch).
+    Returns the directory."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    path = Path(directory).expanduser()
+    path.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_seconds)
+    compilation_cache.reset_cache()  # a process that compiled before this reads the new setting
+    return path

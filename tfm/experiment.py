@@ -27,7 +27,7 @@ import optax
 from flax import struct
 from jax.experimental import multihost_utils
 
-from tfm import checkpoint, distributed, flops, optim, positions, sharding
+from tfm import checkpoint, compile_options, distributed, flops, optim, positions, sharding
 from tfm.config import (
     MODES,
     ConfigError,
@@ -102,6 +102,10 @@ class TrainConfig:
     # (lax.scan): the same update in less activation memory, and faster on CPU (a slice's
     # activations stay in cache). Each device's share of the batch must divide by it.
     microbatches: int = 1
+    # A folder for jax's persistent compilation cache: later runs with the same shapes (a resume,
+    # `eval`, `generate`, the other seeds of a sweep) load their compiled steps from it instead
+    # of compiling again. None = off. Set for every mode: it is read in `setup`.
+    compilation_cache_dir: str | None = None
 
     def __post_init__(self) -> None:
         check_choice("train.dropout_rng", self.dropout_rng, DROPOUT_RNGS)
@@ -117,6 +121,10 @@ class TrainConfig:
         check_int("train.seed", self.seed, 0)
         check_bool("train.async_checkpoints", self.async_checkpoints)
         check_bool("train.progress_bar", self.progress_bar)
+        cache_dir = self.compilation_cache_dir
+        if cache_dir is not None and (not isinstance(cache_dir, str) or not cache_dir.strip()):
+            raise ConfigError(f"train.compilation_cache_dir={cache_dir!r} must be a folder path "
+                              "(a non-empty string), or None to compile every run afresh")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -389,6 +397,13 @@ def setup(
     `devices`: the devices the mesh spans (default: every device of every process); e.g.
     `jax.devices()[:1]` with mesh {data: 1} runs on one device of a many-device process."""
     sections = config if isinstance(config, ExperimentConfig) else parse_config(config)
+    if sections.train.compilation_cache_dir is not None:
+        try:
+            compile_options.use_compilation_cache(sections.train.compilation_cache_dir)
+        except OSError as error:
+            raise ConfigError(f"train.compilation_cache_dir="
+                              f"{sections.train.compilation_cache_dir!r}: cannot create or use "
+                              f"that folder ({error})") from error
     distributed.maybe_initialize(sections.distributed)
     mesh = sharding.make_mesh(sections.mesh, devices)
 
