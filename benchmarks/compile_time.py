@@ -9,6 +9,12 @@ time of `jit(...).lower(...).compile()` on the char-GPT shape of benchmarks/vs_t
 (d_model 384, 6 heads, block 256, batch 8; decoding: 8-token prompts, 256 new tokens, the
 default DecodeConfig.cache_segments (4 loops of 64 steps) and one loop, cache_segments=1).
 Writes benchmarks/results/compile_time.{json,md}.
+
+    python benchmarks/compile_time.py --modes unrolled --layers 6 --compilation_cache_dir DIR \
+        --out benchmarks/results/compile_cache    # twice: cold, then with the cache warm
+
+--compilation_cache_dir turns on jax's persistent compilation cache there (what
+`train.compilation_cache_dir` does): a second run loads the compiled programs.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from tfm import flops, generate, train  # noqa: E402
+from tfm import compile_options, flops, generate, train  # noqa: E402
 from tfm.config import ModelConfig  # noqa: E402
 from tfm.data.tokenizers import EOS_ID  # noqa: E402
 from tfm.decoding import DecodeConfig  # noqa: E402
@@ -84,7 +90,13 @@ def main() -> None:
     parser.add_argument("--layers", default="6,24")
     parser.add_argument("--modes", default="scan,unrolled")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--compilation_cache_dir", default=None)
     args = parser.parse_args()
+    cache_note = "Persistent compilation cache: off."
+    if args.compilation_cache_dir:
+        cache = compile_options.use_compilation_cache(args.compilation_cache_dir)
+        cache_note = (f"Persistent compilation cache: on, {len(list(cache.iterdir()))} entries "
+                      "in its folder when this run started.")
     depths = [int(n) for n in args.layers.split(",")]
     rows = []
     for mode in args.modes.split(","):
@@ -98,7 +110,8 @@ def main() -> None:
             print(json.dumps(row), flush=True)
     cpu = flops.cpu_features()
     title = f"# Compile time vs depth ({cpu['model']}, {cpu['cores']} cores, jax {jax.__version__})"
-    lines = [title, "", "| stack | layers | train step compile (s) | decode loops compile (s) | "
+    lines = [title, "", cache_note, "",
+             "| stack | layers | train step compile (s) | decode loops compile (s) | "
              "decode, one loop (s) |", "|---|---:|---:|---:|---:|"]
     for row in rows:
         lines.append(f"| {row['mode']} | {row['layers']} | {row['train_compile_s']:.1f} | "
