@@ -49,9 +49,10 @@ TokensToLogits = Callable[[jax.Array, Cache], tuple[jax.Array, Cache]]
 GrowCache = Callable[[Cache, int], Cache]  # (cache, n) -> the cache with n more empty slots
 
 # A segment of the decode loop runs at least this many steps: below it the cache saved per step
-# (at most this many slots) does not repay a segment's compile time. With 4 segments of 64 steps,
-# 256 new tokens ran 1.23x faster at batch 8 and 1.08x at batch 1 than one loop, 1,024 at batch
-# 1 1.15x in segments of 256 (the 6-layer vs_torch.py model, 2-core AMD EPYC, interleaved).
+# (at most this many slots) does not repay a segment's compile time. In benchmarks/vs_torch.py's
+# decode rows (6-layer model, 2-core AMD EPYC, two runs), 4 segments of 64 steps decoded 256 new
+# tokens 1.09-1.15x faster than one loop at batch 8 and 1.07-1.08x at batch 1; 1,024 tokens in 4
+# segments of 256, 1.20-1.21x.
 MIN_SEGMENT_STEPS = 64
 
 # Top-p counts a set whose mass is within this of p as reaching p, so float32 rounding of
