@@ -1,5 +1,9 @@
 import math
+import os
 import struct
+import subprocess
+import sys
+import textwrap
 
 import jax.numpy as jnp
 import numpy as np
@@ -87,3 +91,32 @@ def test_progress_bar_counts_and_can_be_disabled(capsys):
     bar.update(6)
     bar.close()
     assert "10/10" in capsys.readouterr().err and bar.n == 10
+
+
+def test_tensorboard_writer_does_not_import_torch(tmp_path):
+    """tensorboardX imports torch when it can (seconds at every run's start); the writer must
+    work without it, and leave `import torch` working afterwards. A stand-in torch package on
+    the path records whether it was imported."""
+    fake = tmp_path / "site" / "torch"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text(
+        "import builtins\n"
+        "builtins.FAKE_TORCH_IMPORTS = getattr(builtins, 'FAKE_TORCH_IMPORTS', 0) + 1\n"
+        "class Tensor: pass\n"
+    )
+    script = textwrap.dedent(f"""
+        import builtins, sys
+        from tfm.metrics import MetricWriter, read_metrics
+        with MetricWriter({str(tmp_path / "run")!r}, process_index=0) as writer:
+            writer.write(1, {{"loss": 2.0}})
+        imported_during_writer = getattr(builtins, "FAKE_TORCH_IMPORTS", 0)
+        import torch
+        print(imported_during_writer, builtins.FAKE_TORCH_IMPORTS,
+              read_metrics({str(tmp_path / "run")!r})[0]["loss"])
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(tmp_path / "site"), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                            text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["0", "1", "2.0"]

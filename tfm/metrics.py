@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -49,13 +50,12 @@ class MetricWriter:
         self._jsonl = None
         self._tensorboard = None
         if self.active:
-            from tensorboardX import SummaryWriter  # imported lazily: only process 0 needs it
-
+            writer_class = _tensorboardx_writer()  # imported lazily: only process 0 needs it
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if resume_step is not None and self.path.exists():
                 _drop_records_after(self.path, resume_step)
             self._jsonl = self.path.open("a")
-            self._tensorboard = SummaryWriter(str(Path(workdir) / "tensorboard"))
+            self._tensorboard = writer_class(str(Path(workdir) / "tensorboard"))
 
     def write(self, step: int, values: Mapping[str, Any]) -> None:
         """Logs scalar `values` (numbers or 0-d arrays, e.g. {"train/loss": 2.3}) at `step`.
@@ -90,6 +90,22 @@ class MetricWriter:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _tensorboardx_writer() -> type:
+    """tensorboardX's SummaryWriter, imported without torch: tensorboardX imports torch when it
+    is installed (2-3 s on a CPU laptop, at every run's start) only to accept torch tensors,
+    which tfm never passes. A process that already imported torch keeps it."""
+    if "tensorboardX" in sys.modules or "torch" in sys.modules:
+        from tensorboardX import SummaryWriter
+
+        return SummaryWriter
+    sys.modules["torch"] = None  # `import torch` raises ImportError while this is set
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        del sys.modules["torch"]
+    return SummaryWriter
 
 
 def _drop_records_after(path: Path, step: int) -> None:
