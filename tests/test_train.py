@@ -32,7 +32,8 @@ import pytest
 from jax.experimental.compilation_cache import compilation_cache
 
 from configs import char_lm, synthetic_lm, synthetic_seq2seq, translate
-from tfm import checkpoint, metrics, train
+from tfm import checkpoint, compile_options, metrics, train
+from tfm import experiment as experiment_module
 from tfm.config import ConfigError
 from tfm.experiment import required_lengths
 
@@ -640,6 +641,52 @@ def test_the_dropout_generator_is_reproducible_in_the_train_step(data_dir, tmp_p
     assert losses["rbg"] != losses["threefry"]
     assert losses["threefry"] == losses["threefry2x32"]
     assert_trees_equal(params["threefry"], params["threefry2x32"])
+
+
+def _small_char_lm_config(data_dir, corpus):
+    """char_lm.py:small (learned positions, normal(0.02) embeddings) at test size."""
+    write_text_corpus(corpus)
+    config = char_lm.get_config("small")
+    tiny_model(config, encoder_layers=0)
+    config.data.update(data_dir=str(data_dir), path=str(corpus), seq_len=32, eval_seq_len=32,
+                       batch_size=16, eval_batch_size=16)
+    return config
+
+
+@pytest.fixture
+def run_once_options_unforced(monkeypatch):
+    """The suite's XLA_FLAGS set -O0 for every program (faster compiles), which tfm's options
+    then leave alone; without it in $XLA_FLAGS, run_once_options asks for -O1."""
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    compile_options.run_once_options.cache_clear()
+    compile_options.compiler_options.cache_clear()
+    yield
+    compile_options.run_once_options.cache_clear()
+    compile_options.compiler_options.cache_clear()
+
+
+@pytest.mark.parametrize("kind", ["seq2seq", "char_lm_small"])
+def test_init_compiled_for_one_run_gives_the_same_parameters_bit_for_bit(
+    kind, data_dir, tmp_path, run_once_options_unforced
+):
+    """init_state compiles with compile_options.run_once_options (LLVM -O1 on CPU, to compile
+    faster): the parameters and optimizer state must equal those of the init program compiled
+    at XLA's default -O3, bit for bit, or a run's numbers would depend on the option (at -O0
+    the normal(0.02) embeddings differ in the last bit)."""
+    config = (seq2seq_config(data_dir) if kind == "seq2seq"
+              else _small_char_lm_config(data_dir, tmp_path / "corpus.txt"))
+    experiment = train.setup(config, tmp_path / "run")
+    if jax.default_backend() == "cpu":  # else: XLA's defaults both ways
+        assert compile_options.run_once_options() == compile_options.RUN_ONCE_OPTIONS
+    _, shardings = train.state_shardings(experiment)
+    state = train.init_state(experiment, shardings)
+    init = experiment_module._init_fn(experiment)
+    default_level = {**(compile_options.compiler_options() or {}), compile_options.LLVM_LEVEL: 3}
+    with train.sharding.sharding_context(experiment.mesh, experiment.rules):
+        reference = jax.jit(lambda rng: nn.meta.unbox(init(rng)), out_shardings=shardings,
+                            compiler_options=default_level)(
+            jax.random.PRNGKey(experiment.train.seed))
+    assert_trees_equal(state, reference)
 
 
 def _one_step(config, workdir):

@@ -634,7 +634,8 @@ def init_state(experiment: Experiment, shardings: Any) -> TrainState:
     init = _init_fn(experiment)
     rng = jax.random.PRNGKey(experiment.train.seed)
     with sharding.sharding_context(experiment.mesh, experiment.rules):
-        state = jax.jit(lambda r: nn.meta.unbox(init(r)), out_shardings=shardings)(rng)
+        state = jax.jit(lambda r: nn.meta.unbox(init(r)), out_shardings=shardings,
+                        compiler_options=compile_options.run_once_options())(rng)
     if experiment.pretrained is not None:
         state = _with_pretrained_params(experiment, state, shardings)
     return state
