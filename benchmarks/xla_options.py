@@ -2,11 +2,14 @@
 
     python benchmarks/xla_options.py                    # about 8 minutes on 2 cores
     python benchmarks/xla_options.py --gpt_microbatches ""  --repeats 5   # without the 6-layer step
+    python benchmarks/xla_options.py --settings "no YNNPACK,no YNNPACK -O1"
 
 Each piece of work runs under every setting in one process, repeats interleaved, medians kept:
 - "XLA defaults": jaxlib's own choice (YNNPACK takes dots and reductions);
 - "YNNPACK dots": only individual dots go to YNNPACK;
-- "no YNNPACK": XLA's own dots and reductions (tfm's choice, for every step).
+- "no YNNPACK": XLA's own dots and reductions (tfm's choice, for every step);
+- "no YNNPACK -O1": the same with LLVM at -O1 instead of -O3 (faster to compile; what
+  parameter initialisation uses, compile_options.run_once_options); not in the default set.
 The work: the small char-LM recipe's train step (configs/char_lm.py:small, as `train.jit_steps`
 builds it) and its eval step (`evaluate.jit_eval_step`, on its eval batches); the char-GPT train
 step of vs_torch.py (6 layers, d_model 384, batch 64 x 256, dropout 0.2) at each of
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import sys
 import time
@@ -38,11 +42,15 @@ from tfm import compile_options, flops, host_memory, sharding, train  # noqa: E4
 from tfm.generate import lm_generate  # noqa: E402
 
 YNN = compile_options.YNN_FUSION
-SETTINGS: dict[str, dict | None] = {
+ALL_SETTINGS: dict[str, dict | None] = {
     "XLA defaults": None,
     "YNNPACK dots": {YNN: "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"},
     "no YNNPACK": {YNN: ""},
+    "no YNNPACK -O1": {YNN: "", "xla_backend_optimization_level": 1},
 }
+DEFAULT_SETTINGS = "XLA defaults,YNNPACK dots,no YNNPACK"
+TFM_CHOICE = "no YNNPACK"
+SETTINGS: dict[str, dict | None] = {}  # the ones measured: --settings
 
 
 def interleave(runs: dict[str, Callable[[], float]], repeats: int) -> dict[str, float]:
@@ -150,12 +158,15 @@ def decode_loops(args) -> list[dict]:
 
 def report(info: dict, rows: list[dict], command: str) -> str:
     names = list(SETTINGS)
+    baseline = names[0]
+    versus = names[1:]
     lines = [
         "# tfm's XLA CPU options, side by side", "",
         f"CPU: {info['model']}, {info['cores']} cores; jax {jax.__version__}. tfm compiles its "
-        "steps with \"no YNNPACK\"; medians of interleaved repeats.", "",
-        "| work | " + " | ".join(names) + " | tfm's choice vs XLA defaults |",
-        "|---|" + "---:|" * (len(names) + 1),
+        f"steps with \"{TFM_CHOICE}\"; medians of interleaved repeats.", "",
+        "| work | " + " | ".join(names) + " | "
+        + " | ".join(f"{name} vs {baseline}" for name in versus) + " |",
+        "|---|" + "---:|" * (len(names) + len(versus)),
     ]
     for row in rows:
         seconds = row["seconds"]
@@ -165,9 +176,8 @@ def report(info: dict, rows: list[dict], command: str) -> str:
             cells = [f"{seconds[n]:.2f}" for n in names]
         else:
             cells = [f"{1000 * seconds[n]:.1f}" for n in names]
-        speedup = seconds["XLA defaults"] / seconds["no YNNPACK"]
-        lines.append(f"| {row['work']} ({row['unit']}) | " + " | ".join(cells)
-                     + f" | **{speedup:.2f}x** |")
+        speedups = [f"**{seconds[baseline] / seconds[name]:.2f}x**" for name in versus]
+        lines.append(f"| {row['work']} ({row['unit']}) | " + " | ".join(cells + speedups) + " |")
     lines += ["", f"Command: `{command}`"]
     return "\n".join(lines)
 
@@ -182,8 +192,15 @@ def main() -> None:
                         help="train.microbatches values for the 6-layer step ('' skips it)")
     parser.add_argument("--gpt_repeats", type=int, default=3)
     parser.add_argument("--new_tokens", type=int, default=256)
+    parser.add_argument("--settings", default=DEFAULT_SETTINGS,
+                        help="comma-separated, the first is the baseline; of: "
+                        + ", ".join(ALL_SETTINGS))
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args()
+    unknown = [name for name in args.settings.split(",") if name not in ALL_SETTINGS]
+    if unknown:
+        sys.exit(f"--settings: {unknown} unknown; choose from {list(ALL_SETTINGS)}")
+    SETTINGS.update({name: ALL_SETTINGS[name] for name in args.settings.split(",")})
     if jax.default_backend() != "cpu":
         sys.exit("xla_options.py compares CPU compile options; this backend is "
                  f"{jax.default_backend()}")
@@ -195,8 +212,7 @@ def main() -> None:
         print(json.dumps(row), flush=True)
     rows += gpt_train_steps(args)
     rows += decode_loops(args)
-    command = "python benchmarks/xla_options.py " + " ".join(
-        f"'{a}'" if a == "" else a for a in sys.argv[1:])
+    command = "python benchmarks/xla_options.py " + shlex.join(sys.argv[1:])
     text = report(info, rows, command.strip())
     print(text)
     out = Path(args.out)

@@ -6,9 +6,10 @@ with the same numbers to float32 rounding. `benchmarks/xla_options.py` times eac
 both ways, and with YNNPACK taking only the dots; README "Speed" has the figures.
 
 Parameter initialisation, a program that runs once, compiles with LLVM at -O1 too
-(`run_once_options`): it compiles about 1 s faster for the same parameters bit for bit. The
-steps keep -O3: -O1 ran them within 3% either way here and compiled them only 10-15% faster,
-too little to risk their speed on CPUs where it was not measured.
+(`run_once_options`): 2.0 s instead of 3.8 s for the small char-LM recipe, the same parameters
+bit for bit (`benchmarks/startup.py`). The steps keep -O3: -O1 ran them as fast here
+(benchmarks/results/llvm_O1), but their compile time is a smaller part of a run and their speed
+on other CPUs was not measured.
 
 Left alone when the backend is not a CPU, when $XLA_FLAGS already sets an option (yours wins),
 when TFM_XLA_DEFAULTS=0, or when this jaxlib does not know an option.
@@ -60,8 +61,7 @@ def compiler_options() -> dict[str, Any] | None:
 @functools.cache
 def run_once_options() -> dict[str, Any] | None:
     """The options for a program that runs once per process (parameter initialisation, ~10,000
-    ops of threefry and normal sampling for a small model): the steps' plus LLVM at -O1
-    (`python benchmarks/startup.py` compares the compile times)."""
+    ops of threefry and normal sampling for a small model): the steps' plus LLVM at -O1."""
     return _usable(RUN_ONCE_OPTIONS)
 
 
