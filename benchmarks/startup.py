@@ -1,7 +1,7 @@
 """Time to the first training step: where a run's start goes, phase by phase.
 
     python benchmarks/startup.py                          # configs/char_lm.py:small, 5 repeats
-    python benchmarks/startup.py --config configs/translate.py:cpu --repeats 3
+    python benchmarks/startup.py --config configs/synthetic_seq2seq.py --repeats 3
 
 Each repeat runs fresh Python processes (nothing imported or compiled before):
 - the start of `./launch.sh train`, phase by phase: import tfm, `setup` (config, data, mesh),
