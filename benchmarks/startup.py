@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -129,13 +130,11 @@ def main() -> None:
         print(f"repeat {repeat + 1}/{args.repeats}: start {starts[-1]['times']['total']:.1f} s, "
               f"init compile {init_compiles[-1]['seconds']}", flush=True)
 
-    def median(values: list[float]) -> float:
-        return float(sorted(values)[len(values) // 2])
-
-    phases = {name: median([run["times"][name] for run in starts]) for name in starts[0]["times"]}
-    init_compile = {name: median([run["seconds"][name] for run in init_compiles])
+    phases = {name: statistics.median([run["times"][name] for run in starts])
+              for name in starts[0]["times"]}
+    init_compile = {name: statistics.median([run["seconds"][name] for run in init_compiles])
                     for name in ("run_once", "steps")}
-    plain_seconds = median([p["seconds"] for p in plain])
+    plain_seconds = statistics.median([p["seconds"] for p in plain])
     cpu = flops.cpu_features()
     import jax
 

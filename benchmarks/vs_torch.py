@@ -303,7 +303,7 @@ def bench_decode(args, bandwidth: float) -> list[dict]:
             tps = {k: batch * new_tokens / statistics.median(v) for k, v in times.items()}
             row = {
                 "work": "decode", "batch": batch, "new_tokens": new_tokens,
-                "cache_segments": decoding.segment_ends(new_tokens, DecodeConfig.cache_segments),
+                "segment_ends": decoding.segment_ends(new_tokens, DecodeConfig.cache_segments),
                 "tfm_tokens_per_s": tps["tfm"], "tfm_bf16_tokens_per_s": tps["tfm_bf16"],
                 "tfm_one_loop_tokens_per_s": tps["tfm_one_loop"],
                 "hf_tokens_per_s": tps["hf"], "ratio": tps["tfm"] / tps["hf"],
