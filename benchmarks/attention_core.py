@@ -35,13 +35,16 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from tfm import attention, compile_options, flops, host_memory  # noqa: E402
+from tfm import attention, compile_options, host_memory  # noqa: E402
 
 try:
     import torch
     import torch.nn.functional as F
 except ImportError:  # pragma: no cover - the benchmark says what to install
     sys.exit('attention_core.py needs torch: pip install -e ".[bench]"')
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from vs_torch import cpu_info  # noqa: E402
 
 
 def tfm_runs(q, k, v, grad_out):
@@ -158,8 +161,7 @@ def main() -> None:
     args = parser.parse_args()
     host_memory.keep_freed_memory()  # as vs_torch.py and tfm's training loop
     torch.manual_seed(0)
-    info = {**flops.cpu_features(), "jax": jax.__version__, "torch": torch.__version__,
-            "tfm_compiler_options": compile_options.compiler_options()}
+    info = cpu_info()
     print(json.dumps(info), flush=True)
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
