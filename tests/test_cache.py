@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from tiny_model import TINY
 
-from tfm.cache import grow, init_cache
+from tfm.cache import grow, init_cache, reorder_beams
 from tfm.config import POSITION_SCHEMES, ModelConfig
-from tfm.models import DecoderLM, EncoderDecoder
+from tfm.models import DecoderLM, EncoderDecoder, output_kernel
 
 TOKENS = jax.random.randint(jax.random.PRNGKey(0), (2, 8), 3, 13)
 PROMPT_LENGTHS = np.array([3, 5])
@@ -167,3 +167,68 @@ def test_grown_cache_decodes_like_a_full_size_one(batch, scan):
         np.testing.assert_allclose(logits[:, 0], full[:, position], atol=1e-5)
     with pytest.raises(ValueError, match="extra_slots=-1"):
         grow(cache, -1)
+
+
+def test_output_kernel_gives_the_tied_tables_logits_and_checks_its_use():
+    """Decoding passes the tied table's transpose, made once, as output_kernel: the logits of
+    a prefill and of cached steps are the table's own, for both model kinds."""
+    source = jnp.array([[3, 4, 5, 6, 7, 0], [8, 9, 10, 4, 5, 6]])
+    for model_class in (DecoderLM, EncoderDecoder):
+        config = config_for("rope")
+        model = model_class(config)
+        seq2seq = model_class is EncoderDecoder
+        inputs = (source, TOKENS) if seq2seq else (TOKENS,)
+        params = model.init(jax.random.PRNGKey(3), *inputs)["params"]
+        kernel = output_kernel(params, config)
+        assert kernel.shape == (config.d_model, config.vocab_size)
+        extra = {}
+        if seq2seq:
+            encoded = model.apply({"params": params}, source, method=EncoderDecoder.encode)
+            extra = dict(encoded=encoded, method=EncoderDecoder.decode)
+        caches = [init_cache(config, 2, 8, source_len=6 if seq2seq else None) for _ in range(2)]
+        for start, stop in ((0, 3), (3, 4), (4, 5)):
+            chunk = TOKENS[:, start:stop]
+            plain, caches[0] = model.apply({"params": params}, chunk, cache=caches[0], **extra)
+            fast, caches[1] = model.apply({"params": params}, chunk, cache=caches[1],
+                                          output_kernel=kernel, **extra)
+            np.testing.assert_allclose(fast, plain, atol=1e-6, rtol=1e-6)
+            extra.pop("encoded", None)
+            if seq2seq:
+                extra["encoded"] = None
+        with pytest.raises(ValueError, match=r"\[d_model, vocab\]"):
+            model.apply({"params": params}, TOKENS[:, :1], cache=caches[0],
+                        output_kernel=kernel.T, **extra)
+
+    untied = config_for("rope", tie_output=False)
+    params = DecoderLM(untied).init(jax.random.PRNGKey(3), TOKENS)["params"]
+    assert output_kernel(params, untied) is None
+    with pytest.raises(ValueError, match="untied"):
+        DecoderLM(untied).apply({"params": params}, TOKENS, output_kernel=kernel)
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_reorder_beams_moves_self_attention_rows_and_keeps_cross_attention(scan):
+    config = config_for("rope", scan_layers=scan)
+    cache = init_cache(config, batch_size=4, max_len=5, source_len=3)
+    rng = np.random.default_rng(0)
+    fill = lambda leaf: jnp.asarray(rng.normal(size=leaf.shape), leaf.dtype)
+    cache = cache.replace(
+        keys=jax.tree.map(fill, cache.keys), values=jax.tree.map(fill, cache.values),
+        cross_keys=jax.tree.map(fill, cache.cross_keys),
+        cross_values=jax.tree.map(fill, cache.cross_values),
+        lengths=jnp.array([1, 2, 3, 4], jnp.int32),
+        valid=jnp.asarray(rng.random((4, 5)) < 0.5),
+        source_valid=jnp.asarray(rng.random((4, 3)) < 0.5),
+    )
+    index = jnp.array([1, 1, 3, 2])  # beams 0-1 of source 0, beams 2-3 of source 1
+    moved = reorder_beams(cache, index)
+    for name in ("keys", "values"):
+        for old, new in zip(jax.tree.leaves(getattr(cache, name)),
+                            jax.tree.leaves(getattr(moved, name)), strict=True):
+            np.testing.assert_array_equal(new, np.asarray(old)[np.asarray(index)])
+    np.testing.assert_array_equal(moved.lengths, [2, 2, 4, 3])
+    np.testing.assert_array_equal(moved.valid, np.asarray(cache.valid)[np.asarray(index)])
+    for name in ("cross_keys", "cross_values", "source_valid"):
+        for old, new in zip(jax.tree.leaves(getattr(cache, name)),
+                            jax.tree.leaves(getattr(moved, name)), strict=True):
+            assert new is old

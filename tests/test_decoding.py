@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tfm import decoding
 from tfm.config import ConfigError
 from tfm.decoding import (
     BeamOutput,
@@ -476,8 +477,13 @@ def reference_beam_search(next_log_probs, beam, limit, eos, alpha):
     return [(lp / penalty(limit), lp, seq) for seq, lp in alive], branched
 
 
-@pytest.mark.parametrize("alpha, eos_possible", [(0.6, True), (1.5, False)])
-def test_beam_search_matches_reference(alpha, eos_possible):
+@pytest.mark.parametrize("alpha, eos_possible, blocks", [
+    (0.6, True, False), (1.5, False, False), (0.6, True, True),
+])
+def test_beam_search_matches_reference(alpha, eos_possible, blocks, monkeypatch):
+    if blocks:  # candidates through block maxima (decoding._top_k), as with a real vocabulary
+        monkeypatch.setattr(decoding, "TOP_K_BLOCK", 2)
+        monkeypatch.setattr(decoding, "TOP_K_BLOCKS_FROM", 1)
     vocab, batch, beam, max_new = 6, 3, 3, 6
     rng = np.random.default_rng(int(alpha * 10))
     # Flat logits, so beams often have several children and the cache really gets reordered.
@@ -530,6 +536,22 @@ def test_beam_search_matches_reference(alpha, eos_possible):
     assert any_branched
     if eos_possible:  # finished hypotheses of different lengths compete
         assert len(set(np.asarray(out.lengths).ravel().tolist()) - {0}) > 1
+
+
+@pytest.mark.parametrize("n, k", [(4 * 3001, 8), (8192, 6), (9000, 70)])
+def test_top_k_through_block_maxima_equals_lax_top_k_ties_and_minus_inf_included(n, k):
+    """Beam search's candidate selection: same values and indices as lax.top_k, ties to the
+    lower index, on rows of few distinct values (many ties), rows mostly -inf (beams not yet
+    alive), and lengths that are not a multiple of the block."""
+    rng = np.random.default_rng(n + k)
+    scores = np.round(rng.normal(size=(5, n)) * 2).astype(np.float32)  # ~20 distinct values
+    scores[1, : n - 20] = -np.inf
+    scores[2] = 0.0
+    scores[3, rng.integers(0, n, 50)] = 9.0  # the top k all tie
+    top = jax.jit(decoding._top_k, static_argnums=1)(jnp.asarray(scores), k)
+    values, indices = jax.lax.top_k(jnp.asarray(scores), k)
+    np.testing.assert_array_equal(top[0], values)
+    np.testing.assert_array_equal(top[1], indices)
 
 
 # ---------------------------------------------------------------------------------------------

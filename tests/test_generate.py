@@ -15,7 +15,8 @@ import jax
 import numpy as np
 import pytest
 
-from tfm.cache import init_cache
+from tfm import decoding
+from tfm.cache import grow, init_cache, reorder_beams
 from tfm.config import ModelConfig
 from tfm.data.tokenizers import ByteTokenizer, content_ids
 from tfm.generate import generate_text, lm_generate, translate
@@ -213,6 +214,36 @@ def test_translate_beam_over_a_growing_cache_equals_one_loop():
     np.testing.assert_array_equal(outputs[1].tokens, outputs[0].tokens)
     np.testing.assert_array_equal(outputs[1].lengths, outputs[0].lengths)
     np.testing.assert_allclose(outputs[1].scores, outputs[0].scores, rtol=1e-5)
+
+
+def test_beam_search_reordering_only_self_attention_equals_gathering_every_leaf():
+    """translate's beam search leaves the cross-attention cache in place (every beam of a source
+    holds the same entries); it must decode exactly like the generic gather of every leaf."""
+    config, params = seq2seq_setup("t5_bias")
+    model = EncoderDecoder(config)
+    source_valid = SOURCE != PAD
+    encoded = model.apply({"params": params}, SOURCE, source_valid=source_valid,
+                          method=EncoderDecoder.encode)
+    bos = np.full((len(SOURCE), 1), BOS, np.int32)
+    logits, cache = model.apply(
+        {"params": params}, bos, encoded=encoded, source_valid=source_valid,
+        cache=init_cache(config, len(SOURCE), 1, source_len=SOURCE.shape[1]),
+        method=EncoderDecoder.decode,
+    )
+
+    def tokens_to_logits(tokens, cache):
+        return model.apply({"params": params}, tokens, encoded=None, cache=cache,
+                           method=EncoderDecoder.decode)
+
+    outputs = [
+        decoding.beam_search(tokens_to_logits, logits[:, 0], cache, beam_size=3,
+                             max_new_tokens=9, eos_id=EOS, grow_cache=grow, cache_segments=1,
+                             reorder_cache=reorder)
+        for reorder in (None, reorder_beams)
+    ]
+    assert len({tuple(row) for row in np.asarray(outputs[0].tokens)[:, 0]}) > 1
+    for field in ("tokens", "lengths", "scores", "log_probs"):
+        np.testing.assert_array_equal(getattr(outputs[1], field), getattr(outputs[0], field))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -163,6 +163,20 @@ def grow(cache: DecoderCache, extra_slots: int) -> DecoderCache:
     return cache.replace(keys=pad(cache.keys, -1), values=pad(cache.values, -2), valid=valid)
 
 
+def reorder_beams(cache: DecoderCache, index: jax.Array) -> DecoderCache:
+    """Row r of the result is row index[r] of `cache` ([batch * beam] int, beam search's parent
+    of each beam): the self-attention slots, lengths and `valid` move; the cross-attention slots
+    and `source_valid` stay, because beam search only moves a row among the beams of its own
+    source, which hold the same cross-attention entries. Gathering those too (what a generic
+    pytree gather does) copied the encoder's keys and values of every layer at every step."""
+    take = lambda array: array[index]
+    slots = lambda s: tuple(map(take, s)) if isinstance(s, tuple | list) else take(s)
+    return cache.replace(
+        keys=slots(cache.keys), values=slots(cache.values), lengths=take(cache.lengths),
+        valid=None if cache.valid is None else take(cache.valid),
+    )
+
+
 def write_layer(
     slots: LayerSlots,  # keys: per layer [batch, kv_heads, head_dim, slots]; values [.., slots, hd]
     new: jax.Array,  # [batch, kv_heads, new_len, head_dim]

@@ -47,6 +47,9 @@ from tfm.config import ConfigError, check_choice, check_int, check_number
 Cache = Any  # any pytree whose leaves have batch on axis 0
 TokensToLogits = Callable[[jax.Array, Cache], tuple[jax.Array, Cache]]
 GrowCache = Callable[[Cache, int], Cache]  # (cache, n) -> the cache with n more empty slots
+# (cache, index [batch * beam] int) -> row r holds row index[r]; index stays within each source's
+# beams (e.g. tfm.cache.reorder_beams, which leaves cross-attention entries where they are).
+ReorderCache = Callable[[Cache, jax.Array], Cache]
 
 # A segment of the decode loop runs at least this many steps: below it the cache saved per step
 # (at most this many slots) does not repay a segment's compile time. In benchmarks/vs_torch.py's
@@ -432,8 +435,40 @@ def _rows(mask: jax.Array, like: jax.Array) -> jax.Array:
 
 _BEAM_STATIC = (
     "tokens_to_logits", "beam_size", "max_new_tokens", "eos_id", "pad_id", "alpha", "ends",
-    "grow_cache",
+    "grow_cache", "reorder_cache",
 )
+
+
+# Beam search picks its 2 * beam candidates among beam * vocab scores per row through the maxima of
+# blocks of this many scores when a row has at least TOP_K_BLOCKS_FROM of them: the same values and
+# indices as one lax.top_k, 4-5x faster on a 2-core CPU for 4 x 32,128 scores (XLA CPU's TopK
+# visits every score with a comparator; a block maximum is a vectorised reduction).
+TOP_K_BLOCK = 128
+TOP_K_BLOCKS_FROM = 8192
+
+
+def _top_k(scores: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """lax.top_k(scores, k) for scores [rows, n]: values and indices [rows, k], ties to the lower
+    index. Long rows go through block maxima: the k best scores lie in the k blocks with the
+    largest maxima (ties to the lower block), because any score outside them is beaten by the
+    maximum of each of those k blocks; one top_k over those blocks, in index order, finishes."""
+    rows, n = scores.shape
+    if n < TOP_K_BLOCKS_FROM or k * TOP_K_BLOCK >= n:
+        return jax.lax.top_k(scores, k)
+    pad = -n % TOP_K_BLOCK  # padding scores -inf, at the highest indices: never picked first
+    padded = jnp.pad(scores, ((0, 0), (0, pad)), constant_values=-jnp.inf) if pad else scores
+    blocks = padded.reshape(rows, -1, TOP_K_BLOCK)  # [rows, n_blocks, block]
+    _, best_blocks = jax.lax.top_k(blocks.max(axis=-1), k)  # [rows, k]
+    best_blocks = jnp.sort(best_blocks, axis=-1)  # index order keeps lax.top_k's tie order
+    candidates = jnp.take_along_axis(blocks, best_blocks[:, :, None], axis=1)
+    values, position = jax.lax.top_k(candidates.reshape(rows, -1), k)
+    block = jnp.take_along_axis(best_blocks, position // TOP_K_BLOCK, axis=1)
+    return values, block * TOP_K_BLOCK + position % TOP_K_BLOCK
+
+
+def _gather_rows(cache: Cache, index: jax.Array) -> Cache:
+    """The generic beam reorder: one gather per leaf."""
+    return jax.tree.map(lambda x: x[index], cache)
 
 
 @functools.partial(compile_options.jit, static_argnames=_BEAM_STATIC)
@@ -450,6 +485,7 @@ def _beam_search(
     alpha: float,
     ends: tuple[int, ...],
     grow_cache: GrowCache | None,
+    reorder_cache: ReorderCache | None,
 ) -> BeamOutput:
     """The beam-search loop; arguments as in `beam_search`, validated there."""
     batch, vocab = initial_logits.shape
@@ -464,7 +500,7 @@ def _beam_search(
         # Top 2 * beam continuations: each parent adds at most one EOS, so at least `beam`
         # non-EOS candidates stay for the alive set.
         candidates = (state.live_log_probs[:, :, None] + log_probs).reshape(batch, -1)
-        top_log_probs, top_index = jax.lax.top_k(candidates, num_candidates)  # [batch, 2k]
+        top_log_probs, top_index = _top_k(candidates, num_candidates)  # [batch, 2k]
         parent, token = top_index // vocab, (top_index % vocab).astype(jnp.int32)
         top_seqs = jnp.take_along_axis(state.live_seqs, parent[:, :, None], axis=1)
         top_seqs = jax.lax.dynamic_update_slice(top_seqs, token[:, :, None], (0, 0, step))
@@ -520,7 +556,7 @@ def _beam_search(
             ),
             row_steps=row_steps,
             done=done,
-            cache=jax.tree.map(lambda x: x[flat_index], state.cache),
+            cache=(reorder_cache or _gather_rows)(state.cache, flat_index),
         )
 
     def body(state: _BeamState) -> _BeamState:
@@ -579,6 +615,7 @@ def beam_search(
     max_new_per_row: jax.Array | None = None,
     grow_cache: GrowCache | None = None,
     cache_segments: int = 1,
+    reorder_cache: ReorderCache | None = None,
 ) -> BeamOutput:
     """Beam search with the GNMT length penalty, alive/finished bookkeeping as in tensor2tensor.
 
@@ -590,7 +627,8 @@ def beam_search(
     alive beams. The Transformer paper uses beam_size=4, alpha=0.6 (Vaswani et al. 2017, sec. 6.1).
     beam_size=1 equals greedy unless EOS is ever the runner-up token: that earlier exit is kept as
     a finished hypothesis and may win on score. grow_cache, cache_segments: as in `greedy`
-    (the cache grows after its expansion to batch * beam_size rows).
+    (the cache grows after its expansion to batch * beam_size rows). reorder_cache: moves the
+    cache's rows to their beams' parents after each step (default: gathers every leaf).
     """
     _check_common(initial_logits, max_new_tokens, eos_id, pad_id, max_new_per_row)
     DecodeConfig("beam", max_new_tokens, beam_size=beam_size, alpha=alpha,
@@ -599,6 +637,7 @@ def beam_search(
         tokens_to_logits, initial_logits, cache, max_new_per_row, beam_size=beam_size,
         max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id, alpha=float(alpha),
         ends=_segments(max_new_tokens, grow_cache, cache_segments), grow_cache=grow_cache,
+        reorder_cache=reorder_cache,
     )
 
 
@@ -614,11 +653,13 @@ def decode(
     pad_id: int = 0,
     max_new_per_row: jax.Array | None = None,  # [batch]
     grow_cache: GrowCache | None = None,
+    reorder_cache: ReorderCache | None = None,
 ) -> DecodeOutput | BeamOutput:
     """Runs `config.method` with its options; `max_new_tokens` is the resolved budget (the
     config's, or source length + extra_len for an encoder-decoder). With grow_cache, `cache` has
     room for the prompt only and grows in config.cache_segments segments (see `greedy`);
-    without it, config.cache_segments is not used (the cache already has its final size)."""
+    without it, config.cache_segments is not used (the cache already has its final size).
+    reorder_cache: how beam search moves cache rows to their parents (see `beam_search`)."""
     common = dict(
         max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id,
         max_new_per_row=max_new_per_row, grow_cache=grow_cache,
@@ -633,5 +674,5 @@ def decode(
         )
     return beam_search(
         tokens_to_logits, initial_logits, cache, beam_size=config.beam_size,
-        alpha=config.alpha, **common,
+        alpha=config.alpha, reorder_cache=reorder_cache, **common,
     )

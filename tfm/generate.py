@@ -16,11 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from tfm import compile_options, decoding
-from tfm.cache import grow, init_cache
+from tfm.cache import grow, init_cache, reorder_beams
 from tfm.config import MODES, ModelConfig, check_choice
 from tfm.data.tokenizers import BOS_ID, EOS_ID, content_ids
 from tfm.decoding import DecodeConfig
-from tfm.models import DecoderLM, EncoderDecoder
+from tfm.models import DecoderLM, EncoderDecoder, output_kernel
 
 
 def fill_id(config: ModelConfig) -> int:
@@ -49,17 +49,18 @@ def _lm_generate_jit(params, prompts, prompt_lengths, rng, config, decode, eos_i
     model = DecoderLM(config)
     batch, prompt_len = prompts.shape
     cache = init_cache(config, batch, prompt_len)  # the loop grows it (decode.cache_segments)
-    logits, cache = model.apply({"params": params}, prompts, cache=cache)
+    kernel = output_kernel(params, config)  # one copy of a tied output, not one per step
+    logits, cache = model.apply({"params": params}, prompts, cache=cache, output_kernel=kernel)
     # Rows continue from their own prompt end; slots past it are overwritten as they decode.
     cache = cache.replace(lengths=prompt_lengths.astype(jnp.int32))
     last = jnp.take_along_axis(logits, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
 
     def tokens_to_logits(tokens, cache):
-        return model.apply({"params": params}, tokens, cache=cache)
+        return model.apply({"params": params}, tokens, cache=cache, output_kernel=kernel)
 
     return decoding.decode(
         tokens_to_logits, last, cache, rng, decode, max_new_tokens=decode.max_new_tokens,
-        eos_id=eos_id, pad_id=fill_id(config), grow_cache=grow,
+        eos_id=eos_id, pad_id=fill_id(config), grow_cache=grow, reorder_cache=reorder_beams,
     )
 
 
@@ -108,18 +109,21 @@ def _translate_jit(params, source, source_lengths, rng, config, decode, bos_id, 
     )
     cache = init_cache(config, batch, 1, source_len=source_len)  # BOS; the loop grows it
     bos = jnp.full((batch, 1), bos_id, jnp.int32)
+    kernel = output_kernel(params, config)  # one copy of a tied output, not one per step
     logits, cache = model.apply(
         {"params": params},
         bos,
         encoded=encoded,
         source_valid=source_valid,
         cache=cache,
+        output_kernel=kernel,
         method=EncoderDecoder.decode,
     )
 
     def tokens_to_logits(tokens, cache):
         return model.apply(
-            {"params": params}, tokens, encoded=None, cache=cache, method=EncoderDecoder.decode
+            {"params": params}, tokens, encoded=None, cache=cache, output_kernel=kernel,
+            method=EncoderDecoder.decode,
         )
 
     source_lengths = source_valid.sum(axis=1).astype(jnp.int32)
@@ -127,7 +131,7 @@ def _translate_jit(params, source, source_lengths, rng, config, decode, bos_id, 
     return decoding.decode(
         tokens_to_logits, logits[:, 0], cache, rng, decode,
         max_new_tokens=decode.max_new_tokens, eos_id=eos_id, pad_id=fill_id(config),
-        max_new_per_row=max_new_per_row, grow_cache=grow,
+        max_new_per_row=max_new_per_row, grow_cache=grow, reorder_cache=reorder_beams,
     )
 
 

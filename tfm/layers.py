@@ -159,11 +159,18 @@ class TokenEmbedding(nn.Module):
             x = x * jnp.sqrt(jnp.asarray(self.config.d_model, x.dtype))
         return x
 
-    def attend(self, x: Array) -> Array:  # x: [batch, len, d_model] -> [batch, len, vocab]
+    def attend(self, x: Array, kernel: Array | None = None) -> Array:
+        """x: [batch, len, d_model] -> logits [batch, len, vocab] float32, x times the table's
+        transpose. kernel: that transpose [d_model, vocab], made once before a decoding loop
+        (`models.output_kernel`), since XLA CPU multiplies a few rows by a table read transposed
+        4-10x slower than by a [d_model, vocab] copy; None reads the table."""
         config = self.config
-        return ops.linear(
-            x, self.table.T, compute_dtype=config.compute_dtype, out_dtype=jnp.float32
-        )
+        if kernel is None:
+            kernel = self.table.T
+        elif tuple(kernel.shape) != (config.d_model, self.vocab_size):
+            raise ValueError(f"the tied output kernel must be [d_model, vocab] = "
+                             f"{(config.d_model, self.vocab_size)}; got {tuple(kernel.shape)}")
+        return ops.linear(x, kernel, compute_dtype=config.compute_dtype, out_dtype=jnp.float32)
 
 
 def _param_fn(module: nn.Module, config: ModelConfig) -> positions.ParamFn:
