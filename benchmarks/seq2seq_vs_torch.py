@@ -14,7 +14,9 @@ tfm runs its real `train.train_step` on `EncoderDecoder(paper_base(8000))`; torc
 shared embedding, the same positions restarting in each packed pair, block-diagonal attention
 masks (causal in the decoder), tied output and `F.cross_entropy(label_smoothing=0.1)`, in eager
 mode. Repeats interleave the two; medians are reported as target tokens/s, with MFU against the
-measured float32 matmul peak (tfm.flops' per-target-token count). Writes
+measured float32 matmul peak (tfm.flops' per-target-token count). A third row times tfm's step
+compiled with XLA's own CPU options (YNNPACK dots and reductions; what TFM_XLA_DEFAULTS=0 gives,
+see tfm/compile_options.py), which --no-xla_defaults leaves out. Writes
 benchmarks/results/seq2seq_vs_torch.{json,md}.
 """
 
@@ -51,6 +53,7 @@ except ImportError:  # pragma: no cover - the benchmark says what to install
 from vs_torch import cpu_info, matmul_peaks  # noqa: E402
 
 PAD = 0
+XLA_DEFAULTS = "tfm, XLA's CPU defaults"
 
 
 def packed_batch(batch: int, length: int, pairs: int, vocab: int, seed: int = 0) -> dict:
@@ -163,6 +166,8 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=8000)
     parser.add_argument("--dropout", type=float, default=0.1)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--xla_defaults", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time tfm compiled with XLA's own CPU options")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args()
     if args.length % args.pairs:
@@ -178,10 +183,16 @@ def main() -> None:
     )
     batch = packed_batch(args.batch, args.length, args.pairs, args.vocab)
     runs = {"tfm": tfm_runner(config, batch), "torch": torch_runner(args, batch)}
+    options = {"tfm": compile_options.compiler_options(), "torch": None}
+    if args.xla_defaults:
+        with compile_options.using(None):
+            runs[XLA_DEFAULTS] = tfm_runner(config, batch)
+        options[XLA_DEFAULTS] = None
     times = {name: [] for name in runs}
     for _ in range(args.repeats):
         for name, run in runs.items():
-            times[name].append(run())
+            with compile_options.using(options[name]):
+                times[name].append(run())
     tokens = args.batch * args.length
     segment = args.length // args.pairs
     per_token = flops.flops_per_token(config, segment, "seq2seq")
@@ -189,6 +200,10 @@ def main() -> None:
                   "mfu": tokens / statistics.median(t) * per_token / peak}
            for name, t in times.items()}
     ratio = row["tfm"]["tokens_per_s"] / row["torch"]["tokens_per_s"]
+    defaults_note = ""
+    if XLA_DEFAULTS in row:
+        defaults_ratio = row[XLA_DEFAULTS]["tokens_per_s"] / row["torch"]["tokens_per_s"]
+        defaults_note = f"; with XLA's CPU defaults: {defaults_ratio:.2f}"
     command = "python benchmarks/seq2seq_vs_torch.py " + " ".join(sys.argv[1:])
     lines = [
         "# Encoder-decoder training: tfm vs torch nn.Transformer", "",
@@ -203,7 +218,8 @@ def main() -> None:
         "| framework | step ms | target tokens/s | MFU |", "|---|---:|---:|---:|",
         *(f"| {name} | {1000 * r['step_s']:,.0f} | {r['tokens_per_s']:,.0f} | "
           f"{100 * r['mfu']:.0f}% |" for name, r in row.items()),
-        "", f"tfm / torch: **{ratio:.2f}**", "", f"Command: `{command.strip()}`", "",
+        "", f"tfm / torch: **{ratio:.2f}**{defaults_note}",
+        "", f"Command: `{command.strip()}`", "",
     ]
     table = "\n".join(lines)
     out = Path(args.out)
