@@ -92,6 +92,23 @@ def test_using_compiles_calls_inside_it_with_the_given_options(fresh_options, mo
         assert "__ynn_fusion" in program()
 
 
+def test_a_step_can_ask_for_xla_cpu_defaults(fresh_options, monkeypatch):
+    """cpu_kernels="ynnpack" (train.cpu_kernels) compiles that step with XLA's defaults, which
+    hand its dots to YNNPACK, while other steps keep tfm's options; same numbers."""
+    monkeypatch.delenv("TFM_XLA_DEFAULTS", raising=False)
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    if compile_options.compiler_options() is None:
+        pytest.skip("not a CPU, or this jaxlib lacks the option")
+    x, w1, w2 = _inputs()
+    steps = {kind: compile_options.jit(_mlp, cpu_kernels=kind) for kind in ("xla", "ynnpack")}
+    programs = {kind: step.lower(x, w1, w2).compile().as_text() for kind, step in steps.items()}
+    assert "__ynn_fusion" in programs["ynnpack"] and "__ynn_fusion" not in programs["xla"]
+    np.testing.assert_allclose(steps["ynnpack"](x, w1, w2), steps["xla"](x, w1, w2),
+                               rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="cpu_kernels='onednn' must be one of"):
+        compile_options.jit(_mlp, cpu_kernels="onednn")
+
+
 CACHE_SCRIPT = """
 import sys, jax, jax.numpy as jnp
 from tfm import compile_options

@@ -12,7 +12,11 @@ bit for bit (`benchmarks/startup.py`). The steps keep -O3: -O1 ran them as fast 
 on other CPUs was not measured.
 
 Left alone when the backend is not a CPU, when $XLA_FLAGS already sets an option (yours wins),
-when TFM_XLA_DEFAULTS=0, or when this jaxlib does not know an option.
+when TFM_XLA_DEFAULTS=0, or when this jaxlib does not know an option. Which choice is faster
+depends on the model: the char-LM steps run up to 1.32x faster without YNNPACK, the
+encoder-decoder train steps of configs/translate.py 1.04-1.19x faster with it, their decoding
+1.14x slower (benchmarks/seq2seq_vs_torch.py, README "Speed"). So a step can ask for XLA's own
+CPU choice: `jit(..., cpu_kernels="ynnpack")` (the `train.cpu_kernels` config field).
 
 `use_compilation_cache(directory)` turns on jax's persistent compilation cache, so later
 processes load compiled steps instead of compiling them again (`train.compilation_cache_dir`).
@@ -34,6 +38,9 @@ YNN_FUSION = "xla_cpu_experimental_ynn_fusion_type"
 LLVM_LEVEL = "xla_backend_optimization_level"
 CPU_OPTIONS: dict[str, Any] = {YNN_FUSION: ""}
 RUN_ONCE_OPTIONS: dict[str, Any] = {**CPU_OPTIONS, LLVM_LEVEL: 1}
+# What a step's dots and reductions compile to on CPU: "xla" = tfm's options above (XLA's own
+# loops and Eigen), "ynnpack" = XLA's defaults (the YNNPACK library takes them).
+CPU_KERNELS = ("xla", "ynnpack")
 _UNSET = object()
 _forced: Any = _UNSET  # set by `using`
 
@@ -81,20 +88,25 @@ def _usable(wanted: dict[str, Any]) -> dict[str, Any] | None:
     return options
 
 
-def jit(fun: Callable | None = None, /, **jit_kwargs: Any) -> Callable:
+def jit(
+    fun: Callable | None = None, /, *, cpu_kernels: str = "xla", **jit_kwargs: Any
+) -> Callable:
     """jax.jit(fun, compiler_options=compiler_options(), **jit_kwargs), usable as a decorator
-    (`@functools.partial(jit, static_argnames=...)`). The jitted function is built on the first
-    call, so importing tfm starts no backend. Called with tracers (inside another jit) it is a
-    plain jax.jit: the outer function's options apply. Has `.lower(*args)` like jax.jit's."""
+    (`@functools.partial(jit, static_argnames=...)`). cpu_kernels="ynnpack" compiles with XLA's
+    own defaults instead (see CPU_KERNELS). The jitted function is built on the first call, so
+    importing tfm starts no backend. Called with tracers (inside another jit) it is a plain
+    jax.jit: the outer function's options apply. Has `.lower(*args)` like jax.jit's."""
+    if cpu_kernels not in CPU_KERNELS:
+        raise ValueError(f"cpu_kernels={cpu_kernels!r} must be one of {CPU_KERNELS}")
     if fun is None:
-        return functools.partial(jit, **jit_kwargs)
+        return functools.partial(jit, cpu_kernels=cpu_kernels, **jit_kwargs)
 
     @functools.cache
     def jitted(top_level: bool, forced: Any) -> Callable:
         if not top_level:
             options = None
         elif forced is _UNSET:
-            options = compiler_options()
+            options = compiler_options() if cpu_kernels == "xla" else None
         else:
             options = None if forced is None else dict(forced)
         return jax.jit(fun, compiler_options=options, **jit_kwargs)

@@ -181,6 +181,7 @@ def jit_steps(experiment: Experiment, shardings: Any) -> tuple[Callable, Callabl
     )
     jit_train = compile_options.jit(
         step_fn,
+        cpu_kernels=experiment.train.cpu_kernels,
         in_shardings=(shardings, sharding.batch_sharding(mesh, experiment.rules)),
         out_shardings=(shardings, sharding.replicated(mesh)),
         donate_argnums=(0,),
