@@ -38,6 +38,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from flax.linen import meta as nn_meta  # noqa: E402
 
 from tfm import compile_options, flops, host_memory, train  # noqa: E402
 from tfm.config import paper_base  # noqa: E402
@@ -78,8 +79,7 @@ def tfm_runner(config, batch: dict, lr: float = 1e-4):
     arrays = {k: jnp.asarray(v, jnp.float32 if k == "weights" else jnp.int32)
               for k, v in batch.items()}
     boxed = model.init(jax.random.PRNGKey(0), arrays["source"][:1], arrays["inputs"][:1])
-    params = jax.tree.map(lambda x: getattr(x, "value", x), boxed["params"],
-                          is_leaf=lambda x: hasattr(x, "value"))
+    params = nn_meta.unbox(boxed["params"])
     state = train.TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params),
                              jax.random.PRNGKey(1))
     step = compile_options.jit(
