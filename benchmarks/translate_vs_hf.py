@@ -18,7 +18,9 @@ Exactness: the greedy tokens must be equal, and the best beam's tokens too (with
 hypothesis has the same length, so the two length penalties rank alike); the table reports the
 fraction of rows whose tokens agree. Speed: tokens/s = rows x 64 / median time of interleaved
 repeats (compile excluded), and the batch-1 greedy bound: weight bytes a decode step reads (the
-decoder and the tied embedding as output layer) over the measured memory bandwidth. Writes
+decoder and the tied embedding as output layer) over the measured memory bandwidth. Also the
+output layer alone at 1-128 rows, from the tied table read transposed and from a
+[d_model, vocab] copy (`tfm.models.output_kernel`), torch beside (--no-output_layer skips). Writes
 benchmarks/results/translate_vs_hf.{json,md}.
 """
 
@@ -37,9 +39,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from tfm import host_memory  # noqa: E402
+from tfm import compile_options, host_memory  # noqa: E402
 from tfm.generate import best_sequences, translate  # noqa: E402
 from tfm.interop import hf as interop  # noqa: E402
 
@@ -72,6 +75,37 @@ def decoder_weight_bytes(params) -> int:
     """float32 bytes a decode step reads: the decoder's weights and the tied embedding."""
     leaves = jax.tree.leaves(params["decoder"]) + jax.tree.leaves(params["embed"])
     return sum(leaf.size * 4 for leaf in leaves)
+
+
+def output_layer_rows(args, repeats: int = 15) -> list[dict]:
+    """The decode step's output layer alone, jitted: rows x d_model times the tied table read
+    transposed ([vocab, d_model], what decoding did before `models.output_kernel`) and times a
+    [d_model, vocab] copy (what it does now), with torch's `x @ table.T` beside; median ms."""
+    rng = np.random.default_rng(0)
+    table = rng.normal(size=(args.vocab, args.d_model)).astype(np.float32)
+    on_jax, copy = jnp.asarray(table), jnp.asarray(table.T.copy())
+    on_torch = torch.from_numpy(table)
+    transposed = compile_options.jit(lambda x, t: x @ t.T)
+    plain = compile_options.jit(lambda x, k: x @ k)
+    rows = []
+    for count in (1, 4, 8, 32, 128):
+        x = rng.normal(size=(count, args.d_model)).astype(np.float32)
+        on_device, x_torch = jnp.asarray(x), torch.from_numpy(x)
+        runs = {
+            "table_transposed_ms": lambda x=on_device: transposed(x, on_jax).block_until_ready(),
+            "copy_ms": lambda x=on_device: plain(x, copy).block_until_ready(),
+            "torch_ms": lambda x=x_torch: x @ on_torch.T,
+        }
+        times = {name: [] for name in runs}
+        for _ in range(repeats + 1):  # the first round compiles
+            for name, run in runs.items():
+                start = time.perf_counter()
+                run()
+                times[name].append(time.perf_counter() - start)
+        row = {"rows": count, **{k: 1000 * statistics.median(v[1:]) for k, v in times.items()}}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
 
 
 def bench(args, bandwidth: float) -> list[dict]:
@@ -127,6 +161,15 @@ def bench(args, bandwidth: float) -> list[dict]:
     return rows
 
 
+def output_layer_report(rows: list[dict]) -> list[str]:
+    lines = ["", "The output layer alone (vocabulary x d_model tied table), median ms:", "",
+             "| rows | table read transposed (before) | [d_model, vocab] copy (now) | torch |",
+             "|---:|---:|---:|---:|"]
+    lines += [f"| {r['rows']} | {r['table_transposed_ms']:.2f} | {r['copy_ms']:.2f} | "
+              f"{r['torch_ms']:.2f} |" for r in rows]
+    return lines
+
+
 def report(info: dict, args, bandwidth: float, rows: list[dict], command: str) -> str:
     lines = [
         "# Encoder-decoder decoding: tfm vs Hugging Face T5 on the same weights", "",
@@ -153,6 +196,8 @@ def report(info: dict, args, bandwidth: float, rows: list[dict], command: str) -
             f"{row['hf_tokens_per_s']:,.0f} | **{row['ratio']:.2f}** | "
             f"{100 * row['rows_with_equal_tokens']:.0f}% | {bound} |"
         )
+    if args.output_layer:
+        lines += output_layer_report(args.output_layer)
     lines += ["", f"Command: `{command}`", ""]
     return "\n".join(lines)
 
@@ -168,16 +213,18 @@ def main() -> None:
     parser.add_argument("--source_len", type=int, default=32)
     parser.add_argument("--new_tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--output_layer", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time the output layer alone, tied table vs its copy")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args()
-    for name in ("methods",):
-        unknown = set(getattr(args, name).split(",")) - {"greedy", "beam"}
-        if unknown:
-            parser.error(f"--{name}: {sorted(unknown)} not in greedy, beam")
+    unknown = set(args.methods.split(",")) - {"greedy", "beam"}
+    if unknown:
+        parser.error(f"--methods: {sorted(unknown)} not in greedy, beam")
     host_memory.keep_freed_memory()
     info = cpu_info()
     print(json.dumps(info), flush=True)
     bandwidth = memory_bandwidth()
+    args.output_layer = output_layer_rows(args) if args.output_layer else []
     rows = bench(args, bandwidth)
     command = "python benchmarks/translate_vs_hf.py " + " ".join(sys.argv[1:])
     out = Path(args.out)

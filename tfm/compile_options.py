@@ -13,9 +13,10 @@ on other CPUs was not measured.
 
 Left alone when the backend is not a CPU, when $XLA_FLAGS already sets an option (yours wins),
 when TFM_XLA_DEFAULTS=0, or when this jaxlib does not know an option. Which choice is faster
-depends on the model: the char-LM steps run up to 1.32x faster without YNNPACK, the
-encoder-decoder train steps of configs/translate.py 1.04-1.19x faster with it, their decoding
-1.14x slower (benchmarks/seq2seq_vs_torch.py, README "Speed"). So a step can ask for XLA's own
+depends on the model: the char-LM steps run up to 1.32x faster without YNNPACK
+(benchmarks/xla_options.py), the encoder-decoder train steps of configs/translate.py 1.04x and
+1.11x faster with it (benchmarks/seq2seq_vs_torch.py, base and `cpu` shapes), their decoding
+1.14x slower (a scratch A/B; README "Speed"). So a step can ask for XLA's own
 CPU choice: `jit(..., cpu_kernels="ynnpack")` (the `train.cpu_kernels` config field).
 
 `use_compilation_cache(directory)` turns on jax's persistent compilation cache, so later
