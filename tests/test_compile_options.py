@@ -105,8 +105,39 @@ def test_a_step_can_ask_for_xla_cpu_defaults(fresh_options, monkeypatch):
     assert "__ynn_fusion" in programs["ynnpack"] and "__ynn_fusion" not in programs["xla"]
     np.testing.assert_allclose(steps["ynnpack"](x, w1, w2), steps["xla"](x, w1, w2),
                                rtol=1e-5, atol=1e-6)
-    with pytest.raises(ValueError, match="cpu_kernels='onednn' must be one of"):
-        compile_options.jit(_mlp, cpu_kernels="onednn")
+    with pytest.raises(ValueError, match="cpu_kernels='mkl' must be one of"):
+        compile_options.jit(_mlp, cpu_kernels="mkl")
+
+
+def test_a_step_can_ask_for_onednn_dots(fresh_options, monkeypatch):
+    """cpu_kernels="onednn" hands the step's dots (batched ones too, as attention's) to oneDNN
+    on an x86-64 CPU; values and gradients equal tfm's own options' to float32 rounding."""
+    monkeypatch.delenv("TFM_XLA_DEFAULTS", raising=False)
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    compile_options.onednn_options.cache_clear()
+    if compile_options.onednn_options() in (None, compile_options.compiler_options()):
+        pytest.skip("not an x86-64 CPU, or this jaxlib lacks the oneDNN options")
+    x, w1, w2 = _inputs()
+
+    def loss(x, w1, w2):  # x: [rows, d]; a batched dot as well, [2, rows/2, d] x [2, d, f]
+        batched = jnp.einsum("brd,bdf->brf", x.reshape(2, -1, x.shape[-1]), jnp.stack([w1, w1]))
+        return (_mlp(x, w1, w2) ** 2).sum() + jnp.tanh(batched).sum()
+
+    steps = {kind: compile_options.jit(jax.value_and_grad(loss, argnums=(1, 2)), cpu_kernels=kind)
+             for kind in ("xla", "onednn")}
+    programs = {kind: step.lower(x, w1, w2).compile().as_text() for kind, step in steps.items()}
+    assert programs["onednn"].count("__onednn_fusion") >= 3
+    assert "__onednn_fusion" not in programs["xla"]
+    entry = programs["onednn"][programs["onednn"].index("ENTRY"):]
+    assert " dot(" not in entry  # every dot, forward and backward, is in a oneDNN fusion
+    (value, grads), (value_ref, grads_ref) = steps["onednn"](x, w1, w2), steps["xla"](x, w1, w2)
+    np.testing.assert_allclose(value, value_ref, rtol=1e-5)
+    for grad, grad_ref in zip(grads, grads_ref, strict=True):
+        np.testing.assert_allclose(grad, grad_ref, rtol=1e-5, atol=1e-5)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_use_onednn=false")  # the user's flag wins
+    compile_options.onednn_options.cache_clear()
+    assert compile_options.onednn_options() == compile_options.compiler_options()
+    compile_options.onednn_options.cache_clear()
 
 
 CACHE_SCRIPT = """

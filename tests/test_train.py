@@ -770,7 +770,7 @@ def _set(config: ml_collections.ConfigDict, path: str, value) -> None:
         ("train.keep_best_metric", "eval_bleu", "train.keep_best_metric='eval_bleu'"),
         ("train.dropout_rng", "philox", "train.dropout_rng='philox'"),
         ("train.microbatches", 0, "train.microbatches=0"),
-        ("train.cpu_kernels", "onednn", "train.cpu_kernels='onednn'"),
+        ("train.cpu_kernels", "mkl", "train.cpu_kernels='mkl'"),
         ("train.compilation_cache_dir", " ", "train.compilation_cache_dir=' ' must be a folder"),
         ("train.compilation_cache_dir", "/dev/null/xla", "cannot create or use that folder"),
         # batch_size 16 over 8 devices leaves 2 rows per device

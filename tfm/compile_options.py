@@ -19,6 +19,13 @@ depends on the model: the char-LM steps run up to 1.32x faster without YNNPACK
 1.14x slower (a scratch A/B; README "Speed"). So a step can ask for XLA's own
 CPU choice: `jit(..., cpu_kernels="ynnpack")` (the `train.cpu_kernels` config field).
 
+cpu_kernels="onednn" hands every dot to the oneDNN library (XLA's experimental
+xla_cpu_use_onednn with individual-dot fusions; the rest as "xla"). It runs the attention core
+1.3-1.4x faster (benchmarks/attention_core.py --onednn) and char-LM train steps 1.02-1.09x
+(paired A/Bs, README "Speed"), but batch-1 decoding ~14% slower and the translate config's steps
+no faster than YNNPACK, so no step uses it unless asked. x86-64 only (oneDNN is built for it
+there); elsewhere, or on a jaxlib without the option, it compiles as "xla".
+
 `use_compilation_cache(directory)` turns on jax's persistent compilation cache, so later
 processes load compiled steps instead of compiling them again (`train.compilation_cache_dir`).
 """
@@ -28,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import platform
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -39,9 +47,17 @@ YNN_FUSION = "xla_cpu_experimental_ynn_fusion_type"
 LLVM_LEVEL = "xla_backend_optimization_level"
 CPU_OPTIONS: dict[str, Any] = {YNN_FUSION: ""}
 RUN_ONCE_OPTIONS: dict[str, Any] = {**CPU_OPTIONS, LLVM_LEVEL: 1}
+ONEDNN_OPTIONS: dict[str, Any] = {
+    **CPU_OPTIONS,
+    "xla_cpu_use_onednn": True,
+    # Only single dots: oneDNN's dot + element-wise fusions ("LIBRARY_FUSION_TYPE_DOT") aborted
+    # the process at run time in jaxlib 0.10.2 ("partition compile failed").
+    "xla_cpu_experimental_onednn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT",
+}
 # What a step's dots and reductions compile to on CPU: "xla" = tfm's options above (XLA's own
-# loops and Eigen), "ynnpack" = XLA's defaults (the YNNPACK library takes them).
-CPU_KERNELS = ("xla", "ynnpack")
+# loops and Eigen), "ynnpack" = XLA's defaults (the YNNPACK library takes them), "onednn" = the
+# dots go to the oneDNN library, the rest as "xla".
+CPU_KERNELS = ("xla", "ynnpack", "onednn")
 _UNSET = object()
 _forced: Any = _UNSET  # set by `using`
 
@@ -73,6 +89,27 @@ def run_once_options() -> dict[str, Any] | None:
     return _usable(RUN_ONCE_OPTIONS)
 
 
+@functools.cache
+def onednn_options() -> dict[str, Any] | None:
+    """The options for cpu_kernels="onednn": tfm's plus oneDNN dots on an x86-64 CPU; tfm's
+    own elsewhere, or where this jaxlib lacks the oneDNN options."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return compiler_options()
+    options = _usable(ONEDNN_OPTIONS)
+    if options is None or "xla_cpu_use_onednn" not in options:  # $XLA_FLAGS says otherwise
+        return compiler_options()
+    return options
+
+
+def kernel_options(cpu_kernels: str) -> dict[str, Any] | None:
+    """The compile options a step asking for `cpu_kernels` (one of CPU_KERNELS) gets here."""
+    if cpu_kernels not in CPU_KERNELS:
+        raise ValueError(f"cpu_kernels={cpu_kernels!r} must be one of {CPU_KERNELS}")
+    if cpu_kernels == "ynnpack":
+        return None
+    return onednn_options() if cpu_kernels == "onednn" else compiler_options()
+
+
 def _usable(wanted: dict[str, Any]) -> dict[str, Any] | None:
     """`wanted` less what $XLA_FLAGS sets, on a CPU backend, unless TFM_XLA_DEFAULTS=0 or this
     jaxlib does not compile with them (None: XLA's defaults)."""
@@ -94,9 +131,10 @@ def jit(
 ) -> Callable:
     """jax.jit(fun, compiler_options=compiler_options(), **jit_kwargs), usable as a decorator
     (`@functools.partial(jit, static_argnames=...)`). cpu_kernels="ynnpack" compiles with XLA's
-    own defaults instead (see CPU_KERNELS). The jitted function is built on the first call, so
-    importing tfm starts no backend. Called with tracers (inside another jit) it is a plain
-    jax.jit: the outer function's options apply. Has `.lower(*args)` like jax.jit's."""
+    own defaults instead, "onednn" with oneDNN dots (see CPU_KERNELS, kernel_options). The
+    jitted function is built on the first call, so importing tfm starts no backend. Called with
+    tracers (inside another jit) it is a plain jax.jit: the outer function's options apply.
+    Has `.lower(*args)` like jax.jit's."""
     if cpu_kernels not in CPU_KERNELS:
         raise ValueError(f"cpu_kernels={cpu_kernels!r} must be one of {CPU_KERNELS}")
     if fun is None:
@@ -107,7 +145,7 @@ def jit(
         if not top_level:
             options = None
         elif forced is _UNSET:
-            options = compiler_options() if cpu_kernels == "xla" else None
+            options = kernel_options(cpu_kernels)
         else:
             options = None if forced is None else dict(forced)
         return jax.jit(fun, compiler_options=options, **jit_kwargs)

@@ -106,10 +106,12 @@ class TrainConfig:
     # `eval`, `generate`, the other seeds of a sweep) load their compiled steps from it instead
     # of compiling again. None = off. Set for every mode: it is read in `setup`.
     compilation_cache_dir: str | None = None
-    # On CPU, what the train step's dots and reductions compile to: "xla" (tfm's choice, fastest
-    # for the char-LM steps) or "ynnpack" (XLA's defaults; the translate config's train steps ran
-    # 1.04x and 1.11x faster with it in benchmarks/seq2seq_vs_torch.py). Evaluation and
-    # decoding keep tfm's choice. No effect off CPU.
+    # On CPU, what the train step's dots and reductions compile to: "xla" (tfm's choice),
+    # "ynnpack" (XLA's defaults; the translate config's train steps ran 1.04x and 1.11x faster
+    # with it in benchmarks/seq2seq_vs_torch.py) or "onednn" (dots by the oneDNN library, XLA's
+    # experimental path; char-LM train steps 1.02-1.09x faster in paired A/Bs, the attention core
+    # 1.3-1.4x; x86-64 only, "xla" elsewhere). Evaluation and decoding keep tfm's choice. No
+    # effect off CPU.
     cpu_kernels: str = "xla"
 
     def __post_init__(self) -> None:
