@@ -13,3 +13,6 @@ import jax  # noqa: E402
 
 # Exact float32 matmuls on every backend, so naive-vs-fast comparisons at 1e-5 are meaningful.
 jax.config.update("jax_default_matmul_precision", "highest")
+# Start the backend now, with the flags above: tests that edit XLA_FLAGS (test_compile_options)
+# must not be the first to start it, or their worker would run every later test on 1 device.
+jax.devices()
