@@ -3,6 +3,7 @@
     pip install -e ".[bench]"    # torch, only for this benchmark
     python benchmarks/attention_core.py                    # batch 2 and 64 (about 3 minutes)
     python benchmarks/attention_core.py --batches 8,64 --repeats 9
+    python benchmarks/attention_core.py --onednn    # tfm also with XLA's oneDNN dots
 
 The attention of the char-GPT training step (vs_torch.py: 6 heads of 64, 256 tokens, causal,
 float32): tfm's `attention.dot_product_attention(q, k, v, mask=causal, causal=True)` (the
@@ -14,6 +15,8 @@ already head-major (what nanoGPT's model hands it). Repeats interleave the two; 
 reported, with the GFLOP/s of the causal matmuls (half of the full ones) and the largest
 difference between the two frameworks' outputs and gradients.
 
+--onednn adds tfm compiled with the "oneDNN dots" setting of benchmarks/xla_options.py (XLA
+hands every dot to the oneDNN library; not what tfm's steps use, see README "Speed").
 One training step of the 6-layer model runs this 6 times, so 6 x the forward + backward column
 is the attention core's share of vs_torch.py's step. Writes benchmarks/results/attention_core.
 {json,md}.
@@ -45,10 +48,14 @@ except ImportError:  # pragma: no cover - the benchmark says what to install
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from vs_torch import cpu_info  # noqa: E402
+from xla_options import ALL_SETTINGS  # noqa: E402
+
+ONEDNN_DOTS = ALL_SETTINGS["oneDNN dots"]
 
 
-def tfm_runs(q, k, v, grad_out):
-    """(forward, forward_backward) jitted: q, k, v, grad_out [batch, len, heads, head_dim]."""
+def tfm_runs(q, k, v, grad_out, options=compile_options.compiler_options):
+    """(forward, forward_backward) jitted: q, k, v, grad_out [batch, len, heads, head_dim].
+    options: XLA compile options for both (default: tfm's own)."""
     length = q.shape[1]
     positions = jnp.arange(length)[None]
     mask = attention.causal_mask(positions, positions)  # [1, 1, len, len]
@@ -62,8 +69,18 @@ def tfm_runs(q, k, v, grad_out):
 
     forward_jit = compile_options.jit(forward)
     both_jit = compile_options.jit(forward_backward)
-    return (lambda: jax.block_until_ready(forward_jit(q, k, v)),
-            lambda: jax.block_until_ready(both_jit(q, k, v, grad_out)))
+    if options is compile_options.compiler_options:
+        options = compile_options.compiler_options()
+
+    def run_forward():
+        with compile_options.using(options):
+            return jax.block_until_ready(forward_jit(q, k, v))
+
+    def run_both():
+        with compile_options.using(options):
+            return jax.block_until_ready(both_jit(q, k, v, grad_out))
+
+    return run_forward, run_both
 
 
 def torch_runs(q, k, v, grad_out):
@@ -90,7 +107,8 @@ def max_difference(tfm_result, torch_result) -> float:
                for a, b in pairs)
 
 
-def bench(batch: int, heads: int, length: int, head_dim: int, repeats: int) -> dict:
+def bench(batch: int, heads: int, length: int, head_dim: int, repeats: int,
+          onednn: bool = False) -> dict:
     rng = np.random.default_rng(batch)
     q, k, v, grad_out = (rng.standard_normal((batch, length, heads, head_dim), np.float32)
                          for _ in range(4))
@@ -99,6 +117,9 @@ def bench(batch: int, heads: int, length: int, head_dim: int, repeats: int) -> d
         *(torch.from_numpy(x.transpose(0, 2, 1, 3).copy()) for x in (q, k, v, grad_out)))
     runs = {"tfm_forward": tfm_forward, "torch_forward": torch_forward,
             "tfm_forward_backward": tfm_both, "torch_forward_backward": torch_both}
+    if onednn:
+        runs["tfm_onednn_forward"], runs["tfm_onednn_forward_backward"] = tfm_runs(
+            *(jnp.asarray(x) for x in (q, k, v, grad_out)), options=ONEDNN_DOTS)
     results = {name: run() for name, run in runs.items()}  # compile and warm up
     times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(repeats):
@@ -120,6 +141,11 @@ def bench(batch: int, heads: int, length: int, head_dim: int, repeats: int) -> d
     row["forward_ratio"] = medians["torch_forward"] / medians["tfm_forward"]
     row["forward_backward_ratio"] = (medians["torch_forward_backward"]
                                      / medians["tfm_forward_backward"])
+    if onednn:
+        row["onednn_max_abs_difference"] = max_difference(
+            results["tfm_onednn_forward_backward"], results["torch_forward_backward"])
+        row["onednn_forward_backward_ratio"] = (medians["torch_forward_backward"]
+                                                / medians["tfm_onednn_forward_backward"])
     return row
 
 
@@ -146,6 +172,20 @@ def report(info: dict, rows: list[dict], command: str) -> str:
             f"{r['torch_forward_backward_ms']:.1f} | **{r['forward_backward_ratio']:.2f}** | "
             f"{r['tfm_forward_backward_gflops']:.0f} / {r['torch_forward_backward_gflops']:.0f} | "
             f"{r['max_abs_difference']:.1e} |")
+    onednn_rows = [r for r in rows if "tfm_onednn_forward_backward_ms" in r]
+    if onednn_rows:
+        lines += ["", "tfm with XLA's oneDNN dots (`--onednn`; the same programs, every dot handed "
+                  "to oneDNN):", "",
+                  "| batch x heads x len x head_dim | tfm oneDNN fwd ms | tfm oneDNN fwd+bwd ms | "
+                  "vs tfm's options | fwd+bwd ratio to torch | max abs diff |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        for r in onednn_rows:
+            lines.append(
+                f"| {r['batch']} x {r['heads']} x {r['length']} x {r['head_dim']} | "
+                f"{r['tfm_onednn_forward_ms']:.1f} | {r['tfm_onednn_forward_backward_ms']:.1f} | "
+                f"**{r['tfm_forward_backward_ms'] / r['tfm_onednn_forward_backward_ms']:.2f}x** | "
+                f"**{r['onednn_forward_backward_ratio']:.2f}** | "
+                f"{r['onednn_max_abs_difference']:.1e} |")
     lines += ["", f"Command: `{command}`"]
     return "\n".join(lines)
 
@@ -157,6 +197,8 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=256)
     parser.add_argument("--head_dim", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--onednn", action="store_true",
+                        help="also time tfm with XLA's oneDNN dots (xla_options.py's setting)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args()
     host_memory.keep_freed_memory()  # as vs_torch.py and tfm's training loop
@@ -165,7 +207,8 @@ def main() -> None:
     print(json.dumps(info), flush=True)
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
-        rows.append(bench(batch, args.heads, args.length, args.head_dim, args.repeats))
+        rows.append(bench(batch, args.heads, args.length, args.head_dim, args.repeats,
+                          onednn=args.onednn))
         print(json.dumps(rows[-1]), flush=True)
     command = ("python benchmarks/attention_core.py " + " ".join(sys.argv[1:])).strip()
     text = report(info, rows, command)

@@ -56,11 +56,11 @@ def init_params(config: ModelConfig, prompt_len: int = 1):
 
 
 def tfm_train_runner(shape, dtype: str, batch: dict, dropout_rng: str = "threefry",
-                     microbatches: int = 1, devices: int = 1):
-    """tfm's train step as `train.jit_steps` compiles it, the batch split over `devices` CPU
-    devices (a "data" mesh axis; params and optimizer state replicated). Compiles (with the
-    options in force: see compile_options.using) and warms up; returns (run, config,
-    compile seconds), run(steps) -> seconds for `steps` steps."""
+                     microbatches: int = 1, devices: int = 1, cpu_kernels: str = "xla"):
+    """tfm's train step as `train.jit_steps` compiles it (`cpu_kernels` as train.cpu_kernels),
+    the batch split over `devices` CPU devices (a "data" mesh axis; params and optimizer state
+    replicated). Compiles (with the options in force: see compile_options.using) and warms up;
+    returns (run, config, compile seconds), run(steps) -> seconds for `steps` steps."""
     config = model_config(shape, dtype, shape.block)
     model = DecoderLM(config)
     optimizer = optax.adamw(1e-3, b1=0.9, b2=0.99, weight_decay=0.1)
@@ -78,6 +78,7 @@ def tfm_train_runner(shape, dtype: str, batch: dict, dropout_rng: str = "threefr
             schedule=optax.constant_schedule(1e-3), label_smoothing=0.0,
             dropout_rng_impl=dropout_rng, microbatches=microbatches,
         ),
+        cpu_kernels=cpu_kernels,
         in_shardings=(replicated, split), out_shardings=(replicated, replicated),
         donate_argnums=(0,),
     )

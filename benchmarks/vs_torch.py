@@ -7,6 +7,7 @@
     python benchmarks/vs_torch.py --only train --dtypes float32 --dropout_rng threefry,threefry2x32
     python benchmarks/vs_torch.py --only train --dtypes float32 --microbatches 1,8,32
     python benchmarks/vs_torch.py --only train --dtypes float32 --microbatches 32 --cpu_devices 1,2
+    python benchmarks/vs_torch.py --only train --dtypes float32 --cpu_kernels xla,onednn
     python benchmarks/vs_torch.py --xla_defaults off      # tfm without tfm/compile_options.py
     python benchmarks/vs_torch.py --malloc_defaults off   # glibc's, not tfm/host_memory.py's
 
@@ -20,6 +21,9 @@ Decoding: greedy, 8-token prompts, batch 1 and 8, 256 and 1,024 new tokens, tfm'
 beside it one loop over a full-size cache, `cache_segments=1`) against Hugging Face `generate`
 (KV cache) on a GPT-2 of the same size. Also the batch-1 weight-bandwidth bound: weight bytes per
 token over the measured memory bandwidth.
+
+--cpu_kernels xla,onednn also times tfm's train step with oneDNN dots (`train.cpu_kernels`, see
+tfm/compile_options.py); ynnpack with XLA's CPU defaults.
 
 --cpu_devices 1,2 also times tfm training data-parallel over 2 CPU devices of this host (what
 `./launch.sh train ... --devices_per_process 2` runs): each device runs its half of the batch on
@@ -58,6 +62,8 @@ from char_gpt import VOCAB, init_params, model_config, random_batch, tfm_train_r
 from tfm import compile_options, decoding, flops, host_memory  # noqa: E402
 from tfm.decoding import DecodeConfig  # noqa: E402
 from tfm.generate import lm_generate  # noqa: E402
+
+KERNEL_LABELS = {"ynnpack": "XLA's defaults (YNNPACK)", "onednn": "oneDNN dots"}
 
 try:
     import torch
@@ -201,9 +207,10 @@ def bench_train(args, peaks: dict) -> list[dict]:
     impls = args.dropout_rng.split(",")
     splits = [int(k) for k in args.microbatches.split(",")]
     devices = [int(n) for n in args.cpu_devices.split(",")]
+    kernels = args.cpu_kernels.split(",")
     for dtype in args.dtypes.split(","):
-        tfm_runs = {(impl, k, n): tfm_train_runner(args, dtype, batch, impl, k, n)
-                    for k in splits for impl in impls for n in devices}
+        tfm_runs = {(impl, k, n, kind): tfm_train_runner(args, dtype, batch, impl, k, n, kind)
+                    for k in splits for impl in impls for n in devices for kind in kernels}
         torch_runs = {k: torch_train_runner(args, dtype, inputs, targets, k) for k in splits}
         tfm_times: dict[tuple, list[float]] = {key: [] for key in tfm_runs}
         torch_times: dict[int, list[float]] = {k: [] for k in splits}
@@ -220,20 +227,21 @@ def bench_train(args, peaks: dict) -> list[dict]:
         timed_steps = args.repeats * args.steps
         torch_tps = {k: tokens / statistics.median(times) for k, times in torch_times.items()}
         peak = max(peaks[dtype].values())
-        for (impl, k, n), (_, config, compile_s) in tfm_runs.items():
+        for (impl, k, n, kind), (_, config, compile_s) in tfm_runs.items():
             per_token = flops.flops_per_token(config, args.block, "lm")
-            tfm_tps = tokens / statistics.median(tfm_times[impl, k, n])
+            tfm_tps = tokens / statistics.median(tfm_times[impl, k, n, kind])
             rows.append({
                 "work": "train", "dtype": dtype, "dropout_rng": impl, "microbatches": k,
-                "cpu_devices": n,
+                "cpu_devices": n, "cpu_kernels": kind,
                 "batch": args.batch, "block": args.block, "tfm_tokens_per_s": tfm_tps,
                 "torch_tokens_per_s": torch_tps[k], "ratio": tfm_tps / torch_tps[k],
                 # against torch taking the batch at once, the anchor of issue 9
                 "ratio_to_whole_batch_torch": tfm_tps / torch_tps[1] if 1 in torch_tps else None,
                 "tfm_mfu": tfm_tps * per_token / peak, "torch_mfu": torch_tps[k] * per_token / peak,
-                "tfm_step_s": sorted(tfm_times[impl, k, n]), "torch_step_s": sorted(torch_times[k]),
+                "tfm_step_s": sorted(tfm_times[impl, k, n, kind]),
+                "torch_step_s": sorted(torch_times[k]),
                 "tfm_compile_s": compile_s, "flops_per_token": per_token,
-                "tfm_page_faults_per_step": faults[impl, k, n] / timed_steps,
+                "tfm_page_faults_per_step": faults[impl, k, n, kind] / timed_steps,
                 "torch_page_faults_per_step": faults[k] / timed_steps,
             })
             print(json.dumps(rows[-1]), flush=True)
@@ -343,11 +351,13 @@ def report(info: dict, peaks: dict, bandwidth: float, rows: list[dict], command:
         for r in train_rows:
             k = r.get("microbatches", 1)
             whole = r.get("ratio_to_whole_batch_torch")
+            kernels = KERNEL_LABELS.get(r.get("cpu_kernels", "xla"))
             lines.append(
                 f"| {r['dtype']}, batch {r['batch']} x {r['block']}"
                 f"{f', {k} microbatches' if k > 1 else ''}"
                 f"{f', {n} CPU devices' if (n := r.get('cpu_devices', 1)) > 1 else ''}"
-                f"{'' if r['dropout_rng'] == 'threefry' else ', dropout ' + r['dropout_rng']} | "
+                f"{'' if r['dropout_rng'] == 'threefry' else ', dropout ' + r['dropout_rng']}"
+                f"{f', {kernels}' if kernels else ''} | "
                 f"{r['tfm_tokens_per_s']:,.0f} | {r['torch_tokens_per_s']:,.0f} | "
                 f"**{r['ratio']:.2f}** | {'' if whole is None else f'{whole:.2f}'} | "
                 f"{100 * r['tfm_mfu']:.0f}% | {100 * r['torch_mfu']:.0f}% |"
@@ -398,6 +408,9 @@ def main() -> None:
     parser.add_argument("--cpu_devices", default="1",
                         help="CPU device counts to time tfm training on, comma-separated "
                              "(data parallel over this host's cores; torch uses all cores)")
+    parser.add_argument("--cpu_kernels", default="xla",
+                        help="train.cpu_kernels values to time tfm's train step with, "
+                             "comma-separated: xla (tfm's default), ynnpack, onednn")
     parser.add_argument("--xla_defaults", choices=("on", "off"), default="on",
                         help="off: tfm compiles with XLA's defaults, not "
                              "tfm/compile_options.py's (TFM_XLA_DEFAULTS=0)")

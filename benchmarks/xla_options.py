@@ -9,7 +9,10 @@ Each piece of work runs under every setting in one process, repeats interleaved,
 - "YNNPACK dots": only individual dots go to YNNPACK;
 - "no YNNPACK": XLA's own dots and reductions (tfm's choice, for every step);
 - "no YNNPACK -O1": the same with LLVM at -O1 instead of -O3 (faster to compile; what
-  parameter initialisation uses, compile_options.run_once_options); not in the default set.
+  parameter initialisation uses, compile_options.run_once_options); not in the default set;
+- "oneDNN dots": XLA hands every dot to the oneDNN library (the rest as "no YNNPACK"; what a
+  step's `cpu_kernels="onednn"` asks for, the `train.cpu_kernels` config field); not in the
+  default set (README "Speed").
 The work: the small char-LM recipe's train step (configs/char_lm.py:small, as `train.jit_steps`
 builds it) and its eval step (`evaluate.jit_eval_step`, on its eval batches); the char-GPT train
 step of vs_torch.py (6 layers, d_model 384, batch 64 x 256, dropout 0.2) at each of
@@ -47,6 +50,7 @@ ALL_SETTINGS: dict[str, dict | None] = {
     "YNNPACK dots": {YNN: "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"},
     "no YNNPACK": {YNN: ""},
     "no YNNPACK -O1": {YNN: "", "xla_backend_optimization_level": 1},
+    "oneDNN dots": compile_options.ONEDNN_OPTIONS,  # what cpu_kernels="onednn" asks for
 }
 DEFAULT_SETTINGS = "XLA defaults,YNNPACK dots,no YNNPACK"
 TFM_CHOICE = "no YNNPACK"
