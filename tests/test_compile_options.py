@@ -109,6 +109,27 @@ def test_a_step_can_ask_for_xla_cpu_defaults(fresh_options, monkeypatch):
         compile_options.jit(_mlp, cpu_kernels="mkl")
 
 
+def test_cpu_kernels_can_be_chosen_per_call_from_the_arguments(fresh_options, monkeypatch):
+    """cpu_kernels may be a function of the call's (bound) arguments: here YNNPACK from 8 rows."""
+    monkeypatch.delenv("TFM_XLA_DEFAULTS", raising=False)
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    if compile_options.compiler_options() is None:
+        pytest.skip("not a CPU, or this jaxlib lacks the option")
+    x, w1, w2 = _inputs()  # x: [8, 32]
+
+    def by_rows(arguments):
+        return "ynnpack" if arguments["x"].shape[0] >= 8 else "xla"
+
+    step = compile_options.jit(_mlp, cpu_kernels=by_rows)
+    assert "__ynn_fusion" in step.lower(x, w1, w2=w2).compile().as_text()
+    assert "__ynn_fusion" not in step.lower(x[:4], w1, w2).compile().as_text()
+    np.testing.assert_allclose(step(x, w1, w2), _mlp(x, w1, w2), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(step(x[:4], w1, w2), _mlp(x[:4], w1, w2), rtol=1e-5, atol=1e-6)
+    wrong = compile_options.jit(_mlp, cpu_kernels=lambda arguments: "mkl")
+    with pytest.raises(ValueError, match="cpu_kernels chose 'mkl'"):
+        wrong(x, w1, w2)
+
+
 def test_a_step_can_ask_for_onednn_dots(fresh_options, monkeypatch):
     """cpu_kernels="onednn" hands the step's dots (batched ones too, as attention's) to oneDNN
     on an x86-64 CPU; values and gradients equal tfm's own options' to float32 rounding."""

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 
-from tfm import decoding
+from tfm import compile_options, decoding, generate
 from tfm.cache import grow, init_cache, reorder_beams
 from tfm.config import ModelConfig
 from tfm.data.tokenizers import ByteTokenizer, content_ids
@@ -167,6 +167,33 @@ def test_lm_greedy_with_cache_equals_recomputation(scheme):
     expected, _ = naive_lm_greedy(config, params)
     assert len({tuple(row) for row in expected}) > 1, "rows should differ to make this a test"
     assert_rows(output, expected)
+
+
+def test_decoding_eight_rows_or_more_uses_onednn_dots_and_equals_recomputation():
+    """Loops over >= generate.ONEDNN_MIN_ROWS rows (batch x beams) compile their dots to oneDNN
+    on an x86-64 CPU (faster there); greedy over 8 rows still equals recomputation, and loops
+    over fewer rows keep tfm's own kernels."""
+    config, params = lm_setup("rope")
+    prompts = np.concatenate([PROMPTS, PROMPTS])  # 8 rows
+    lengths = np.concatenate([PROMPT_LENGTHS, PROMPT_LENGTHS])
+    output = lm_generate(params, config, prompts, lengths, max_new_tokens=MAX_NEW)
+    expected, _ = naive_lm_greedy(config, params)
+    assert_rows(output, expected + expected)
+    assert [generate.decode_cpu_kernels(rows) for rows in (1, 7, 8, 32)] == [
+        "xla", "xla", "onednn", "onednn"]
+    if compile_options.onednn_options() in (None, compile_options.compiler_options()):
+        pytest.skip("not an x86-64 CPU, or this jaxlib lacks the oneDNN options")
+
+    def program(rows: int, decode: decoding.DecodeConfig) -> str:
+        return generate._lm_generate_jit.lower(
+            params, prompts[:rows], lengths[:rows], jax.random.PRNGKey(0), config, decode, EOS
+        ).compile().as_text()
+
+    greedy = decoding.DecodeConfig("greedy", max_new_tokens=MAX_NEW)
+    assert "__onednn_fusion" in program(8, greedy)
+    assert "__onednn_fusion" not in program(4, greedy)
+    beam = decoding.DecodeConfig("beam", beam_size=4, max_new_tokens=MAX_NEW)
+    assert "__onednn_fusion" in program(2, beam)  # 2 prompts x 4 beams
 
 
 @pytest.mark.parametrize("scheme", ["sinusoidal", "t5_bias"])

@@ -22,9 +22,11 @@ CPU choice: `jit(..., cpu_kernels="ynnpack")` (the `train.cpu_kernels` config fi
 cpu_kernels="onednn" hands every dot to the oneDNN library (XLA's experimental
 xla_cpu_use_onednn with individual-dot fusions; the rest as "xla"). It runs the attention core
 1.3-1.4x faster (benchmarks/attention_core.py --onednn) and char-LM train steps 1.02-1.09x
-(paired A/Bs, README "Speed"), but batch-1 decoding ~14% slower and the translate config's steps
-no faster than YNNPACK, so no step uses it unless asked. x86-64 only (oneDNN is built for it
-there); elsewhere, or on a jaxlib without the option, it compiles as "xla".
+(paired A/Bs, README "Speed"), and decoding loops over 8 rows or more 1.13-1.30x, but batch-1
+decoding ~18% slower and the translate config's train steps no faster than YNNPACK. So
+`tfm.generate` uses it for loops over >= 8 rows (`generate.decode_cpu_kernels`) and train steps
+only when asked. x86-64 only (oneDNN is built for it there); elsewhere, or on a jaxlib without
+the option, it compiles as "xla".
 
 `use_compilation_cache(directory)` turns on jax's persistent compilation cache, so later
 processes load compiled steps instead of compiling them again (`train.compilation_cache_dir`).
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import os
 import platform
 from collections.abc import Callable, Iterator
@@ -127,25 +130,33 @@ def _usable(wanted: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def jit(
-    fun: Callable | None = None, /, *, cpu_kernels: str = "xla", **jit_kwargs: Any
+    fun: Callable | None = None,
+    /,
+    *,
+    cpu_kernels: str | Callable[[dict[str, Any]], str] = "xla",
+    **jit_kwargs: Any,
 ) -> Callable:
     """jax.jit(fun, compiler_options=compiler_options(), **jit_kwargs), usable as a decorator
     (`@functools.partial(jit, static_argnames=...)`). cpu_kernels="ynnpack" compiles with XLA's
     own defaults instead, "onednn" with oneDNN dots (see CPU_KERNELS, kernel_options). The
     jitted function is built on the first call, so importing tfm starts no backend. Called with
     tracers (inside another jit) it is a plain jax.jit: the outer function's options apply.
-    Has `.lower(*args)` like jax.jit's."""
-    if cpu_kernels not in CPU_KERNELS:
+    Has `.lower(*args)` like jax.jit's.
+
+    cpu_kernels may also be a function of the call's arguments (a dict of name -> value, as
+    `fun`'s signature binds them) returning one of CPU_KERNELS, e.g. to choose by batch size;
+    each choice compiles once per shape."""
+    if not callable(cpu_kernels) and cpu_kernels not in CPU_KERNELS:
         raise ValueError(f"cpu_kernels={cpu_kernels!r} must be one of {CPU_KERNELS}")
     if fun is None:
         return functools.partial(jit, cpu_kernels=cpu_kernels, **jit_kwargs)
 
     @functools.cache
-    def jitted(top_level: bool, forced: Any) -> Callable:
+    def jitted(top_level: bool, forced: Any, kind: str) -> Callable:
         if not top_level:
             options = None
         elif forced is _UNSET:
-            options = kernel_options(cpu_kernels)
+            options = kernel_options(kind)
         else:
             options = None if forced is None else dict(forced)
         return jax.jit(fun, compiler_options=options, **jit_kwargs)
@@ -154,12 +165,22 @@ def jit(
         leaves = jax.tree.leaves((args, kwargs))
         return not any(isinstance(leaf, jax.core.Tracer) for leaf in leaves)
 
+    def kind_for(args: tuple, kwargs: dict) -> str:
+        if not callable(cpu_kernels):
+            return cpu_kernels
+        kind = cpu_kernels(inspect.signature(fun).bind(*args, **kwargs).arguments)
+        if kind not in CPU_KERNELS:
+            raise ValueError(f"cpu_kernels chose {kind!r}; it must be one of {CPU_KERNELS}")
+        return kind
+
+    def for_call(args: tuple, kwargs: dict) -> Callable:
+        return jitted(top_level(args, kwargs), _forced, kind_for(args, kwargs))
+
     @functools.wraps(fun)
     def call(*args: Any, **kwargs: Any) -> Any:
-        return jitted(top_level(args, kwargs), _forced)(*args, **kwargs)
+        return for_call(args, kwargs)(*args, **kwargs)
 
-    call.lower = lambda *args, **kwargs: jitted(top_level(args, kwargs), _forced).lower(
-        *args, **kwargs)
+    call.lower = lambda *args, **kwargs: for_call(args, kwargs).lower(*args, **kwargs)
     return call
 
 
