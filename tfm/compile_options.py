@@ -21,12 +21,12 @@ CPU choice: `jit(..., cpu_kernels="ynnpack")` (the `train.cpu_kernels` config fi
 
 cpu_kernels="onednn" hands every dot to the oneDNN library (XLA's experimental
 xla_cpu_use_onednn with individual-dot fusions; the rest as "xla"). It runs the attention core
-1.3-1.4x faster (benchmarks/attention_core.py --onednn) and char-LM train steps 1.02-1.09x
-(paired A/Bs, README "Speed"), and decoding loops over 8 rows or more 1.13-1.30x, but batch-1
-decoding ~18% slower and the translate config's train steps no faster than YNNPACK. So
-`tfm.generate` uses it for loops over >= 8 rows (`generate.decode_cpu_kernels`) and train steps
-only when asked. x86-64 only (oneDNN is built for it there); elsewhere, or on a jaxlib without
-the option, it compiles as "xla".
+1.3-1.4x faster (benchmarks/attention_core.py --onednn), char-LM train steps 1.02-1.09x and
+char-GPT decoding loops over 8 rows or more 1.13-1.30x (paired scratch A/Bs, README "Speed"),
+but batch-1 decoding ~18% slower and the translate config's train steps no faster than
+YNNPACK. So `generate.lm_generate` uses it for loops over >= 8 rows
+(`generate.decode_cpu_kernels`), and train steps only when asked. x86-64 only (oneDNN is built
+for it there); elsewhere, or on a jaxlib without the option, it compiles as "xla".
 
 `use_compilation_cache(directory)` turns on jax's persistent compilation cache, so later
 processes load compiled steps instead of compiling them again (`train.compilation_cache_dir`).

@@ -110,8 +110,8 @@ class TrainConfig:
     # "ynnpack" (XLA's defaults; the translate config's train steps ran 1.04x and 1.11x faster
     # with it in benchmarks/seq2seq_vs_torch.py) or "onednn" (dots by the oneDNN library, XLA's
     # experimental path; char-LM train steps 1.02-1.09x faster in paired A/Bs, the attention core
-    # 1.3-1.4x; x86-64 only, "xla" elsewhere). Evaluation keeps tfm's choice; decoding loops
-    # take oneDNN dots from 8 rows (tfm.generate.decode_cpu_kernels). No effect off CPU.
+    # 1.3-1.4x; x86-64 only, "xla" elsewhere). Evaluation keeps tfm's choice; lm_generate's
+    # loops take oneDNN dots from 8 rows (tfm.generate.decode_cpu_kernels). No effect off CPU.
     cpu_kernels: str = "xla"
 
     def __post_init__(self) -> None:

@@ -44,10 +44,11 @@ def _check_length(config: ModelConfig, total_len: int) -> None:
         )
 
 
-# Decoding loops over at least this many rows (batch x beams) compile with oneDNN dots
+# lm_generate's loops over at least this many rows (batch x beams) compile with oneDNN dots
 # (compile_options.ONEDNN_OPTIONS, x86-64 CPUs): on the char GPT of benchmarks/vs_torch.py
 # (6 x 384, 256 new tokens, greedy) they ran 1.13x faster at batch 8 and 1.30x at batch 32 in
-# paired A/Bs, and 0.82x at batch 1, whose one-row matmuls stay with XLA's own kernels.
+# paired scratch A/Bs, and 0.82x at batch 1, whose one-row matmuls stay with XLA's own
+# kernels. translate keeps XLA's kernels at every size (T5-base: 0.97-1.08x; README "Speed").
 ONEDNN_MIN_ROWS = 8
 
 
