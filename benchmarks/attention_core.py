@@ -15,8 +15,8 @@ already head-major (what nanoGPT's model hands it). Repeats interleave the two; 
 reported, with the GFLOP/s of the causal matmuls (half of the full ones) and the largest
 difference between the two frameworks' outputs and gradients.
 
---onednn adds tfm compiled with the "oneDNN dots" setting of benchmarks/xla_options.py (XLA
-hands every dot to the oneDNN library; not what tfm's steps use, see README "Speed").
+--onednn adds tfm compiled with `cpu_kernels="onednn"` (tfm/compile_options.py: XLA hands every
+dot to the oneDNN library; what `train.cpu_kernels="onednn"` asks for, see README "Speed").
 One training step of the 6-layer model runs this 6 times, so 6 x the forward + backward column
 is the attention core's share of vs_torch.py's step. Writes benchmarks/results/attention_core.
 {json,md}.
@@ -48,14 +48,11 @@ except ImportError:  # pragma: no cover - the benchmark says what to install
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from vs_torch import cpu_info  # noqa: E402
-from xla_options import ALL_SETTINGS  # noqa: E402
-
-ONEDNN_DOTS = ALL_SETTINGS["oneDNN dots"]
 
 
-def tfm_runs(q, k, v, grad_out, options=compile_options.compiler_options):
-    """(forward, forward_backward) jitted: q, k, v, grad_out [batch, len, heads, head_dim].
-    options: XLA compile options for both (default: tfm's own)."""
+def tfm_runs(q, k, v, grad_out, cpu_kernels: str = "xla"):
+    """(forward, forward_backward) jitted with `cpu_kernels` (compile_options.CPU_KERNELS):
+    q, k, v, grad_out [batch, len, heads, head_dim]."""
     length = q.shape[1]
     positions = jnp.arange(length)[None]
     mask = attention.causal_mask(positions, positions)  # [1, 1, len, len]
@@ -67,20 +64,10 @@ def tfm_runs(q, k, v, grad_out, options=compile_options.compiler_options):
         out, pullback = jax.vjp(forward, q, k, v)
         return out, pullback(grad_out)
 
-    forward_jit = compile_options.jit(forward)
-    both_jit = compile_options.jit(forward_backward)
-    if options is compile_options.compiler_options:
-        options = compile_options.compiler_options()
-
-    def run_forward():
-        with compile_options.using(options):
-            return jax.block_until_ready(forward_jit(q, k, v))
-
-    def run_both():
-        with compile_options.using(options):
-            return jax.block_until_ready(both_jit(q, k, v, grad_out))
-
-    return run_forward, run_both
+    forward_jit = compile_options.jit(forward, cpu_kernels=cpu_kernels)
+    both_jit = compile_options.jit(forward_backward, cpu_kernels=cpu_kernels)
+    return (lambda: jax.block_until_ready(forward_jit(q, k, v)),
+            lambda: jax.block_until_ready(both_jit(q, k, v, grad_out)))
 
 
 def torch_runs(q, k, v, grad_out):
@@ -119,7 +106,7 @@ def bench(batch: int, heads: int, length: int, head_dim: int, repeats: int,
             "tfm_forward_backward": tfm_both, "torch_forward_backward": torch_both}
     if onednn:
         runs["tfm_onednn_forward"], runs["tfm_onednn_forward_backward"] = tfm_runs(
-            *(jnp.asarray(x) for x in (q, k, v, grad_out)), options=ONEDNN_DOTS)
+            *(jnp.asarray(x) for x in (q, k, v, grad_out)), cpu_kernels="onednn")
     results = {name: run() for name, run in runs.items()}  # compile and warm up
     times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(repeats):
@@ -198,7 +185,7 @@ def main() -> None:
     parser.add_argument("--head_dim", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--onednn", action="store_true",
-                        help="also time tfm with XLA's oneDNN dots (xla_options.py's setting)")
+                        help="also time tfm with oneDNN dots (cpu_kernels=\"onednn\")")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args()
     host_memory.keep_freed_memory()  # as vs_torch.py and tfm's training loop

@@ -165,10 +165,12 @@ def jit(
         leaves = jax.tree.leaves((args, kwargs))
         return not any(isinstance(leaf, jax.core.Tracer) for leaf in leaves)
 
+    signature = inspect.signature(fun) if callable(cpu_kernels) else None
+
     def kind_for(args: tuple, kwargs: dict) -> str:
-        if not callable(cpu_kernels):
+        if signature is None:
             return cpu_kernels
-        kind = cpu_kernels(inspect.signature(fun).bind(*args, **kwargs).arguments)
+        kind = cpu_kernels(signature.bind(*args, **kwargs).arguments)
         if kind not in CPU_KERNELS:
             raise ValueError(f"cpu_kernels chose {kind!r}; it must be one of {CPU_KERNELS}")
         return kind
