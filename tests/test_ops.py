@@ -1,12 +1,14 @@
 """tfm.ops.linear: values and both gradients against plain autodiff of an einsum, and the
 bfloat16 operands of its backward matmuls."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tfm import ops
+from tfm import compile_options, ops
 
 
 def _inputs(in_dims, out_dims, seed=0):
@@ -65,6 +67,36 @@ def test_bfloat16_backward_matmuls_take_bfloat16_operands():
         assert eqn.outvars[0].aval.dtype == jnp.float32  # float32 accumulation
     grad_x, grad_kernel = jax.grad(loss, (0, 1))(x, kernel)
     assert grad_x.dtype == grad_kernel.dtype == jnp.float32  # the inputs' own dtypes
+
+
+def _compiled_dot_operand_dtypes(program: str) -> list[tuple[str, ...]]:
+    """The operand dtypes of every dot in a compiled XLA program's text."""
+    dtypes = dict(re.findall(r"%([\w.\-]+) = (\w+)\[", program))
+    return [tuple(dtypes[name] for name in re.findall(r"%([\w.\-]+)", operands))
+            for operands in re.findall(r" dot\(([^)]*)\)", program)]
+
+
+# A wide and a narrow kernel: the two weight-gradient formulations.
+@pytest.mark.parametrize("in_dims,out_dims", [((32,), (64,)), ((64,), (32,))])
+def test_bfloat16_backward_matmuls_stay_bfloat16_when_compiled(in_dims, out_dims):
+    """XLA's CPU backend upcasts a bf16 matmul to float32 unless its bf16 kernels (YNNPACK,
+    cpu_kernels="ynnpack") take the operands' layout; every backward matmul must compile with
+    the forward's operand dtype (bf16 wherever this CPU's kernels take bf16 at all), run, and
+    match float32 to bf16 rounding."""
+    x, kernel = _inputs(in_dims, out_dims)
+    x = jnp.tile(x.reshape(-1, *in_dims), (8, 1))  # [48, in]: enough rows for YNNPACK
+
+    def loss(x, kernel, compute_dtype):
+        y = ops.linear(x, kernel, compute_dtype=compute_dtype, out_dtype=jnp.float32)
+        return jnp.sum(jnp.sin(y))
+
+    grad = compile_options.jit(jax.grad(loss, (0, 1)), static_argnums=2, cpu_kernels="ynnpack")
+    program = grad.lower(x, kernel, jnp.bfloat16).compile().as_text()
+    operand_dtypes = _compiled_dot_operand_dtypes(program)
+    assert len(operand_dtypes) == 3 and len(set(operand_dtypes)) == 1, operand_dtypes
+    got, want = grad(x, kernel, jnp.bfloat16), grad(x, kernel, jnp.float32)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=0.05, atol=0.05 * float(jnp.abs(w).max()))
 
 
 def test_mismatched_shapes_are_named():
