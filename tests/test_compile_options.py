@@ -189,3 +189,39 @@ def test_compilation_cache_is_written_then_read_by_a_later_process(tmp_path):
     assert any(cache.iterdir()), "the first run wrote no cache entry"
     assert runs[0][0] == runs[1][0]
     assert runs[0][1] == "HITS 0" and runs[1][1] != "HITS 0", runs
+
+
+@pytest.mark.parametrize("bf16_native", [True, False])
+def test_auto_cpu_kernels_take_ynnpack_dots_for_bfloat16_on_cpus_with_bf16_units(
+    monkeypatch, bf16_native
+):
+    """train.cpu_kernels="auto": YNNPACK's bf16 matmuls where the CPU computes bf16, XLA's own
+    kernels otherwise; explicit choices pass through, unknown ones are named."""
+    monkeypatch.setattr(compile_options.flops, "cpu_features",
+                        lambda: {"bf16_native": bf16_native})
+    resolve = compile_options.resolve_cpu_kernels
+    assert resolve("auto", jnp.bfloat16) == ("ynnpack_dots" if bf16_native else "xla")
+    assert resolve("auto", "float32") == "xla"
+    assert resolve("onednn", jnp.bfloat16) == "onednn"
+    with pytest.raises(ValueError, match="cpu_kernels='mkl' must be one of .*'auto'"):
+        resolve("mkl", jnp.float32)
+
+
+def test_ynnpack_dots_hand_only_the_dots_to_ynnpack(fresh_options, monkeypatch):
+    """cpu_kernels="ynnpack_dots": every dot in a YNNPACK fusion, reductions left to XLA."""
+    monkeypatch.delenv("TFM_XLA_DEFAULTS", raising=False)
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    compile_options.ynnpack_dots_options.cache_clear()
+    if compile_options.ynnpack_dots_options() is None:
+        pytest.skip("not a CPU, or this jaxlib lacks the option")
+    x, w1, w2 = _inputs()
+
+    def loss(x, w1, w2):  # two dots and a reduction
+        return jnp.sum(_mlp(x, w1, w2) ** 2)
+
+    steps = {kind: compile_options.jit(loss, cpu_kernels=kind) for kind in ("ynnpack_dots", "xla")}
+    program = steps["ynnpack_dots"].lower(x, w1, w2).compile().as_text()
+    entry = program[program.index("ENTRY"):]
+    assert entry.count("__ynn_fusion") == 2 and " dot(" not in entry and "reduce" in program
+    np.testing.assert_allclose(steps["ynnpack_dots"](x, w1, w2), steps["xla"](x, w1, w2),
+                               rtol=1e-5)

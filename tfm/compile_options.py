@@ -28,6 +28,13 @@ YNNPACK. So `generate.lm_generate` uses it for loops over >= 8 rows
 (`generate.decode_cpu_kernels`), and train steps only when asked. x86-64 only (oneDNN is built
 for it there); elsewhere, or on a jaxlib without the option, it compiles as "xla".
 
+bfloat16 matmuls: XLA's own kernels and its oneDNN path compute them in float32 (XLA upcasts
+the operands); only YNNPACK runs them in bf16, at about twice float32's FLOP/s on a CPU with
+AVX512-BF16 (846 vs 419 GFLOP/s here, torch's bf16 865). So train.cpu_kernels="auto" (the
+default, `resolve_cpu_kernels`) takes "ynnpack_dots" for a bf16 model on a CPU with bf16 units,
+and the eval step does the same; tfm.ops.linear keeps its backward matmuls in the layout those
+kernels take.
+
 `use_compilation_cache(directory)` turns on jax's persistent compilation cache, so later
 processes load compiled steps instead of compiling them again (`train.compilation_cache_dir`).
 """
@@ -46,6 +53,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from tfm import flops
+
 YNN_FUSION = "xla_cpu_experimental_ynn_fusion_type"
 LLVM_LEVEL = "xla_backend_optimization_level"
 CPU_OPTIONS: dict[str, Any] = {YNN_FUSION: ""}
@@ -57,10 +66,13 @@ ONEDNN_OPTIONS: dict[str, Any] = {
     # the process at run time in jaxlib 0.10.2 ("partition compile failed").
     "xla_cpu_experimental_onednn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT",
 }
+YNNPACK_DOTS_OPTIONS: dict[str, Any] = {YNN_FUSION: "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
 # What a step's dots and reductions compile to on CPU: "xla" = tfm's options above (XLA's own
-# loops and Eigen), "ynnpack" = XLA's defaults (the YNNPACK library takes them), "onednn" = the
-# dots go to the oneDNN library, the rest as "xla".
-CPU_KERNELS = ("xla", "ynnpack", "onednn")
+# loops and Eigen), "ynnpack" = XLA's defaults (the YNNPACK library takes them),
+# "ynnpack_dots" = YNNPACK takes only the dots, "onednn" = the dots go to the oneDNN library;
+# the rest as "xla". A config field may also say "auto" (see `resolve_cpu_kernels`).
+CPU_KERNELS = ("xla", "ynnpack", "ynnpack_dots", "onednn")
+CPU_KERNEL_CHOICES = ("auto", *CPU_KERNELS)
 _UNSET = object()
 _forced: Any = _UNSET  # set by `using`
 
@@ -104,13 +116,35 @@ def onednn_options() -> dict[str, Any] | None:
     return options
 
 
+@functools.cache
+def ynnpack_dots_options() -> dict[str, Any] | None:
+    """The options for cpu_kernels="ynnpack_dots": YNNPACK takes the dots only."""
+    return _usable(YNNPACK_DOTS_OPTIONS)
+
+
 def kernel_options(cpu_kernels: str) -> dict[str, Any] | None:
     """The compile options a step asking for `cpu_kernels` (one of CPU_KERNELS) gets here."""
     if cpu_kernels not in CPU_KERNELS:
         raise ValueError(f"cpu_kernels={cpu_kernels!r} must be one of {CPU_KERNELS}")
     if cpu_kernels == "ynnpack":
         return None
+    if cpu_kernels == "ynnpack_dots":
+        return ynnpack_dots_options()
     return onednn_options() if cpu_kernels == "onednn" else compiler_options()
+
+
+def resolve_cpu_kernels(cpu_kernels: str, compute_dtype: Any) -> str:
+    """A config's cpu_kernels (one of CPU_KERNEL_CHOICES) as one of CPU_KERNELS. "auto" is
+    "ynnpack_dots" for a bfloat16 model on a CPU with bf16 units (AMX or AVX512-BF16), whose
+    YNNPACK bf16 matmuls ran at twice float32's FLOP/s (README "Speed"; XLA's own kernels
+    compute bf16 matmuls in float32), and "xla" otherwise."""
+    if cpu_kernels not in CPU_KERNEL_CHOICES:
+        raise ValueError(f"cpu_kernels={cpu_kernels!r} must be one of {CPU_KERNEL_CHOICES}")
+    if cpu_kernels != "auto":
+        return cpu_kernels
+    if jnp.dtype(compute_dtype) == jnp.bfloat16 and flops.cpu_features()["bf16_native"]:
+        return "ynnpack_dots"
+    return "xla"
 
 
 def _usable(wanted: dict[str, Any]) -> dict[str, Any] | None:

@@ -53,6 +53,9 @@ def jit_eval_step(experiment: Experiment, param_shardings: Any) -> InShardingCon
     mesh = experiment.mesh
     jitted = compile_options.jit(
         functools.partial(eval_step, model=experiment.model, mode=experiment.mode),
+        cpu_kernels=compile_options.resolve_cpu_kernels(
+            "auto", experiment.model_config.compute_dtype
+        ),
         in_shardings=(param_shardings, sharding.batch_sharding(mesh, experiment.rules)),
         out_shardings=sharding.replicated(mesh),
     )

@@ -106,17 +106,21 @@ class TrainConfig:
     # `eval`, `generate`, the other seeds of a sweep) load their compiled steps from it instead
     # of compiling again. None = off. Set for every mode: it is read in `setup`.
     compilation_cache_dir: str | None = None
-    # On CPU, what the train step's dots and reductions compile to: "xla" (tfm's choice),
-    # "ynnpack" (XLA's defaults; the translate config's train steps ran 1.04x and 1.11x faster
-    # with it in benchmarks/seq2seq_vs_torch.py) or "onednn" (dots by the oneDNN library, XLA's
-    # experimental path; char-LM train steps 1.02-1.09x faster in paired A/Bs, the attention core
-    # 1.3-1.4x; x86-64 only, "xla" elsewhere). Evaluation keeps tfm's choice; lm_generate's
-    # loops take oneDNN dots from 8 rows (tfm.generate.decode_cpu_kernels). No effect off CPU.
-    cpu_kernels: str = "xla"
+    # On CPU, what the train step's dots and reductions compile to: "auto" (the default:
+    # "ynnpack_dots" for a bfloat16 model on a CPU with bf16 units, else "xla"), "xla" (XLA's
+    # own loops and Eigen), "ynnpack" (XLA's defaults; the translate config's float32 train
+    # steps ran 1.04x and 1.11x faster with it in benchmarks/seq2seq_vs_torch.py),
+    # "ynnpack_dots" (YNNPACK takes only the dots: its bf16 matmuls ran at twice float32's
+    # FLOP/s on AVX512-BF16) or "onednn" (dots by the oneDNN library, XLA's experimental path;
+    # float32 char-LM train steps 1.02-1.09x faster in paired A/Bs; x86-64 only, "xla"
+    # elsewhere). See tfm/compile_options.py. The eval step takes "auto"'s choice;
+    # lm_generate's loops take oneDNN dots from 8 rows (tfm.generate.decode_cpu_kernels).
+    # No effect off CPU.
+    cpu_kernels: str = "auto"
 
     def __post_init__(self) -> None:
         check_choice("train.dropout_rng", self.dropout_rng, DROPOUT_RNGS)
-        check_choice("train.cpu_kernels", self.cpu_kernels, compile_options.CPU_KERNELS)
+        check_choice("train.cpu_kernels", self.cpu_kernels, compile_options.CPU_KERNEL_CHOICES)
         for field in ("num_steps", "log_every", "checkpoint_every", "microbatches"):
             check_int(f"train.{field}", getattr(self, field), 1)
         check_int("train.eval_every", self.eval_every, 0)

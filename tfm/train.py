@@ -181,7 +181,9 @@ def jit_steps(experiment: Experiment, shardings: Any) -> tuple[Callable, Callabl
     )
     jit_train = compile_options.jit(
         step_fn,
-        cpu_kernels=experiment.train.cpu_kernels,
+        cpu_kernels=compile_options.resolve_cpu_kernels(
+            experiment.train.cpu_kernels, experiment.model_config.compute_dtype
+        ),
         in_shardings=(shardings, sharding.batch_sharding(mesh, experiment.rules)),
         out_shardings=(shardings, sharding.replicated(mesh)),
         donate_argnums=(0,),
