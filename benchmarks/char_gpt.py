@@ -56,7 +56,7 @@ def init_params(config: ModelConfig, prompt_len: int = 1):
 
 
 def tfm_train_runner(shape, dtype: str, batch: dict, dropout_rng: str = "threefry",
-                     microbatches: int = 1, devices: int = 1, cpu_kernels: str = "xla"):
+                     microbatches: int = 1, devices: int = 1, cpu_kernels: str = "auto"):
     """tfm's train step as `train.jit_steps` compiles it (`cpu_kernels` as train.cpu_kernels),
     the batch split over `devices` CPU devices (a "data" mesh axis; params and optimizer state
     replicated). Compiles (with the options in force: see compile_options.using) and warms up;
@@ -78,7 +78,7 @@ def tfm_train_runner(shape, dtype: str, batch: dict, dropout_rng: str = "threefr
             schedule=optax.constant_schedule(1e-3), label_smoothing=0.0,
             dropout_rng_impl=dropout_rng, microbatches=microbatches,
         ),
-        cpu_kernels=cpu_kernels,
+        cpu_kernels=compile_options.resolve_cpu_kernels(cpu_kernels, config.compute_dtype),
         in_shardings=(replicated, split), out_shardings=(replicated, replicated),
         donate_argnums=(0,),
     )

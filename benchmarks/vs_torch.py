@@ -7,7 +7,7 @@
     python benchmarks/vs_torch.py --only train --dtypes float32 --dropout_rng threefry,threefry2x32
     python benchmarks/vs_torch.py --only train --dtypes float32 --microbatches 1,8,32
     python benchmarks/vs_torch.py --only train --dtypes float32 --microbatches 32 --cpu_devices 1,2
-    python benchmarks/vs_torch.py --only train --dtypes float32 --cpu_kernels xla,onednn
+    python benchmarks/vs_torch.py --only train --cpu_kernels auto,xla,onednn
     python benchmarks/vs_torch.py --xla_defaults off      # tfm without tfm/compile_options.py
     python benchmarks/vs_torch.py --malloc_defaults off   # glibc's, not tfm/host_memory.py's
 
@@ -22,8 +22,9 @@ beside it one loop over a full-size cache, `cache_segments=1`) against Hugging F
 (KV cache) on a GPT-2 of the same size. Also the batch-1 weight-bandwidth bound: weight bytes per
 token over the measured memory bandwidth.
 
---cpu_kernels xla,onednn also times tfm's train step with oneDNN dots (`train.cpu_kernels`, see
-tfm/compile_options.py); ynnpack with XLA's CPU defaults.
+--cpu_kernels auto,xla,onednn times tfm's train step with each `train.cpu_kernels` (see
+tfm/compile_options.py): auto is tfm's default (YNNPACK dots for bfloat16 on a CPU with bf16
+units, else xla), onednn oneDNN dots, ynnpack XLA's CPU defaults, ynnpack_dots YNNPACK dots.
 
 --cpu_devices 1,2 also times tfm training data-parallel over 2 CPU devices of this host (what
 `./launch.sh train ... --devices_per_process 2` runs): each device runs its half of the batch on
@@ -63,7 +64,15 @@ from tfm import compile_options, decoding, flops, host_memory  # noqa: E402
 from tfm.decoding import DecodeConfig  # noqa: E402
 from tfm.generate import lm_generate  # noqa: E402
 
-KERNEL_LABELS = {"ynnpack": "XLA's defaults (YNNPACK)", "onednn": "oneDNN dots"}
+KERNEL_LABELS = {"xla": "XLA's kernels", "ynnpack": "XLA's defaults (YNNPACK)",
+                 "ynnpack_dots": "YNNPACK dots", "onednn": "oneDNN dots"}
+
+
+def kernels_label(kind: str, dtype: str) -> str:
+    """How a train row's cpu_kernels shows in the table; tfm's default ("auto") says what it
+    chose for this dtype on this CPU."""
+    label = KERNEL_LABELS[compile_options.resolve_cpu_kernels(kind, dtype)]
+    return f"tfm's default ({label})" if kind == "auto" else label
 
 try:
     import torch
@@ -201,6 +210,8 @@ def torch_train_runner(args, dtype: str, inputs: np.ndarray, targets: np.ndarray
 
 
 def bench_train(args, peaks: dict) -> list[dict]:
+    """Every tfm variant of every dtype and torch at each microbatch count and dtype, timed in
+    turn within each repeat, so the dtypes' ratios are side by side too."""
     batch, inputs, targets = random_batch(args.batch, args.block)
     tokens = args.batch * args.block
     rows = []
@@ -208,44 +219,72 @@ def bench_train(args, peaks: dict) -> list[dict]:
     splits = [int(k) for k in args.microbatches.split(",")]
     devices = [int(n) for n in args.cpu_devices.split(",")]
     kernels = args.cpu_kernels.split(",")
-    for dtype in args.dtypes.split(","):
-        tfm_runs = {(impl, k, n, kind): tfm_train_runner(args, dtype, batch, impl, k, n, kind)
-                    for k in splits for impl in impls for n in devices for kind in kernels}
-        torch_runs = {k: torch_train_runner(args, dtype, inputs, targets, k) for k in splits}
-        tfm_times: dict[tuple, list[float]] = {key: [] for key in tfm_runs}
-        torch_times: dict[int, list[float]] = {k: [] for k in splits}
-        faults = {key: 0 for key in [*tfm_runs, *torch_runs]}  # minor page faults while timed
-        for _ in range(args.repeats):  # interleaved
-            for key, (tfm_run, _, _) in tfm_runs.items():
-                before = page_faults()
-                tfm_times[key].append(tfm_run(args.steps) / args.steps)
-                faults[key] += page_faults() - before
-            for k, torch_run in torch_runs.items():
-                before = page_faults()
-                torch_times[k].append(torch_run(args.steps) / args.steps)
-                faults[k] += page_faults() - before
-        timed_steps = args.repeats * args.steps
-        torch_tps = {k: tokens / statistics.median(times) for k, times in torch_times.items()}
+    dtypes = args.dtypes.split(",")
+    tfm_runs = {(dtype, impl, k, n, kind): tfm_train_runner(args, dtype, batch, impl, k, n, kind)
+                for dtype in dtypes for k in splits for impl in impls for n in devices
+                for kind in kernels}
+    torch_runs = {(dtype, k): torch_train_runner(args, dtype, inputs, targets, k)
+                  for dtype in dtypes for k in splits}
+    times: dict[tuple, list[float]] = {key: [] for key in [*tfm_runs, *torch_runs]}
+    faults = dict.fromkeys(times, 0)  # minor page faults while timed
+    runs = {**{key: run for key, (run, _, _) in tfm_runs.items()}, **torch_runs}
+    for _ in range(args.repeats):  # interleaved
+        for key, run in runs.items():
+            before = page_faults()
+            times[key].append(run(args.steps) / args.steps)
+            faults[key] += page_faults() - before
+    timed_steps = args.repeats * args.steps
+    for (dtype, impl, k, n, kind), (_, config, compile_s) in tfm_runs.items():
+        torch_tps = {j: tokens / statistics.median(times[dtype, j]) for j in splits}
         peak = max(peaks[dtype].values())
-        for (impl, k, n, kind), (_, config, compile_s) in tfm_runs.items():
-            per_token = flops.flops_per_token(config, args.block, "lm")
-            tfm_tps = tokens / statistics.median(tfm_times[impl, k, n, kind])
-            rows.append({
-                "work": "train", "dtype": dtype, "dropout_rng": impl, "microbatches": k,
-                "cpu_devices": n, "cpu_kernels": kind,
-                "batch": args.batch, "block": args.block, "tfm_tokens_per_s": tfm_tps,
-                "torch_tokens_per_s": torch_tps[k], "ratio": tfm_tps / torch_tps[k],
-                # against torch taking the batch at once, the anchor of issue 9
-                "ratio_to_whole_batch_torch": tfm_tps / torch_tps[1] if 1 in torch_tps else None,
-                "tfm_mfu": tfm_tps * per_token / peak, "torch_mfu": torch_tps[k] * per_token / peak,
-                "tfm_step_s": sorted(tfm_times[impl, k, n, kind]),
-                "torch_step_s": sorted(torch_times[k]),
-                "tfm_compile_s": compile_s, "flops_per_token": per_token,
-                "tfm_page_faults_per_step": faults[impl, k, n, kind] / timed_steps,
-                "torch_page_faults_per_step": faults[k] / timed_steps,
-            })
-            print(json.dumps(rows[-1]), flush=True)
+        per_token = flops.flops_per_token(config, args.block, "lm")
+        key = (dtype, impl, k, n, kind)
+        tfm_tps = tokens / statistics.median(times[key])
+        rows.append({
+            "work": "train", "dtype": dtype, "dropout_rng": impl, "microbatches": k,
+            "cpu_devices": n, "cpu_kernels": kind,
+            "cpu_kernels_chosen": compile_options.resolve_cpu_kernels(kind, dtype),
+            "batch": args.batch, "block": args.block, "tfm_tokens_per_s": tfm_tps,
+            "torch_tokens_per_s": torch_tps[k], "ratio": tfm_tps / torch_tps[k],
+            # against torch taking the batch at once, the anchor of issue 9
+            "ratio_to_whole_batch_torch": tfm_tps / torch_tps[1] if 1 in torch_tps else None,
+            "tfm_mfu": tfm_tps * per_token / peak, "torch_mfu": torch_tps[k] * per_token / peak,
+            "tfm_step_s": sorted(times[key]), "torch_step_s": sorted(times[dtype, k]),
+            "tfm_compile_s": compile_s, "flops_per_token": per_token,
+            "tfm_page_faults_per_step": faults[key] / timed_steps,
+            "torch_page_faults_per_step": faults[dtype, k] / timed_steps,
+        })
+        print(json.dumps(rows[-1]), flush=True)
     return rows
+
+
+def dtype_ratios(train_rows: list[dict]) -> list[str]:
+    """tfm's bfloat16 tokens/s over its float32 ones, variant by variant, and torch's: from the
+    same interleaved repeats."""
+    def variant(r):
+        return (r["dropout_rng"], r["microbatches"], r["cpu_devices"], r["cpu_kernels"])
+
+    f32 = {variant(r): r for r in train_rows if r["dtype"] == "float32"}
+    lines = []
+    for r in train_rows:
+        if r["dtype"] == "bfloat16" and (base := f32.get(variant(r))):
+            lines.append(
+                f"- bfloat16 / float32, {kernels_label(r['cpu_kernels'], 'bfloat16')} vs "
+                f"{kernels_label(r['cpu_kernels'], 'float32')}: tfm "
+                f"**{r['tfm_tokens_per_s'] / base['tfm_tokens_per_s']:.2f}x**, torch "
+                f"{r['torch_tokens_per_s'] / base['torch_tokens_per_s']:.2f}x"
+            )
+    best = {d: max((r for r in train_rows if r["dtype"] == d),
+                   key=lambda r: r["tfm_tokens_per_s"], default=None)
+            for d in ("float32", "bfloat16")}
+    if best["float32"] and best["bfloat16"]:
+        fast16, fast32 = best["bfloat16"], best["float32"]
+        lines.append(
+            f"- tfm's fastest bfloat16 ({kernels_label(fast16['cpu_kernels'], 'bfloat16')}) / "
+            f"its fastest float32 ({kernels_label(fast32['cpu_kernels'], 'float32')}): "
+            f"**{fast16['tfm_tokens_per_s'] / fast32['tfm_tokens_per_s']:.2f}x**"
+        )
+    return lines
 
 
 # ---------------------------------------------------------------------------------------------
@@ -351,7 +390,7 @@ def report(info: dict, peaks: dict, bandwidth: float, rows: list[dict], command:
         for r in train_rows:
             k = r.get("microbatches", 1)
             whole = r.get("ratio_to_whole_batch_torch")
-            kernels = KERNEL_LABELS.get(r.get("cpu_kernels", "xla"))
+            kernels = kernels_label(r.get("cpu_kernels", "xla"), r["dtype"])
             lines.append(
                 f"| {r['dtype']}, batch {r['batch']} x {r['block']}"
                 f"{f', {k} microbatches' if k > 1 else ''}"
@@ -363,6 +402,9 @@ def report(info: dict, peaks: dict, bandwidth: float, rows: list[dict], command:
                 f"{100 * r['tfm_mfu']:.0f}% | {100 * r['torch_mfu']:.0f}% |"
             )
         lines.append("")
+        if ratios := dtype_ratios(train_rows):
+            lines += ["The dtypes against each other, from the same interleaved repeats:", "",
+                      *ratios, ""]
     decode_rows = [r for r in rows if r["work"] == "decode"]
     if decode_rows:
         lines += [
@@ -408,9 +450,10 @@ def main() -> None:
     parser.add_argument("--cpu_devices", default="1",
                         help="CPU device counts to time tfm training on, comma-separated "
                              "(data parallel over this host's cores; torch uses all cores)")
-    parser.add_argument("--cpu_kernels", default="xla",
+    parser.add_argument("--cpu_kernels", default="auto",
                         help="train.cpu_kernels values to time tfm's train step with, "
-                             "comma-separated: xla (tfm's default), ynnpack, onednn")
+                             "comma-separated: auto (tfm's default), xla, ynnpack, "
+                             "ynnpack_dots, onednn")
     parser.add_argument("--xla_defaults", choices=("on", "off"), default="on",
                         help="off: tfm compiles with XLA's defaults, not "
                              "tfm/compile_options.py's (TFM_XLA_DEFAULTS=0)")

@@ -3,10 +3,13 @@
     python benchmarks/xla_options.py                    # about 8 minutes on 2 cores
     python benchmarks/xla_options.py --gpt_microbatches ""  --repeats 5   # without the 6-layer step
     python benchmarks/xla_options.py --settings "no YNNPACK,no YNNPACK -O1"
+    python benchmarks/xla_options.py --config configs/char_lm.py:small,bf16 \
+        --gpt_microbatches "" --decode_batches "" --settings "no YNNPACK,YNNPACK dots"
 
 Each piece of work runs under every setting in one process, repeats interleaved, medians kept:
 - "XLA defaults": jaxlib's own choice (YNNPACK takes dots and reductions);
-- "YNNPACK dots": only individual dots go to YNNPACK;
+- "YNNPACK dots": only individual dots go to YNNPACK (`cpu_kernels="ynnpack_dots"`, what
+  train.cpu_kernels="auto" takes for bfloat16 on a CPU with bf16 units);
 - "no YNNPACK": XLA's own dots and reductions (tfm's choice, for every step);
 - "no YNNPACK -O1": the same with LLVM at -O1 instead of -O3 (faster to compile; what
   parameter initialisation uses, compile_options.run_once_options); not in the default set;
@@ -47,7 +50,7 @@ from tfm.generate import lm_generate  # noqa: E402
 YNN = compile_options.YNN_FUSION
 ALL_SETTINGS: dict[str, dict | None] = {
     "XLA defaults": None,
-    "YNNPACK dots": {YNN: "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"},
+    "YNNPACK dots": compile_options.YNNPACK_DOTS_OPTIONS,
     "no YNNPACK": {YNN: ""},
     "no YNNPACK -O1": {YNN: "", "xla_backend_optimization_level": 1},
     "oneDNN dots": compile_options.ONEDNN_OPTIONS,  # what cpu_kernels="onednn" asks for
@@ -139,7 +142,7 @@ def decode_loops(args) -> list[dict]:
     config = model_config(SHAPE, "float32", 8 + args.new_tokens).replace(dropout_rate=0.0)
     params = init_params(config, prompt_len=8)
     rows = []
-    for batch in (1, 8):
+    for batch in [int(b) for b in args.decode_batches.split(",") if b]:
         prompts = np.random.default_rng(batch).integers(3, 65, (batch, 8))
 
         def run(prompts=prompts, batch=batch) -> float:
@@ -196,6 +199,8 @@ def main() -> None:
                         help="train.microbatches values for the 6-layer step ('' skips it)")
     parser.add_argument("--gpt_repeats", type=int, default=3)
     parser.add_argument("--new_tokens", type=int, default=256)
+    parser.add_argument("--decode_batches", default="1,8",
+                        help="lm_generate batch sizes to time ('' skips decoding)")
     parser.add_argument("--settings", default=DEFAULT_SETTINGS,
                         help="comma-separated, the first is the baseline; of: "
                         + ", ".join(ALL_SETTINGS))
