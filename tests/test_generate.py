@@ -169,20 +169,25 @@ def test_lm_greedy_with_cache_equals_recomputation(scheme):
     assert_rows(output, expected)
 
 
-def test_decoding_eight_rows_or_more_uses_onednn_dots_and_equals_recomputation():
+@pytest.mark.parametrize("avx512,library,fusion", [(False, "onednn", "__onednn_fusion"),
+                                                    (True, "ynnpack_dots", "__ynn_fusion")])
+def test_decoding_eight_rows_or_more_uses_library_dots_and_equals_recomputation(
+    monkeypatch, avx512, library, fusion
+):
     """Loops over >= generate.ONEDNN_MIN_ROWS rows (batch x beams) compile their dots to oneDNN
-    on an x86-64 CPU (faster there); greedy over 8 rows still equals recomputation, and loops
-    over fewer rows keep tfm's own kernels."""
+    (CPUs without AVX-512) or YNNPACK (with it); greedy over 8 rows still equals recomputation,
+    and loops over fewer rows keep tfm's own kernels."""
+    monkeypatch.setattr(generate, "_has_avx512", lambda: avx512)
+    assert [generate.decode_cpu_kernels(rows) for rows in (1, 7, 8, 32)] == [
+        "xla", "xla", library, library]
+    if compile_options.kernel_options(library) in (None, compile_options.compiler_options()):
+        pytest.skip(f"not an x86-64 CPU, or this jaxlib lacks the {library} options")
     config, params = lm_setup("rope")
     prompts = np.concatenate([PROMPTS, PROMPTS])  # 8 rows
     lengths = np.concatenate([PROMPT_LENGTHS, PROMPT_LENGTHS])
     output = lm_generate(params, config, prompts, lengths, max_new_tokens=MAX_NEW)
     expected, _ = naive_lm_greedy(config, params)
     assert_rows(output, expected + expected)
-    assert [generate.decode_cpu_kernels(rows) for rows in (1, 7, 8, 32)] == [
-        "xla", "xla", "onednn", "onednn"]
-    if compile_options.onednn_options() in (None, compile_options.compiler_options()):
-        pytest.skip("not an x86-64 CPU, or this jaxlib lacks the oneDNN options")
 
     def program(rows: int, decode: decoding.DecodeConfig) -> str:
         return generate._lm_generate_jit.lower(
@@ -190,10 +195,10 @@ def test_decoding_eight_rows_or_more_uses_onednn_dots_and_equals_recomputation()
         ).compile().as_text()
 
     greedy = decoding.DecodeConfig("greedy", max_new_tokens=MAX_NEW)
-    assert "__onednn_fusion" in program(8, greedy)
-    assert "__onednn_fusion" not in program(4, greedy)
+    assert fusion in program(8, greedy)
+    assert fusion not in program(4, greedy)
     beam = decoding.DecodeConfig("beam", beam_size=4, max_new_tokens=MAX_NEW)
-    assert "__onednn_fusion" in program(2, beam)  # 2 prompts x 4 beams
+    assert fusion in program(2, beam)  # 2 prompts x 4 beams
 
 
 @pytest.mark.parametrize("scheme", ["sinusoidal", "t5_bias"])

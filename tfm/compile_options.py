@@ -24,9 +24,12 @@ xla_cpu_use_onednn with individual-dot fusions; the rest as "xla"). It runs the 
 1.3-1.4x faster (benchmarks/attention_core.py --onednn), char-LM train steps 1.02-1.09x and
 char-GPT decoding loops over 8 rows or more 1.13-1.30x (paired scratch A/Bs, README "Speed"),
 but batch-1 decoding ~18% slower and the translate config's train steps no faster than
-YNNPACK. So `generate.lm_generate` uses it for loops over >= 8 rows
-(`generate.decode_cpu_kernels`), and train steps only when asked. x86-64 only (oneDNN is built
-for it there); elsewhere, or on a jaxlib without the option, it compiles as "xla".
+YNNPACK, all measured on an AVX2 CPU. On a CPU with AVX-512 the same decoding loops ran at
+0.59-0.85x XLA's kernels with oneDNN and 1.04-1.10x with YNNPACK dots. So
+`generate.lm_generate` takes oneDNN for loops over >= 8 rows on CPUs without AVX-512 and
+YNNPACK dots on those with it (`generate.decode_cpu_kernels`), and train steps take oneDNN only
+when asked. x86-64 only (oneDNN is built for it there); elsewhere, or on a jaxlib without the
+option, it compiles as "xla".
 
 bfloat16 matmuls: XLA's own kernels and its oneDNN path compute them in float32 (XLA upcasts
 the operands); only YNNPACK runs them in bf16, at about twice float32's FLOP/s on a CPU with

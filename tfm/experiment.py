@@ -114,7 +114,7 @@ class TrainConfig:
     # FLOP/s on AVX512-BF16) or "onednn" (dots by the oneDNN library, XLA's experimental path;
     # float32 char-LM train steps 1.02-1.09x faster in paired A/Bs; x86-64 only, "xla"
     # elsewhere). See tfm/compile_options.py. The eval step takes "auto"'s choice;
-    # lm_generate's loops take oneDNN dots from 8 rows (tfm.generate.decode_cpu_kernels).
+    # lm_generate's loops take library dots from 8 rows (tfm.generate.decode_cpu_kernels).
     # No effect off CPU.
     cpu_kernels: str = "auto"
 

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tfm import compile_options, decoding
+from tfm import compile_options, decoding, flops
 from tfm.cache import grow, init_cache, reorder_beams
 from tfm.config import MODES, ModelConfig, check_choice
 from tfm.data.tokenizers import BOS_ID, EOS_ID, content_ids
@@ -44,17 +44,27 @@ def _check_length(config: ModelConfig, total_len: int) -> None:
         )
 
 
-# lm_generate's loops over at least this many rows (batch x beams) compile with oneDNN dots
-# (compile_options.ONEDNN_OPTIONS, x86-64 CPUs): on the char GPT of benchmarks/vs_torch.py
-# (6 x 384, 256 new tokens, greedy) they ran 1.13x faster at batch 8 and 1.30x at batch 32 in
-# paired scratch A/Bs, and 0.82x at batch 1, whose one-row matmuls stay with XLA's own
-# kernels. translate keeps XLA's kernels at every size (T5-base: 0.97-1.08x; README "Speed").
+# lm_generate's loops over at least this many rows (batch x beams) compile their dots with a
+# library (x86-64 CPUs): oneDNN (compile_options.ONEDNN_OPTIONS) on CPUs without AVX-512, where
+# on the char GPT of benchmarks/vs_torch.py (6 x 384, 256 new tokens, greedy) it ran 1.13x
+# faster than XLA's kernels at batch 8 and 1.30x at batch 32 in paired scratch A/Bs (AMD EPYC,
+# AVX2), and YNNPACK (cpu_kernels="ynnpack_dots") on CPUs with AVX-512, where oneDNN ran at
+# 0.59x / 0.85x of XLA's kernels and YNNPACK at 1.10x / 1.04x (AMD EPYC with AVX-512 and
+# AVX512-BF16, interleaved scratch runs). Fewer rows keep XLA's kernels (oneDNN 0.82x at batch
+# 1). translate keeps XLA's kernels at every size (T5-base: 0.97-1.08x; README "Speed").
 ONEDNN_MIN_ROWS = 8
+
+
+@functools.cache
+def _has_avx512() -> bool:  # /proc/cpuinfo, read once
+    return "avx512f" in flops.cpu_features()["isa"]
 
 
 def decode_cpu_kernels(rows: int) -> str:
     """What a decoding loop over `rows` rows compiles its dots to on CPU (compile_options)."""
-    return "onednn" if rows >= ONEDNN_MIN_ROWS else "xla"
+    if rows < ONEDNN_MIN_ROWS:
+        return "xla"
+    return "ynnpack_dots" if _has_avx512() else "onednn"
 
 
 def _lm_kernels(arguments: dict[str, Any]) -> str:
