@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from tiny_model import TINY
 
+from tfm import cache as cache_lib
 from tfm.cache import grow, init_cache, reorder_beams
 from tfm.config import POSITION_SCHEMES, ModelConfig
 from tfm.models import DecoderLM, EncoderDecoder, output_kernel
@@ -232,3 +233,35 @@ def test_reorder_beams_moves_self_attention_rows_and_keeps_cross_attention(scan)
         for old, new in zip(jax.tree.leaves(getattr(cache, name)),
                             jax.tree.leaves(getattr(moved, name)), strict=True):
             assert new is old
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("stacked", [False, True])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_write_layer_puts_each_rows_new_slots_at_its_own_start(dtype, stacked, transposed):
+    """Per-row starts, every cache dtype (bf16 goes through a uint16 view of the same bits):
+    the written slots equal the new values bit for bit, and every other slot is untouched."""
+    batch, heads, max_len, head_dim, new_len, layers = 3, 2, 8, 4, 2, 2
+    rng = np.random.default_rng(0)
+    slot_shape = (batch, heads, head_dim, max_len) if transposed else (batch, heads, max_len,
+                                                                          head_dim)
+    old = rng.normal(size=(layers, *slot_shape)).astype(np.float32)
+    new = jnp.asarray(rng.normal(size=(batch, heads, new_len, head_dim)), dtype)
+    start = jnp.asarray([0, 3, 6], jnp.int32)
+    slots = (jnp.asarray(np.moveaxis(old, 0, 1), dtype) if stacked
+             else tuple(jnp.asarray(layer_old, dtype) for layer_old in old))
+    written = cache_lib.write_layer(slots, new, 1, start, transposed=transposed)
+    layer_1 = np.asarray(written[:, 1] if stacked else written[1]).astype(np.float32)
+    want = np.asarray(jnp.asarray(old[1], dtype)).astype(np.float32)
+    new_np = np.asarray(new).astype(np.float32)
+    for row, row_start in enumerate(np.asarray(start)):
+        span = slice(row_start, row_start + new_len)
+        if transposed:
+            want[row, :, :, span] = new_np[row].swapaxes(-1, -2)
+        else:
+            want[row, :, span] = new_np[row]
+    np.testing.assert_array_equal(layer_1, want)
+    untouched = np.asarray(written[:, 0] if stacked else written[0]).astype(np.float32)
+    np.testing.assert_array_equal(untouched, np.asarray(jnp.asarray(old[0], dtype)).astype(
+        np.float32))
+    assert (written.dtype if stacked else written[1].dtype) == dtype

@@ -203,7 +203,18 @@ def write_layer(
             index = (zero, *index)
         return jax.lax.dynamic_update_slice(row_slots, row_new.astype(row_slots.dtype), index)
 
-    written = jax.vmap(write_row)(target, new, start.astype(jnp.int32))
+    if jnp.dtype(target.dtype).itemsize == 2 and jnp.issubdtype(target.dtype, jnp.floating):
+        # Per-row starts make this a scatter, and XLA's CPU backend computes a bf16/f16 scatter
+        # in float32: it converted each layer's whole cache to float32 and back every decoding
+        # step. The same bits written as uint16 move no more data than they must.
+        bits = jax.lax.bitcast_convert_type
+        written = jax.vmap(write_row)(
+            bits(target, jnp.uint16), bits(new.astype(target.dtype), jnp.uint16),
+            start.astype(jnp.int32),
+        )
+        written = bits(written, target.dtype)
+    else:
+        written = jax.vmap(write_row)(target, new, start.astype(jnp.int32))
     if stacked:
         return written
     return (*slots[:layer], written, *slots[layer + 1 :])
