@@ -208,20 +208,29 @@ def test_auto_cpu_kernels_take_ynnpack_dots_for_bfloat16_on_cpus_with_bf16_units
 
 
 def test_ynnpack_dots_hand_only_the_dots_to_ynnpack(fresh_options, monkeypatch):
-    """cpu_kernels="ynnpack_dots": every dot in a YNNPACK fusion, reductions left to XLA."""
+    """cpu_kernels="ynnpack_dots": the dot in a YNNPACK fusion, the row reductions left to XLA
+    (which XLA's defaults, "ynnpack", would hand to YNNPACK too); same values as "xla"."""
     monkeypatch.delenv("TFM_XLA_DEFAULTS", raising=False)
     monkeypatch.delenv("XLA_FLAGS", raising=False)
     compile_options.ynnpack_dots_options.cache_clear()
     if compile_options.ynnpack_dots_options() is None:
         pytest.skip("not a CPU, or this jaxlib lacks the option")
-    x, w1, w2 = _inputs()
+    keys = jax.random.split(jax.random.PRNGKey(0), 2)
+    x, w = jax.random.normal(keys[0], (64, 128)), jax.random.normal(keys[1], (128, 128)) * 0.1
 
-    def loss(x, w1, w2):  # two dots and a reduction
-        return jnp.sum(_mlp(x, w1, w2) ** 2)
+    def normalized(x, w):  # x: [rows, d]; w: [d, d]; a dot, then two row reductions
+        y = x @ w
+        y = y - jnp.mean(y, axis=-1, keepdims=True)
+        return y / jnp.sqrt(jnp.mean(y * y, axis=-1, keepdims=True) + 1e-6)
 
-    steps = {kind: compile_options.jit(loss, cpu_kernels=kind) for kind in ("ynnpack_dots", "xla")}
-    program = steps["ynnpack_dots"].lower(x, w1, w2).compile().as_text()
-    entry = program[program.index("ENTRY"):]
-    assert entry.count("__ynn_fusion") == 2 and " dot(" not in entry and "reduce" in program
-    np.testing.assert_allclose(steps["ynnpack_dots"](x, w1, w2), steps["xla"](x, w1, w2),
-                               rtol=1e-5)
+    kinds = ("ynnpack_dots", "ynnpack", "xla")
+    steps = {kind: compile_options.jit(normalized, cpu_kernels=kind) for kind in kinds}
+    entries = {}
+    for kind, step in steps.items():
+        program = step.lower(x, w).compile().as_text()
+        entries[kind] = program[program.index("ENTRY"):]
+    assert entries["ynnpack_dots"].count("__ynn_fusion") == 1
+    assert " dot(" not in entries["ynnpack_dots"]
+    assert entries["ynnpack"].count("__ynn_fusion") > 1  # the reductions too, by default
+    np.testing.assert_allclose(steps["ynnpack_dots"](x, w), steps["xla"](x, w),
+                               rtol=1e-5, atol=1e-5)
