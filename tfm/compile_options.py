@@ -33,10 +33,10 @@ option, it compiles as "xla".
 
 bfloat16 matmuls: XLA's own kernels and its oneDNN path compute them in float32 (XLA upcasts
 the operands); only YNNPACK runs them in bf16, at about twice float32's FLOP/s on a CPU with
-AVX512-BF16 (846 vs 419 GFLOP/s here, torch's bf16 865). So train.cpu_kernels="auto" (the
-default, `resolve_cpu_kernels`) takes "ynnpack_dots" for a bf16 model on a CPU with bf16 units,
-and the eval step does the same; tfm.ops.linear keeps its backward matmuls in the layout those
-kernels take.
+AVX512-BF16 (902 vs 450 GFLOP/s, torch's bf16 876: benchmarks/results/vs_torch_avx512bf16).
+So train.cpu_kernels="auto" (the default, `resolve_cpu_kernels`) takes "ynnpack_dots" for a
+bf16 model on a CPU with bf16 units, and the eval step does the same; tfm.ops.linear keeps its
+backward matmuls in the layout those kernels take.
 
 `use_compilation_cache(directory)` turns on jax's persistent compilation cache, so later
 processes load compiled steps instead of compiling them again (`train.compilation_cache_dir`).
