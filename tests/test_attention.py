@@ -1,11 +1,13 @@
 """tfm.attention against naive numpy, across backends, dtypes, masks and error cases."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tfm import attention
+from tfm import attention, attention_blocks, compile_options
 
 BATCH, Q_LEN, KV_LEN, NUM_HEADS, HEAD_DIM = 2, 5, 6, 4, 8
 
@@ -361,3 +363,93 @@ def test_cache_layout_equals_the_default_layout():
         np.testing.assert_allclose(out, expected, atol=1e-5, err_msg=backend)
     with pytest.raises(ValueError, match="with cache_layout"):
         attention.dot_product_attention(query, key, value, cache_layout=True)
+
+
+@pytest.mark.parametrize("groups", [1, 2], ids=["mha", "gqa"])
+def test_16bit_backward_equals_autodiff(groups):
+    """attention_blocks.attend_16bit's hand-written backward pass (run here in float32, where
+    nothing is rounded to 16 bits) against jax's autodiff of attend_block over the same query
+    blocks: the gradients of queries, keys, values and the bias, with a padding mask that leaves
+    one query no key, a bias broadcast over the batch, and dropout (same rngs, same masks)."""
+    rng = np.random.default_rng(21)
+    batch, kv_heads, q_len, kv_len, head_dim = 2, 2, 5, 7, 8
+    blocks = ((0, 3, 4), (3, 5, kv_len))  # queries [start, stop) read keys [0, kv_stop)
+    query = jnp.asarray(rng.normal(size=(batch, kv_heads, groups, q_len, head_dim)), jnp.float32)
+    keys = jnp.asarray(rng.normal(size=(batch, kv_heads, kv_len, head_dim)), jnp.float32)
+    values = jnp.asarray(rng.normal(size=(batch, kv_heads, kv_len, head_dim)), jnp.float32)
+    bias = jnp.asarray(rng.normal(size=(1, kv_heads * groups, q_len, kv_len)), jnp.float32)
+    mask = rng.random((batch, 1, q_len, kv_len)) < 0.7
+    mask[..., 0] = True
+    mask[1, 0, 3] = False  # this query sees no key
+    mask = jnp.asarray(mask)
+    probe = jnp.asarray(rng.normal(size=query.shape), jnp.float32)
+    dropout_rng = jax.random.key(3, impl="rbg")
+
+    def loss(path, query, keys, values, bias, rate):
+        if path == "16bit":
+            out = attention_blocks.attend_16bit(
+                query, keys.swapaxes(-1, -2), values, bias, mask, 0.3, rate, dropout_rng, blocks)
+        else:
+            out = jnp.concatenate([attention_blocks.attend_block(
+                query[:, :, :, start:stop], keys[:, :, :kv_stop], values[:, :, :kv_stop],
+                attention_blocks.rows_cols(bias, start, stop, kv_stop),
+                attention_blocks.rows_cols(mask, start, stop, kv_stop), 0.3, rate,
+                attention_blocks.block_rng(dropout_rng, start), False,
+            )[0] for start, stop, kv_stop in blocks], axis=3)
+        return jnp.sum(jnp.sin(out) * probe), out
+
+    for rate in (0.0, 0.4):
+        grads, outs = {}, {}
+        for path in ("16bit", "autodiff"):
+            (_, outs[path]), grads[path] = jax.jit(
+                jax.value_and_grad(loss, (1, 2, 3, 4), has_aux=True), static_argnums=(0, 5)
+            )(path, query, keys, values, bias, rate)
+        np.testing.assert_allclose(outs["16bit"], outs["autodiff"], atol=1e-5)
+        np.testing.assert_array_equal(outs["16bit"][1, :, :, 3], 0.0)
+        for name, got, want in zip("qkvb", grads["16bit"], grads["autodiff"], strict=True):
+            assert float(jnp.abs(want).max()) > 0.1, name
+            np.testing.assert_allclose(got, want, atol=1e-5, err_msg=f"{name}, rate {rate}")
+
+
+def test_bf16_attention_gradients_are_close_to_float32():
+    """The bf16 path (16-bit backward matmuls, causal blocks, GQA, padding) end to end against
+    float32 on the same bf16-exact inputs, to bf16 rounding."""
+    length = 2 * attention.CAUSAL_BLOCK + 9
+    rng = np.random.default_rng(22)
+    query = jnp.asarray(rng.normal(size=(2, length, 4, 8)), jnp.bfloat16)
+    key, value = (jnp.asarray(rng.normal(size=(2, length, 2, 8)), jnp.bfloat16) for _ in "kv")
+    positions = jnp.broadcast_to(jnp.arange(length), (2, length))
+    valid = jnp.arange(length)[None, :] < jnp.array([[length], [length - 30]])
+    mask = attention.combine_masks(attention.causal_mask(positions, positions),
+                                   attention.padding_mask(valid))
+    probe = jnp.asarray(rng.normal(size=query.shape), jnp.float32)
+
+    def loss(query, key, value):
+        out = attention.dot_product_attention(query, key, value, mask=mask, causal=True)
+        return jnp.sum(out.astype(jnp.float32) * probe)
+
+    grad = jax.jit(jax.grad(loss, (0, 1, 2)))
+    got = grad(query, key, value)
+    want = grad(*(x.astype(jnp.float32) for x in (query, key, value)))
+    for name, g, w in zip("qkv", got, want, strict=True):
+        assert g.dtype == jnp.bfloat16, name
+        scale = float(jnp.abs(w).max())
+        np.testing.assert_allclose(g.astype(jnp.float32), w, atol=0.02 * scale, err_msg=name)
+
+
+def test_bf16_attention_backward_matmuls_stay_bfloat16_when_compiled():
+    """Every matmul of the bf16 attention core's forward and backward pass compiles with bf16
+    operands (autodiff made the backward ones float32 x float32), with the kernels a bf16
+    model's train step uses on a CPU with bf16 units (cpu_kernels="ynnpack_dots")."""
+    query, key, value = (x.astype(jnp.bfloat16) for x in _qkv(2, seed=23))
+
+    def loss(query, key, value):
+        return jnp.sum(attention.dot_product_attention(query, key, value).astype(jnp.float32))
+
+    grad = compile_options.jit(jax.grad(loss, (0, 1, 2)), cpu_kernels="ynnpack_dots")
+    program = grad.lower(query, key, value).compile().as_text()
+    dtypes = dict(re.findall(r"%([\w.\-]+) = (\w+)\[", program))
+    operands = [tuple(dtypes[name] for name in re.findall(r"%([\w.\-]+)", args))
+                for args in re.findall(r" dot\(([^)]*)\)", program)]
+    assert len(operands) >= 6, operands  # 2 forward, 4 backward (each may sit in a fusion)
+    assert set(operands) == {("bf16", "bf16")}, operands

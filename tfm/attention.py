@@ -12,11 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tfm import attention_blocks
 from tfm.config import ATTENTION_BACKENDS, ConfigError
 
-# Finite, so a fully masked row never produces NaN; its weights are then set to zero, so it
-# reads no key at all (not a uniform average over masked, possibly future, keys).
-_MASKED_LOGIT = -0.7 * float(np.finfo(np.float32).max)
 _CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 _CUDNN_MAX_HEAD_DIM = 256  # Hopper and later; jax itself refuses > 128 on older GPUs.
 
@@ -108,6 +106,9 @@ def dot_product_attention(
     cache_layout=True: key comes as [batch, num_kv_heads, head_dim, kv_len] and value as
     [batch, num_kv_heads, kv_len, head_dim] (tfm/cache.py's layout, which the matmuls read
     without transposing).
+    The reference backend in bfloat16 / float16 (without return_weights) computes each block
+    with `attention_blocks.attend_block_16bit`: the same forward, a hand-written backward pass
+    whose matmuls take 16-bit operands (autodiff made them float32).
     Returns out [batch, q_len, num_heads, head_dim], plus the (post-dropout) weights
     [batch, num_heads, q_len, kv_len] float32 when return_weights.
     """
@@ -176,28 +177,37 @@ def dot_product_attention(
     grouped_query = query.reshape(batch, q_len, num_kv_heads, groups, head_dim).transpose(
         0, 2, 3, 1, 4
     )
-    key_major = key if cache_layout else key.transpose(0, 2, 1, 3)
+    # 16-bit compute: hand-written backward with 16-bit matmuls, keys [b, kv, head_dim, kv_len].
+    sixteen_bit = jnp.dtype(query.dtype).itemsize < 4 and not return_weights
+    if sixteen_bit:
+        key_major = key if cache_layout else key.transpose(0, 2, 3, 1)
+    else:
+        key_major = key if cache_layout else key.transpose(0, 2, 1, 3)
     value_major = value if cache_layout else value.transpose(0, 2, 1, 3)
     blocks = _causal_blocks(q_len, kv_len) if causal and not return_weights else [(0, q_len)]
-    outs, all_weights = [], []
-    for start, stop in blocks:
-        # Causal: queries [start, stop) see no key at or past `stop`.
-        kv_stop = stop if len(blocks) > 1 else kv_len
-        out_block, weights = _attend_block(
-            grouped_query[:, :, :, start:stop],
-            key_major[..., :kv_stop] if cache_layout else key_major[:, :, :kv_stop],
-            value_major[:, :, :kv_stop],
-            None if bias is None else _rows_cols(bias, start, stop, kv_stop),
-            None if mask is None else _rows_cols(mask, start, stop, kv_stop),
-            scale,
-            dropout_rate,
-            dropout_rng if dropout_rng is None or start == 0 else jax.random.fold_in(
-                dropout_rng, start
-            ),
-            cache_layout,
-        )
-        outs.append(out_block)
-        all_weights.append(weights)
+    # Causal: queries [start, stop) see no key at or past `stop`.
+    blocks = tuple((start, stop, stop if len(blocks) > 1 else kv_len) for start, stop in blocks)
+    if sixteen_bit:
+        outs = [attention_blocks.attend_16bit(
+            grouped_query, key_major, value_major, bias, mask, scale, dropout_rate, dropout_rng,
+            blocks,
+        )]
+    else:
+        outs, all_weights = [], []
+        for start, stop, kv_stop in blocks:
+            out_block, weights = attention_blocks.attend_block(
+                grouped_query[:, :, :, start:stop],
+                key_major[..., :kv_stop] if cache_layout else key_major[:, :, :kv_stop],
+                value_major[:, :, :kv_stop],
+                None if bias is None else attention_blocks.rows_cols(bias, start, stop, kv_stop),
+                None if mask is None else attention_blocks.rows_cols(mask, start, stop, kv_stop),
+                scale,
+                dropout_rate,
+                attention_blocks.block_rng(dropout_rng, start),
+                cache_layout,
+            )
+            outs.append(out_block)
+            all_weights.append(weights)
     out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=3)
     # [batch, kv_heads, groups, q_len, head_dim] -> [batch, q_len, num_heads, head_dim]
     out = out.transpose(0, 3, 1, 2, 4).reshape(query.shape).astype(query.dtype)
@@ -222,54 +232,6 @@ def _causal_blocks(q_len: int, kv_len: int) -> list[tuple[int, int]]:
     size = max(CAUSAL_BLOCK, -(-q_len // MAX_CAUSAL_BLOCKS))
     size = -(-size // CAUSAL_BLOCK) * CAUSAL_BLOCK  # a multiple of CAUSAL_BLOCK
     return [(start, min(start + size, q_len)) for start in range(0, q_len, size)]
-
-
-def _rows_cols(array: jax.Array, start: int, stop: int, kv_stop: int) -> jax.Array:
-    """Slices query rows [start, stop) and key columns [0, kv_stop) of a broadcastable
-    [batch, heads, q_len, kv_len] mask or bias (size-1 dims stay)."""
-    rows = slice(start, stop) if array.shape[2] > 1 else slice(None)
-    cols = slice(0, kv_stop) if array.shape[3] > 1 else slice(None)
-    return array[:, :, rows, cols]
-
-
-def _attend_block(
-    grouped_query: jax.Array,  # [batch, kv_heads, groups, q_len, head_dim]
-    key: jax.Array,  # [batch, kv_heads, kv_len, head_dim], or [.., head_dim, kv_len] if transposed
-    value: jax.Array,  # [batch, kv_heads, kv_len, head_dim]
-    bias: jax.Array | None,  # broadcastable to [batch, num_heads, q_len, kv_len]
-    mask: jax.Array | None,  # likewise, bool
-    scale: float,
-    dropout_rate: float,
-    dropout_rng: jax.Array | None,
-    keys_transposed: bool,
-) -> tuple[jax.Array, jax.Array]:
-    """One block of queries against keys; returns (out [batch, kv_heads, groups, q_len,
-    head_dim] float32, weights [batch, kv_heads, groups, q_len, kv_len] float32)."""
-    num_kv_heads, groups = grouped_query.shape[1:3]
-
-    def grouped(array: jax.Array) -> jax.Array:  # [b|1, heads|1, q, k] -> [b|1, kv|1, g|1, q, k]
-        if array.shape[1] == 1:
-            return array[:, :, None]
-        return array.reshape(array.shape[0], num_kv_heads, groups, *array.shape[2:])
-
-    spec = "bkgth,bkhs->bkgts" if keys_transposed else "bkgth,bksh->bkgts"
-    logits = jnp.einsum(spec, grouped_query, key, preferred_element_type=jnp.float32)
-    logits = logits * jnp.float32(scale)
-    if bias is not None:
-        logits = logits + grouped(bias).astype(jnp.float32)
-    weights = jax.nn.softmax(
-        logits if mask is None else jnp.where(grouped(mask), logits, _MASKED_LOGIT), axis=-1
-    )
-    if mask is not None:  # a query with no visible key reads nothing
-        weights = jnp.where(jnp.any(grouped(mask), axis=-1, keepdims=True), weights, 0.0)
-    if dropout_rate > 0:
-        keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, weights.shape)
-        weights = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)
-    out = jnp.einsum(
-        "bkgts,bksh->bkgth", weights.astype(value.dtype), value,
-        preferred_element_type=jnp.float32,
-    )
-    return out, weights
 
 
 def causal_mask(query_positions: jax.Array, key_positions: jax.Array) -> jax.Array:

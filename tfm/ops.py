@@ -68,16 +68,22 @@ def _copies_transposes(compute_dtype: jnp.dtype) -> bool:
 
 
 def _transposed(a: jax.Array, compute_dtype: jnp.dtype) -> jax.Array:
-    """a: [m, n] -> a^T [n, m] in compute_dtype; a row-major copy for 16-bit dtypes.
-
-    A plain `a.T` reaches XLA as a column-major view (a layout, not a copy). Transposing with a
-    trailing unit axis and reshaping back makes XLA write the transposed array, and the
-    optimization barrier keeps it from folding the copy back into the matmul."""
+    """a: [m, n] -> a^T [n, m] in compute_dtype; a row-major copy for 16-bit dtypes."""
     if not _copies_transposes(compute_dtype):
         return a.astype(compute_dtype).T
-    m, n = a.shape
-    swapped = jnp.transpose(a.astype(compute_dtype).reshape(m, n, 1), (1, 0, 2))
-    return jax.lax.optimization_barrier(swapped.reshape(n, m))
+    return swap_minor(a.astype(compute_dtype))
+
+
+def swap_minor(a: jax.Array) -> jax.Array:
+    """a: [..., m, n] -> [..., n, m], written out row-major (a copy) for a matmul operand.
+
+    A plain transpose reaches XLA as a layout (a view the matmul reads strided), which XLA's CPU
+    bf16 kernels do not take. Swapping with a trailing unit axis and reshaping back makes XLA
+    write the transposed array, and the optimization barrier keeps it from folding the copy
+    back into the matmul."""
+    *lead, m, n = a.shape
+    swapped = jnp.swapaxes(a.reshape(*lead, m, n, 1), -3, -2)
+    return jax.lax.optimization_barrier(swapped.reshape(*lead, n, m))
 
 
 _linear_2d.defvjp(_linear_2d_fwd, _linear_2d_bwd)
