@@ -308,18 +308,25 @@ def test_shape_errors():
         attention.dot_product_attention(query[..., :4], key, value)
 
 
-def test_causal_block_skipping_equals_the_full_computation():
-    """causal=True skips key blocks after each query block (q_len >= 2 * CAUSAL_BLOCK): values
-    and gradients equal the unblocked computation, with a bias, GQA and padded keys."""
-    length = 2 * attention.CAUSAL_BLOCK + 17  # three blocks, the last one partial
-    rng = np.random.default_rng(11)
-    query = jnp.asarray(rng.normal(size=(2, length, 4, 8)), jnp.float32)
-    key, value = (jnp.asarray(rng.normal(size=(2, length, 2, 8)), jnp.float32) for _ in "kv")
+def _causal_padded_gqa(length, dtype, seed):
+    """query [2, length, 4, 8], key and value [2, length, 2, 8] in dtype, a causal mask with the
+    second row's last 40 keys padded, and a float32 bias [1, 4, length, length]."""
+    rng = np.random.default_rng(seed)
+    query = jnp.asarray(rng.normal(size=(2, length, 4, 8)), dtype)
+    key, value = (jnp.asarray(rng.normal(size=(2, length, 2, 8)), dtype) for _ in "kv")
     positions = jnp.broadcast_to(jnp.arange(length), (2, length))
     valid = jnp.arange(length)[None, :] < jnp.array([[length], [length - 40]])
     mask = attention.combine_masks(attention.causal_mask(positions, positions),
                                    attention.padding_mask(valid))
     bias = jnp.asarray(rng.normal(size=(1, 4, length, length)), jnp.float32)
+    return query, key, value, mask, bias
+
+
+def test_causal_block_skipping_equals_the_full_computation():
+    """causal=True skips key blocks after each query block (q_len >= 2 * CAUSAL_BLOCK): values
+    and gradients equal the unblocked computation, with a bias, GQA and padded keys."""
+    length = 2 * attention.CAUSAL_BLOCK + 17  # three blocks, the last one partial
+    query, key, value, mask, bias = _causal_padded_gqa(length, jnp.float32, seed=11)
 
     def loss(query, key, value, causal):
         out = attention.dot_product_attention(query, key, value, bias=bias, mask=mask,
@@ -412,27 +419,22 @@ def test_16bit_backward_equals_autodiff(groups):
 
 
 def test_bf16_attention_gradients_are_close_to_float32():
-    """The bf16 path (16-bit backward matmuls, causal blocks, GQA, padding) end to end against
-    float32 on the same bf16-exact inputs, to bf16 rounding."""
+    """The bf16 path (16-bit backward matmuls, causal blocks, GQA, padding, a bias) end to end
+    against float32 on the same bf16-exact inputs, to bf16 rounding."""
     length = 2 * attention.CAUSAL_BLOCK + 9
-    rng = np.random.default_rng(22)
-    query = jnp.asarray(rng.normal(size=(2, length, 4, 8)), jnp.bfloat16)
-    key, value = (jnp.asarray(rng.normal(size=(2, length, 2, 8)), jnp.bfloat16) for _ in "kv")
-    positions = jnp.broadcast_to(jnp.arange(length), (2, length))
-    valid = jnp.arange(length)[None, :] < jnp.array([[length], [length - 30]])
-    mask = attention.combine_masks(attention.causal_mask(positions, positions),
-                                   attention.padding_mask(valid))
-    probe = jnp.asarray(rng.normal(size=query.shape), jnp.float32)
+    query, key, value, mask, bias = _causal_padded_gqa(length, jnp.bfloat16, seed=22)
+    probe = jnp.asarray(np.random.default_rng(23).normal(size=query.shape), jnp.float32)
 
-    def loss(query, key, value):
-        out = attention.dot_product_attention(query, key, value, mask=mask, causal=True)
+    def loss(query, key, value, bias):
+        out = attention.dot_product_attention(query, key, value, bias=bias, mask=mask,
+                                              causal=True)
         return jnp.sum(out.astype(jnp.float32) * probe)
 
-    grad = jax.jit(jax.grad(loss, (0, 1, 2)))
-    got = grad(query, key, value)
-    want = grad(*(x.astype(jnp.float32) for x in (query, key, value)))
-    for name, g, w in zip("qkv", got, want, strict=True):
-        assert g.dtype == jnp.bfloat16, name
+    grad = jax.jit(jax.grad(loss, (0, 1, 2, 3)))
+    got = grad(query, key, value, bias)
+    want = grad(*(x.astype(jnp.float32) for x in (query, key, value)), bias)
+    for name, g, w in zip("qkvb", got, want, strict=True):
+        assert g.dtype == (jnp.float32 if name == "b" else jnp.bfloat16), name
         scale = float(jnp.abs(w).max())
         np.testing.assert_allclose(g.astype(jnp.float32), w, atol=0.02 * scale, err_msg=name)
 
