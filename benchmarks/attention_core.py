@@ -38,7 +38,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from tfm import attention, compile_options, host_memory  # noqa: E402
+from tfm import attention, compile_options, flops, host_memory  # noqa: E402
 
 try:
     import torch
@@ -140,8 +140,7 @@ def report(info: dict, rows: list[dict], command: str) -> str:
     lines = [
         "# Causal attention core: tfm vs torch's fused CPU attention",
         "",
-        f"CPU: {info['model']}, {info['cores']} cores; bf16 units: "
-        f"{', '.join(info['bf16_units'])} (this benchmark is float32); jax {info['jax']}, "
+        f"{flops.cpu_line(info)} (this benchmark is float32); jax {info['jax']}, "
         f"torch {info['torch']}; tfm's XLA options: "
         f"{info['tfm_compiler_options'] or 'XLA defaults'}.",
         "Speed ratio = torch time / tfm time (above 1: tfm faster). GFLOP/s of the causal matmuls.",

@@ -133,8 +133,7 @@ def main() -> None:
         print(json.dumps(row), flush=True)
     lines = [
         "# Weight-read rate of 1- and 8-row matmuls (a decode step's matmuls)", "",
-        f"CPU: {info['model']}, {info['cores']} cores; bf16 units: "
-        f"{', '.join(info['bf16_units'])}; jax {jax.__version__}.",
+        f"{flops.cpu_line(info)}; jax {jax.__version__}.",
         f"Memory bandwidth (512 MiB sum): {bandwidth['jax_sum_all_cores']:.1f} GB/s jax (all "
         f"cores), {bandwidth['numpy_sum_one_core']:.1f} GB/s numpy (one core).",
         f"Chain: {KERNELS} float32 kernels of {SIZE} x {SIZE} ({weight_bytes / 1e6:.0f} MB), "

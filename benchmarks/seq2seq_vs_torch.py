@@ -207,8 +207,7 @@ def main() -> None:
     command = "python benchmarks/seq2seq_vs_torch.py " + " ".join(sys.argv[1:])
     lines = [
         "# Encoder-decoder training: tfm vs torch nn.Transformer", "",
-        f"CPU: {info['model']}, {info['cores']} cores; bf16 units: "
-        f"{', '.join(info['bf16_units'])} (this benchmark is float32); jax {info['jax']}, torch "
+        f"{flops.cpu_line(info)} (this benchmark is float32); jax {info['jax']}, torch "
         f"{info['torch']}; tfm's XLA options: {info.get('tfm_compiler_options') or 'defaults'}. "
         f"Matmul peak (2048^3, float32, best of jax and torch): {peak / 1e9:.0f} GFLOP/s.",
         f"{args.layers} + {args.layers} post-LN layers, d_model {args.d_model}, {args.heads} "

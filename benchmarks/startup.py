@@ -141,8 +141,7 @@ def main() -> None:
     lines = [
         f"# Time to the first training step, {args.config}",
         "",
-        f"CPU: {cpu['model']}, {cpu['cores']} cores; bf16 units: "
-        f"{', '.join(cpu['bf16_units'])}; jax {jax.__version__}. Medians of {args.repeats} "
+        f"{flops.cpu_line(cpu)}; jax {jax.__version__}. Medians of {args.repeats} "
         "fresh processes.",
         "",
         "| phase | seconds |",

@@ -83,8 +83,7 @@ def report(info: dict, rows: list[dict], command: str) -> str:
     lines = [
         "# The char-GPT train step: the attention core against the rest",
         "",
-        f"CPU: {info['model']}, {info['cores']} cores; bf16 units: "
-        f"{', '.join(info['bf16_units']) or 'none'}. Batch {rows[0]['batch']} x "
+        f"{flops.cpu_line(info)}. Batch {rows[0]['batch']} x "
         f"{rows[0]['block']}; medians of interleaved repeats.",
         "",
         "| dtype | whole step s | without the core s | core's share of the time | core's share "

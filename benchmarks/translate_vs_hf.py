@@ -42,7 +42,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from tfm import compile_options, host_memory  # noqa: E402
+from tfm import compile_options, flops, host_memory  # noqa: E402
 from tfm.generate import best_sequences, translate  # noqa: E402
 from tfm.interop import hf as interop  # noqa: E402
 
@@ -173,8 +173,7 @@ def output_layer_report(rows: list[dict]) -> list[str]:
 def report(info: dict, args, bandwidth: float, rows: list[dict], command: str) -> str:
     lines = [
         "# Encoder-decoder decoding: tfm vs Hugging Face T5 on the same weights", "",
-        f"CPU: {info['model']}, {info['cores']} cores; bf16 units: "
-        f"{', '.join(info['bf16_units'])} (this benchmark is float32); jax {info['jax']}, torch "
+        f"{flops.cpu_line(info)} (this benchmark is float32); jax {info['jax']}, torch "
         f"{info['torch']}; tfm's XLA options: {info.get('tfm_compiler_options') or 'defaults'}. "
         f"Memory bandwidth (512 MiB sum): {bandwidth / 1e9:.1f} GB/s.",
         f"T5 of the paper's base shape: {args.layers} + {args.layers} layers, d_model "

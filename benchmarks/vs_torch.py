@@ -369,8 +369,7 @@ def report(info: dict, peaks: dict, bandwidth: float, rows: list[dict], command:
     lines = [
         "# tfm vs PyTorch, side by side",
         "",
-        f"CPU: {info['model']}, {info['cores']} cores; bf16 units: "
-        f"{', '.join(info['bf16_units'])}; jax {info['jax']}, torch {info['torch']}.",
+        f"{flops.cpu_line(info)}; jax {info['jax']}, torch {info['torch']}.",
         ("Matmul peak (2048^3, GFLOP/s): "
          + "; ".join(f"{d} jax {p['jax'] / 1e9:.0f}, torch {p['torch'] / 1e9:.0f}"
                      for d, p in peaks.items()) + ". " if peaks else "")

@@ -69,6 +69,13 @@ def cpu_features() -> dict[str, Any]:
     }
 
 
+def cpu_line(info: dict[str, Any]) -> str:
+    """"CPU: <model>, <cores> cores; bf16 units: <units>" from `cpu_features()`, for reports."""
+    return f"CPU: {info['model']}, {info['cores']} cores; bf16 units: " + ", ".join(
+        info["bf16_units"]
+    )
+
+
 def bf16_warning(config: ModelConfig) -> str | None:
     """A one-line warning when `config` computes in bfloat16 on a CPU without bf16 units."""
     if config.dtype != "bfloat16" or jax.default_backend() != "cpu":
