@@ -112,3 +112,24 @@ def test_gelu_is_the_exact_gelu():
     np.testing.assert_allclose(ops.gelu(jnp.asarray(x, jnp.float32)),
                                jax.nn.gelu(jnp.asarray(x, jnp.float32), approximate=False),
                                atol=2e-6)
+
+
+@pytest.mark.parametrize("in_dims,out_dims", [((32,), (64,)), ((64,), (32,))])
+def test_bfloat16_tied_kernel_backward_runs_with_bf16_kernels(in_dims, out_dims):
+    """A kernel passed transposed (a tied embedding's `table.T`): the caller's transpose of the
+    kernel gradient must not be folded into the backward matmul, whose swapped operands the bf16
+    kernels refuse (the compiled program failed at run time, "DotThunk BF16 x BF16 = F32", for
+    d_model < vocab)."""
+    x, kernel = _inputs(in_dims, out_dims)
+    x = jnp.tile(x.reshape(-1, *in_dims), (8, 1))
+    table = kernel.T  # [out, in], the layout an embedding table has
+
+    def loss(x, table, compute_dtype):
+        y = ops.linear(x, table.T, compute_dtype=compute_dtype, out_dtype=jnp.float32)
+        return jnp.sum(jnp.sin(y))
+
+    grad = compile_options.jit(jax.grad(loss, (0, 1)), static_argnums=2,
+                               cpu_kernels="ynnpack_dots")
+    got, want = grad(x, table, jnp.bfloat16), grad(x, table, jnp.float32)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=0.05, atol=0.05 * float(jnp.abs(w).max()))

@@ -233,7 +233,9 @@ def _attend_16bit_bwd(scale, rate, blocks, residuals, grad_out):
     grad_query = grad_query[0] if len(grad_query) == 1 else jnp.concatenate(grad_query, axis=3)
     # Behind a barrier, XLA cannot fold a later transpose into these matmuls (it would swap
     # their operands into a layout the bf16 kernels refuse, and the program fails at run time).
-    grad_keys_t, grad_values_t = jax.lax.optimization_barrier((grad_keys_t, grad_values_t))
+    grad_query, grad_keys_t, grad_values_t = jax.lax.optimization_barrier(
+        (grad_query, grad_keys_t, grad_values_t)
+    )
     return (
         grad_query.astype(dtype),
         grad_keys_t.astype(keys_t.dtype),

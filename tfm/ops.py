@@ -52,8 +52,12 @@ def _linear_2d_bwd(compute_dtype, out_dtype, residuals, grad):
         grad_kernel = _matmul(_transposed(x, compute_dtype), grad, compute_dtype)
     else:
         grad_kernel = _matmul(_transposed(grad, compute_dtype), x, compute_dtype)
-        if _copies_transposes(compute_dtype):  # keep XLA from folding .T into the matmul
-            grad_kernel = jax.lax.optimization_barrier(grad_kernel)
+    if _copies_transposes(compute_dtype):
+        # Keep XLA from folding a transpose of either gradient (ours below, or the caller's, e.g.
+        # a tied embedding's `table.T`) into its matmul: that swaps the operands into a layout
+        # the bf16 kernels refuse, and the program fails at run time.
+        grad_x, grad_kernel = jax.lax.optimization_barrier((grad_x, grad_kernel))
+    if in_features > out_features:
         grad_kernel = grad_kernel.T
     return grad_x, grad_kernel.astype(kernel.dtype)
 
