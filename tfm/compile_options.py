@@ -33,7 +33,8 @@ option, it compiles as "xla".
 
 bfloat16 matmuls: XLA's own kernels and its oneDNN path compute them in float32 (XLA upcasts
 the operands); only YNNPACK runs them in bf16, at about twice float32's FLOP/s on a CPU with
-AVX512-BF16 (940 vs 492 GFLOP/s, torch's bf16 908: benchmarks/results/vs_torch_avx512bf16).
+AVX512-BF16 (902 vs 450 GFLOP/s, torch's bf16 876: benchmarks/results/vs_torch_avx512bf16/
+before_bf16_attention).
 So train.cpu_kernels="auto" (the default, `resolve_cpu_kernels`) takes "ynnpack_dots" for a
 bf16 model on a CPU with bf16 units, and the eval step does the same; tfm.ops.linear keeps its
 backward matmuls in the layout those kernels take.

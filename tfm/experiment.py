@@ -113,7 +113,7 @@ class TrainConfig:
     # "ynnpack_dots" (YNNPACK takes only the dots: its bf16 matmuls ran at twice float32's
     # FLOP/s on AVX512-BF16) or "onednn" (dots by the oneDNN library, XLA's experimental path;
     # float32 char-LM train steps 1.02-1.09x faster in paired scratch A/Bs on an AVX2 CPU,
-    # 1.06x in benchmarks/results/vs_torch_avx512bf16; x86-64 only, "xla"
+    # 1.10x in benchmarks/results/vs_torch_avx512bf16; x86-64 only, "xla"
     # elsewhere). See tfm/compile_options.py. The eval step takes "auto"'s choice;
     # lm_generate's loops take library dots from 8 rows (tfm.generate.decode_cpu_kernels).
     # No effect off CPU.
