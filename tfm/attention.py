@@ -107,7 +107,7 @@ def dot_product_attention(
     [batch, num_kv_heads, kv_len, head_dim] (tfm/cache.py's layout, which the matmuls read
     without transposing).
     The reference backend in bfloat16 / float16 (without return_weights) computes each block
-    with `attention_blocks.attend_block_16bit`: the same forward, a hand-written backward pass
+    with `attention_blocks.attend_16bit`: the same forward, a hand-written backward pass
     whose matmuls take 16-bit operands (autodiff made them float32).
     Returns out [batch, q_len, num_heads, head_dim], plus the (post-dropout) weights
     [batch, num_heads, q_len, kv_len] float32 when return_weights.
@@ -179,10 +179,8 @@ def dot_product_attention(
     )
     # 16-bit compute: hand-written backward with 16-bit matmuls, keys [b, kv, head_dim, kv_len].
     sixteen_bit = jnp.dtype(query.dtype).itemsize < 4 and not return_weights
-    if sixteen_bit:
-        key_major = key if cache_layout else key.transpose(0, 2, 3, 1)
-    else:
-        key_major = key if cache_layout else key.transpose(0, 2, 1, 3)
+    key_axes = (0, 2, 3, 1) if sixteen_bit else (0, 2, 1, 3)
+    key_major = key if cache_layout else key.transpose(key_axes)
     value_major = value if cache_layout else value.transpose(0, 2, 1, 3)
     blocks = _causal_blocks(q_len, kv_len) if causal and not return_weights else [(0, q_len)]
     # Causal: queries [start, stop) see no key at or past `stop`.

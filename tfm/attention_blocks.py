@@ -84,21 +84,10 @@ def attend_block(
     """softmax(q k^T * scale + bias) v for one block, differentiated by jax. Returns (out
     [batch, kv_heads, groups, q_len, head_dim] float32, weights [batch, kv_heads, groups, q_len,
     kv_len] float32, after dropout)."""
-    num_kv_heads, groups = grouped_query.shape[1:3]
-    spec = "bkgth,bkhs->bkgts" if keys_transposed else "bkgth,bksh->bkgts"
-    logits = jnp.einsum(spec, grouped_query, key, preferred_element_type=jnp.float32)
-    weights = _softmax_weights(
-        logits * jnp.float32(scale),
-        None if bias is None else _grouped(bias, num_kv_heads, groups),
-        None if mask is None else _grouped(mask, num_kv_heads, groups),
+    out, weights, keep = _block_forward(
+        grouped_query, key, value, bias, mask, dropout_rng, scale, dropout_rate, keys_transposed
     )
-    keep = None if dropout_rate == 0 else _dropout_keep(dropout_rng, dropout_rate, weights.shape)
-    weights = _dropped(weights, keep, dropout_rate)
-    out = jnp.einsum(
-        "bkgts,bksh->bkgth", weights.astype(value.dtype), value,
-        preferred_element_type=jnp.float32,
-    )
-    return out, weights
+    return out, _dropped(weights, keep, dropout_rate)
 
 
 def rows_cols(array: jax.Array, start: int, stop: int, kv_stop: int) -> jax.Array:
@@ -142,10 +131,11 @@ def attend_16bit(
     )
 
 
-def _block_forward(query, keys_t, value, bias, mask, rng, scale, rate):
+def _block_forward(query, key, value, bias, mask, rng, scale, rate, keys_transposed=True):
     """One block: -> (out float32, weights before dropout float32, dropout keep mask | None)."""
     num_kv_heads, groups = query.shape[1:3]
-    logits = jnp.einsum("bkgth,bkhs->bkgts", query, keys_t, preferred_element_type=jnp.float32)
+    spec = "bkgth,bkhs->bkgts" if keys_transposed else "bkgth,bksh->bkgts"
+    logits = jnp.einsum(spec, query, key, preferred_element_type=jnp.float32)
     weights = _softmax_weights(
         logits * jnp.float32(scale),
         None if bias is None else _grouped(bias, num_kv_heads, groups),
