@@ -15,7 +15,7 @@ Each piece of work runs under every setting in one process, repeats interleaved,
   parameter initialisation uses, compile_options.run_once_options); not in the default set;
 - "oneDNN dots": XLA hands every dot to the oneDNN library (the rest as "no YNNPACK"; what a
   step's `cpu_kernels="onednn"` asks for, the `train.cpu_kernels` config field); not in the
-  default set (README "Speed").
+  default set (benchmarks/README.md).
 The work: the small char-LM recipe's train step (configs/char_lm.py:small, as `train.jit_steps`
 builds it) and its eval step (`evaluate.jit_eval_step`, on its eval batches); the char-GPT train
 step of vs_torch.py (6 layers, d_model 384, batch 64 x 256, dropout 0.2) at each of

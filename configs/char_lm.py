@@ -83,7 +83,7 @@ def get_config(arg: str | None = None):
         at step 2,000; about 49 ms/step in the loop, 2 min 0 s wall (60 ms/step and 2 min 21 s
         with TFM_MALLOC_DEFAULTS=0; later reruns: 40-48 ms/step, 1 min 38 s to 1 min 50 s). With
         `--devices_per_process 2`: the same eval_loss, 48 ms/step, 1 min 58 s. The jitted step
-        alone: 48.0 ms, torch 54.4 ms (README "Speed")."""
+        alone: 48.0 ms, torch 54.4 ms (benchmarks/README.md)."""
         c.model.update(d_model=128, num_heads=4, d_ff=512, num_decoder_layers=4,
                        dropout_rate=0.0, position_scheme="learned", max_len=256, use_bias=False)
         c.data.update(seq_len=64, eval_seq_len=64, batch_size=12, eval_batch_size=256)

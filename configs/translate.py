@@ -62,8 +62,8 @@ def get_config(arg: str | None = None):
                         keep_best_metric="eval_bleu", best_mode="max")
     # On CPU these encoder-decoder train steps ran faster with XLA's own kernels (YNNPACK) than
     # with tfm's default: 1.11x at the `cpu` recipe's shape, 1.04x at the base shape
-    # (benchmarks/seq2seq_vs_torch.py; 2-core AMD EPYC; README "Speed"). Decoding keeps tfm's
-    # choice (1.14x faster in a scratch A/B). No effect off CPU.
+    # (benchmarks/seq2seq_vs_torch.py; 2-core AMD EPYC; benchmarks/README.md). Decoding
+    # keeps tfm's choice (1.14x faster in a scratch A/B). No effect off CPU.
     config.train.cpu_kernels = "ynnpack"
     config.eval.update(generation_metric="bleu", method="beam", beam_size=4, alpha=0.6,
                        extra_len=50, max_generation_examples=0)

@@ -14,7 +14,7 @@ Two versions of the same computation:
   attention does) instead of a reduction over the logits, and the key and value gradients of
   all blocks are summed in float32. In an interleaved scratch A/B on a CPU with AVX512-BF16
   the bf16 char-GPT train step of benchmarks/vs_torch.py ran 1.33x faster with it than with
-  autodiff (median of 7; README "Speed" has the benchmark). float32 keeps autodiff: its
+  autodiff (median of 7; benchmarks/README.md has the benchmark). float32 keeps autodiff: its
   compiled train step is the same program as before.
 
 Layouts: queries [batch, kv_heads, groups, q_len, head_dim] (grouped-query heads; groups = 1 for

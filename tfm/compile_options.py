@@ -3,7 +3,8 @@
 On CPU, XLA (jaxlib 0.10) hands dots and reductions to the YNNPACK library by default; tfm
 compiles its train, eval and decode steps without it (xla_cpu_experimental_ynn_fusion_type=""),
 with the same numbers to float32 rounding. `benchmarks/xla_options.py` times each kind of step
-both ways, and with YNNPACK taking only the dots; README "Speed" has the figures.
+both ways, and with YNNPACK taking only the dots; benchmarks/README.md has the
+figures.
 
 Parameter initialisation, a program that runs once, compiles with LLVM at -O1 too
 (`run_once_options`): 2.0 s instead of 3.8 s for the small char-LM recipe, the same parameters
@@ -16,13 +17,14 @@ when TFM_XLA_DEFAULTS=0, or when this jaxlib does not know an option. Which choi
 depends on the model: the char-LM steps run up to 1.32x faster without YNNPACK
 (benchmarks/xla_options.py), the encoder-decoder train steps of configs/translate.py 1.04x and
 1.11x faster with it (benchmarks/seq2seq_vs_torch.py, base and `cpu` shapes), their decoding
-1.14x slower (a scratch A/B; README "Speed"). So a step can ask for XLA's own
+1.14x slower (a scratch A/B; benchmarks/README.md). So a step can ask for XLA's own
 CPU choice: `jit(..., cpu_kernels="ynnpack")` (the `train.cpu_kernels` config field).
 
 cpu_kernels="onednn" hands every dot to the oneDNN library (XLA's experimental
 xla_cpu_use_onednn with individual-dot fusions; the rest as "xla"). It runs the attention core
 1.3-1.4x faster (benchmarks/attention_core.py --onednn), char-LM train steps 1.02-1.09x and
-char-GPT decoding loops over 8 rows or more 1.13-1.30x (paired scratch A/Bs, README "Speed"),
+char-GPT decoding loops over 8 rows or more 1.13-1.30x (paired scratch A/Bs,
+benchmarks/README.md),
 but batch-1 decoding ~18% slower and the translate config's train steps no faster than
 YNNPACK, all measured on an AVX2 CPU. On a CPU with AVX-512 the same decoding loops ran at
 0.59-0.85x XLA's kernels with oneDNN and 1.04-1.10x with YNNPACK dots. So
@@ -140,7 +142,7 @@ def kernel_options(cpu_kernels: str) -> dict[str, Any] | None:
 def resolve_cpu_kernels(cpu_kernels: str, compute_dtype: Any) -> str:
     """A config's cpu_kernels (one of CPU_KERNEL_CHOICES) as one of CPU_KERNELS. "auto" is
     "ynnpack_dots" for a bfloat16 model on a CPU with bf16 units (AMX or AVX512-BF16), whose
-    YNNPACK bf16 matmuls ran at twice float32's FLOP/s (README "Speed"; XLA's own kernels
+    YNNPACK bf16 matmuls ran at twice float32's FLOP/s (benchmarks/README.md; XLA's own kernels
     compute bf16 matmuls in float32), and "xla" otherwise."""
     if cpu_kernels not in CPU_KERNEL_CHOICES:
         raise ValueError(f"cpu_kernels={cpu_kernels!r} must be one of {CPU_KERNEL_CHOICES}")

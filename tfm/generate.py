@@ -51,7 +51,7 @@ def _check_length(config: ModelConfig, total_len: int) -> None:
 # AVX2), and YNNPACK (cpu_kernels="ynnpack_dots") on CPUs with AVX-512, where oneDNN ran at
 # 0.59x / 0.85x of XLA's kernels and YNNPACK at 1.10x / 1.04x (AMD EPYC with AVX-512 and
 # AVX512-BF16, interleaved scratch runs). Fewer rows keep XLA's kernels (oneDNN 0.82x at batch
-# 1). translate keeps XLA's kernels at every size (T5-base: 0.97-1.08x; README "Speed").
+# 1). translate keeps XLA's kernels at every size (T5-base: 0.97-1.08x; benchmarks/README.md).
 ONEDNN_MIN_ROWS = 8
 
 

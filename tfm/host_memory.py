@@ -5,8 +5,8 @@ XLA CPU takes each step's temporaries as one block (41 MB for the small char-LM 
 step). glibc serves blocks over 32 MB with a fresh mmap and unmaps them when freed, so every step
 page-faults and zeroes its whole temporary block again (10,000 faults per small-recipe step).
 `keep_freed_memory()` tells glibc to serve every block from one heap and not to give freed memory
-back to the system, so the next step reuses the same pages. README "Speed" has the figures;
-`benchmarks/vs_torch.py --malloc_defaults off` measures them again.
+back to the system, so the next step reuses the same pages. benchmarks/README.md has the
+figures; `benchmarks/vs_torch.py --malloc_defaults off` measures them again.
 
 The cost is resident memory: freed blocks stay in the process, and its resident size does not
 shrink below its high-water mark until it exits. A training loop reuses them
@@ -33,7 +33,7 @@ _M_ARENA_MAX = -8
 # mallopt takes an int, and glibc stores the trim threshold as a size_t: -1 becomes SIZE_MAX, so
 # freed memory at the top of the heap never goes back to the system. (The largest positive int,
 # 2 GiB, let the 5.4 GB of temporaries of a batch-64 char-GPT step go back and fault in again
-# every step: a million faults per step; README "Speed" has the before and after.)
+# every step: a million faults per step; benchmarks/README.md has the before and after.)
 _NEVER_TRIM = -1
 
 

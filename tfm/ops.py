@@ -13,7 +13,7 @@ give on CPU:
 - In 16-bit compute dtypes the backward matmuls get their transposed operands as row-major
   copies (`_transposed`): XLA's CPU bf16 kernels (YNNPACK) take only that layout, and upcast
   any other matmul to float32. On a CPU with AVX512-BF16 this made a bf16 char-GPT train step
-  with YNNPACK 1.34x faster (a scratch A/B; README "Speed" has the benchmark).
+  with YNNPACK 1.34x faster (a scratch A/B; benchmarks/README.md has the benchmark).
 The values equal `jnp.einsum` up to float32 rounding; tests check both passes against autodiff.
 """
 

@@ -336,8 +336,8 @@ def cpu_devices_hint(batch_size: int, microbatches: int, backend: str, num_devic
     """A hint for a run on one CPU device of a host with several cores, else None: split into
     N devices (launch.sh --devices_per_process N), each device runs its share of the batch on
     its own thread, so the many small ops of a small model overlap instead of leaving cores idle
-    (on 2 cores, README "Speed": the batch-64 char-GPT step 1,356 -> 1,465 tokens/s at 32
-    microbatches; the char_lm.py:small step 43.8 -> 39.7 and 48.0 -> 47.8 ms in two runs). N is
+    (on 2 cores, benchmarks/README.md: the batch-64 char-GPT step 1,356 -> 1,465 tokens/s at
+    32 microbatches; the char_lm.py:small step 43.8 -> 39.7 and 48.0 -> 47.8 ms in two runs). N is
     the most devices, at most `cores` and 8, whose share of the batch `microbatches` divides."""
     if backend != "cpu" or num_devices != 1:
         return None
