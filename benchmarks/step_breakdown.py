@@ -10,9 +10,9 @@ dropout, forward and backward) replaced by `q + k + v`, which keeps the shapes a
 op (projections, FFN, norms, dropout, loss, optimizer). Repeats interleave the two; medians;
 freed host memory is kept, as in training (tfm/host_memory.py).
 The core's share is the difference; the rest's MFU counts the step's model FLOPs less the
-core's (tfm/flops.py: 12 * layers * block * d_attn per token) against this host's measured
-matmul peak (tfm.flops.measure_matmul_flops, 2048^3, best of 10, in that dtype). Writes
-benchmarks/results/step_breakdown.{json,md}.
+core's (tfm.flops.attention_core_flops: 12 * layers * block * d_attn per token) against this
+host's measured matmul peak (tfm.flops.measure_matmul_flops, 2048^3, best of 10, in that
+dtype). Writes benchmarks/results/step_breakdown.{json,md}.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def measure(dtype: str, args) -> dict:
     median = {variant: statistics.median(times) for variant, times in seconds.items()}
     tokens = args.batch * shape.block
     per_token = flops.flops_per_token(config, shape.block)
-    core_per_token = 12.0 * shape.layers * shape.block * shape.d_model
+    core_per_token = flops.attention_core_flops(config, shape.block, shape.layers)
     peak = flops.measure_matmul_flops(jnp.dtype(dtype), repeats=10)
     return {
         "dtype": dtype, "batch": args.batch, "block": shape.block, "seconds": seconds,

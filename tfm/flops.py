@@ -150,6 +150,12 @@ def count_params_from_config(config: ModelConfig, kind: str = "lm") -> dict[str,
     return counts
 
 
+def attention_core_flops(config: ModelConfig, keys: int, layers: int) -> float:
+    """Training FLOPs per query token of the attention core (q k^T and weights . v, forward and
+    backward) over `keys` keys in each of `layers` layers: 12 * layers * keys * d_attn."""
+    return 12.0 * layers * keys * config.num_heads * config.resolved_head_dim
+
+
 def flops_per_token(
     config: ModelConfig, seq_len: int, kind: str = "lm", source_len: int | None = None
 ) -> float:
@@ -163,17 +169,16 @@ def flops_per_token(
     _check_kind(kind)
     qo, kv, _ = _attention_counts(config)
     mlp, _ = _mlp_counts(config)
-    d_attn = config.num_heads * config.resolved_head_dim
     if kind == "encoder":
         layers = config.num_encoder_layers
-        return 6.0 * layers * (qo + kv + mlp) + 12.0 * layers * seq_len * d_attn
+        return 6.0 * layers * (qo + kv + mlp) + attention_core_flops(config, seq_len, layers)
     layers = config.num_decoder_layers
     decoder = 6.0 * (layers * (qo + kv + mlp) + config.d_model * config.vocab_size)
-    decoder += 12.0 * layers * seq_len * d_attn
+    decoder += attention_core_flops(config, seq_len, layers)
     if kind == "lm":
         return decoder
     source_len = seq_len if source_len is None else source_len
-    decoder += 6.0 * layers * qo + 12.0 * layers * source_len * d_attn  # cross-attention
+    decoder += 6.0 * layers * qo + attention_core_flops(config, source_len, layers)  # cross
     encoder = flops_per_token(config, source_len, "encoder")
     encoder += 6.0 * layers * kv  # cross-attention keys/values of every source token
     return decoder + encoder * source_len / seq_len
