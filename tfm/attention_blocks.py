@@ -111,6 +111,7 @@ def block_rng(dropout_rng: jax.Array | None, start: int) -> jax.Array | None:
     )
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 8))
 def attend_16bit(
     grouped_query: jax.Array,  # [batch, kv_heads, groups, q_len, head_dim] bf16 or f16
     keys_t: jax.Array,  # [batch, kv_heads, head_dim, kv_len], same dtype
@@ -126,9 +127,9 @@ def attend_16bit(
     [0, kv_stop), with dropout keys from `block_rng`. Keys come transposed; the backward pass is
     hand-written with 16-bit matmuls, its key and value gradients accumulated in float32.
     Returns out [batch, kv_heads, groups, q_len, head_dim] float32."""
-    return _attend_16bit(
+    return _forward_16bit(
         grouped_query, keys_t, value, bias, mask, dropout_rng, scale, dropout_rate, blocks
-    )
+    )[0]
 
 
 def _block_forward(query, key, value, bias, mask, rng, scale, rate, keys_transposed=True):
@@ -163,12 +164,7 @@ def _forward_16bit(query, keys_t, value, bias, mask, rng, scale, rate, blocks):
     return (outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=3)), all_weights
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def _attend_16bit(query, keys_t, value, bias, mask, rng, scale, rate, blocks):
-    return _forward_16bit(query, keys_t, value, bias, mask, rng, scale, rate, blocks)[0]
-
-
-def _attend_16bit_fwd(query, keys_t, value, bias, mask, rng, scale, rate, blocks):
+def _attend_16bit_fwd(query, keys_t, value, bias, mask, scale, rate, rng, blocks):
     out, all_weights = _forward_16bit(query, keys_t, value, bias, mask, rng, scale, rate, blocks)
     return out, (query, keys_t, value, bias, rng, out, all_weights)
 
@@ -236,4 +232,4 @@ def _attend_16bit_bwd(scale, rate, blocks, residuals, grad_out):
     )
 
 
-_attend_16bit.defvjp(_attend_16bit_fwd, _attend_16bit_bwd)
+attend_16bit.defvjp(_attend_16bit_fwd, _attend_16bit_bwd)
