@@ -486,14 +486,12 @@ def model_for(config: ModelConfig) -> Any:
 
 
 def load_tokenizer(directory: str | Path) -> Any | None:
-    """The folder's `tokenizer.json` through the `tokenizers` library, or None when either is
-    missing."""
+    """The folder's `tokenizer.json` through the `tokenizers` library, or None when the folder
+    has none."""
+    from tokenizers import Tokenizer
+
     path = Path(directory) / "tokenizer.json"
     if not path.is_file():
-        return None
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
         return None
     return Tokenizer.from_file(str(path))
 
@@ -753,7 +751,7 @@ def generate_pretrained(
     tokenizer = None if prompt_ids else load_tokenizer(directory)
     if not prompt_ids and tokenizer is None:
         raise UnsupportedCheckpoint(
-            f"{directory} has no tokenizer.json (or the tokenizers package is missing); "
+            f"{directory} has no tokenizer.json; "
             "pass token ids with --prompt_ids"
         )
     if prompt_ids:
