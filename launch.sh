@@ -47,7 +47,7 @@ fi
 command=$1; config=$2; shift 2
 if [[ $command == sweep || $command == report ]]; then  # many runs: no devices here
   cd "$(dirname "$0")"
-  exec "${PYTHON:-python}" -m "tfm.$command" "$config" "$@"  # --help: their own options
+  exec "${PYTHON:-python}" -m "tfm.sweeps.$command" "$config" "$@"  # --help: their own options
 fi
 if [[ $config == -h || $config == --help ]]; then usage; exit 0; fi
 if [[ $command == data ]]; then  # not an experiment: DATASET instead of CONFIG, no devices

@@ -15,7 +15,7 @@ already head-major (what nanoGPT's model hands it). Repeats interleave the two; 
 reported, with the GFLOP/s of the causal matmuls (half of the full ones) and the largest
 difference between the two frameworks' outputs and gradients.
 
---onednn adds tfm compiled with `cpu_kernels="onednn"` (tfm/compile_options.py: XLA hands every
+--onednn adds tfm compiled with `cpu_kernels="onednn"` (tfm/cpu_compile.py: XLA hands every
 dot to the oneDNN library; what `train.cpu_kernels="onednn"` asks for, see benchmarks/README.md).
 One training step of the 6-layer model runs this 6 times, so 6 x the forward + backward column
 is the attention core's share of vs_torch.py's step. Writes benchmarks/results/attention_core.
@@ -38,7 +38,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from tfm import attention, compile_options, flops, host_memory  # noqa: E402
+from tfm.kernels import cpu_compile, cpu_memory  # noqa: E402
+from tfm.nn import attention  # noqa: E402
+from tfm.training import flops  # noqa: E402
 
 try:
     import torch
@@ -51,7 +53,7 @@ from vs_torch import cpu_info  # noqa: E402
 
 
 def tfm_runs(q, k, v, grad_out, cpu_kernels: str = "xla"):
-    """(forward, forward_backward) jitted with `cpu_kernels` (compile_options.CPU_KERNELS):
+    """(forward, forward_backward) jitted with `cpu_kernels` (cpu_compile.CPU_KERNELS):
     q, k, v, grad_out [batch, len, heads, head_dim]."""
     length = q.shape[1]
     positions = jnp.arange(length)[None]
@@ -64,8 +66,8 @@ def tfm_runs(q, k, v, grad_out, cpu_kernels: str = "xla"):
         out, pullback = jax.vjp(forward, q, k, v)
         return out, pullback(grad_out)
 
-    forward_jit = compile_options.jit(forward, cpu_kernels=cpu_kernels)
-    both_jit = compile_options.jit(forward_backward, cpu_kernels=cpu_kernels)
+    forward_jit = cpu_compile.jit(forward, cpu_kernels=cpu_kernels)
+    both_jit = cpu_compile.jit(forward_backward, cpu_kernels=cpu_kernels)
     return (lambda: jax.block_until_ready(forward_jit(q, k, v)),
             lambda: jax.block_until_ready(both_jit(q, k, v, grad_out)))
 
@@ -187,7 +189,7 @@ def main() -> None:
                         help="also time tfm with oneDNN dots (cpu_kernels=\"onednn\")")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args()
-    host_memory.keep_freed_memory()  # as vs_torch.py and tfm's training loop
+    cpu_memory.keep_freed_memory()  # as vs_torch.py and tfm's training loop
     torch.manual_seed(0)
     info = cpu_info()
     print(json.dumps(info), flush=True)

@@ -15,9 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from tfm import compile_options, train
-from tfm.config import ModelConfig
-from tfm.models import DecoderLM
+from tfm.kernels import cpu_compile
+from tfm.nn.config import ModelConfig
+from tfm.nn.models import DecoderLM
+from tfm.training import train
+from tfm.training.experiment import TrainState
 
 VOCAB = 65
 SHAPE = types.SimpleNamespace(layers=6, heads=6, d_model=384, block=256, batch=64, dropout=0.2)
@@ -59,26 +61,26 @@ def tfm_train_runner(shape, dtype: str, batch: dict, dropout_rng: str = "threefr
                      microbatches: int = 1, devices: int = 1, cpu_kernels: str = "auto"):
     """tfm's train step as `train.jit_steps` compiles it (`cpu_kernels` as train.cpu_kernels),
     the batch split over `devices` CPU devices (a "data" mesh axis; params and optimizer state
-    replicated). Compiles (with the options in force: see compile_options.using) and warms up;
+    replicated). Compiles (with the options in force: see cpu_compile.using) and warms up;
     returns (run, config, compile seconds), run(steps) -> seconds for `steps` steps."""
     config = model_config(shape, dtype, shape.block)
     model = DecoderLM(config)
     optimizer = optax.adamw(1e-3, b1=0.9, b2=0.99, weight_decay=0.1)
     params = init_params(config)
-    state = train.TrainState(
+    state = TrainState(
         jnp.zeros((), jnp.int32), params, optimizer.init(params), jax.random.PRNGKey(1)
     )
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:devices]), ("data",))
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
     state, batch = jax.device_put(state, replicated), jax.device_put(batch, split)
-    step = compile_options.jit(
+    step = cpu_compile.jit(
         lambda s, b: train.train_step(
             s, b, model=model, mode="lm", optimizer=optimizer,
             schedule=optax.constant_schedule(1e-3), label_smoothing=0.0,
             dropout_rng_impl=dropout_rng, microbatches=microbatches,
         ),
-        cpu_kernels=compile_options.resolve_cpu_kernels(cpu_kernels, config.compute_dtype),
+        cpu_kernels=cpu_compile.resolve_cpu_kernels(cpu_kernels, config.compute_dtype),
         in_shardings=(replicated, split), out_shardings=(replicated, replicated),
         donate_argnums=(0,),
     )

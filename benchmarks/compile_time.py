@@ -33,11 +33,14 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from tfm import compile_options, flops, generate, train  # noqa: E402
-from tfm.config import ModelConfig  # noqa: E402
 from tfm.data.tokenizers import EOS_ID  # noqa: E402
-from tfm.decoding import DecodeConfig  # noqa: E402
-from tfm.models import DecoderLM  # noqa: E402
+from tfm.decode import generate  # noqa: E402
+from tfm.decode.search import DecodeConfig  # noqa: E402
+from tfm.kernels import cpu_compile  # noqa: E402
+from tfm.nn.config import ModelConfig  # noqa: E402
+from tfm.nn.models import DecoderLM  # noqa: E402
+from tfm.training import flops, train  # noqa: E402
+from tfm.training.experiment import TrainState  # noqa: E402
 
 
 def config_for(layers: int, scan: bool) -> ModelConfig:
@@ -56,7 +59,7 @@ def train_compile_seconds(config: ModelConfig, batch: int = 8, block: int = 256)
     params = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), tokens)["params"])
     params = jax.tree.map(lambda x: getattr(x, "value", x), params,
                           is_leaf=lambda x: hasattr(x, "value"))
-    state = train.TrainState(jnp.zeros((), jnp.int32), params,
+    state = TrainState(jnp.zeros((), jnp.int32), params,
                              jax.eval_shape(optimizer.init, params), jax.random.PRNGKey(1))
     data = {"inputs": tokens, "targets": tokens, "weights": jnp.ones(tokens.shape),
             "positions": tokens, "segment_ids": tokens + 1}
@@ -94,7 +97,7 @@ def main() -> None:
     args = parser.parse_args()
     cache_note = "Persistent compilation cache: off."
     if args.compilation_cache_dir:
-        cache = compile_options.use_compilation_cache(args.compilation_cache_dir)
+        cache = cpu_compile.use_compilation_cache(args.compilation_cache_dir)
         cache_note = (f"Persistent compilation cache: on, {len(list(cache.iterdir()))} entries "
                       "in its folder when this run started.")
     depths = [int(n) for n in args.layers.split(",")]

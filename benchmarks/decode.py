@@ -6,7 +6,8 @@
 Same model, same process: a small LM (6 layers, d_model 384, 6 heads, d_ff 1536, vocab 256,
 random init, float32), prompts of 8 random tokens.
 
-- cached: `tfm.generate.lm_generate(method="greedy")`: prefill, then one token per step against
+- cached: `tfm.decode.generate.lm_generate(method="greedy")`: prefill, then one token per step
+against
   the KV cache, the whole loop in one jit. It generates every token: the EOS id is one the model
   never emits on these prompts (checked: every row must reach `new_tokens`).
 - recompute: one jit holding a fixed [batch, prompt + new_tokens] token buffer; every step runs
@@ -41,9 +42,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tfm import generate  # noqa: E402
-from tfm.config import ModelConfig  # noqa: E402
-from tfm.models import DecoderLM  # noqa: E402
+from tfm.decode import generate  # noqa: E402
+from tfm.nn.config import ModelConfig  # noqa: E402
+from tfm.nn.models import DecoderLM  # noqa: E402
 
 PROMPT_LEN = 8
 FIRST_EOS = 2
@@ -241,7 +242,8 @@ def main() -> None:
         )
     lines.append("")
     lines.append(
-        "cached: tfm.generate.lm_generate(method='greedy'), all new tokens generated (every row "
+        "cached: tfm.decode.generate.lm_generate(method='greedy'), all new tokens generated "
+        "(every row "
         "reached the full length). recompute: one jitted loop over a fixed [batch, "
         f"{PROMPT_LEN} + new tokens] buffer, the full forward pass over the whole buffer each step."
     )

@@ -3,7 +3,7 @@
     python benchmarks/decode_attention.py [--batch 8] [--max_len 1032] [--block 256]
 
 One decode step's attention core for every layer (a [batch, heads, 1, head_dim] query against
-per-layer key/value buffers in tfm/cache.py's layout), timed two ways at several fill levels:
+per-layer key/value buffers in tfm/nn/cache.py's layout), timed two ways at several fill levels:
 - full: one matmul pair over all max_len slots (empty ones masked), what tfm does;
 - blockwise: a fori_loop over ceil(filled / block) slot blocks with an online softmax, which
   reads only the filled part of the cache but slices each block out of the buffer.
@@ -28,7 +28,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from tfm import flops  # noqa: E402
+from tfm.training import flops  # noqa: E402
 
 
 def attend_full(query, keys, values, filled):

@@ -5,7 +5,7 @@
 
 The char-GPT step of benchmarks/vs_torch.py (benchmarks/char_gpt.py: 6 layers, d_model 384,
 block 256, dropout 0.2 on the embeddings and both residual branches), tfm only, in one
-process: `train.dropout_rng` threefry (tfm.prng's fused hash), threefry2x32 (the same masks
+process: `train.dropout_rng` threefry (tfm.training.prng's fused hash), threefry2x32 (the same masks
 through jax's own lowering) and rbg, next to the same step with dropout 0. Repeats interleave
 the variants; medians of wall and process CPU time. Writes
 benchmarks/results/dropout_cost.{json,md}.
@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import char_gpt  # noqa: E402
 
-from tfm import flops  # noqa: E402
+from tfm.training import flops  # noqa: E402
 
 NO_DROPOUT = "no dropout"
 

@@ -3,7 +3,8 @@
 1. cuDNN flash attention against the xla backend, bf16, causal + padding mask: values and the
    three gradients (max abs difference), and fwd+bwd time of each.
 2. Training MFU at the GPT-2-small shape (12 layers, d_model 768, 12 heads, seq 1024, vocab
-   50,257, bf16 compute, cuDNN attention, AdamW), against the device's bf16 peak (tfm.flops).
+   50,257, bf16 compute, cuDNN attention, AdamW), against the device's bf16 peak
+   (tfm.training.flops).
 3. Batch-1 greedy decoding (bf16 weights and cache) as a fraction of the HBM-bandwidth bound
    (bf16 weight bytes per token over the device's bandwidth, measured with a large copy).
 
@@ -27,10 +28,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from tfm import attention, flops, losses  # noqa: E402
-from tfm.config import ModelConfig  # noqa: E402
-from tfm.generate import lm_generate  # noqa: E402
-from tfm.models import DecoderLM  # noqa: E402
+from tfm.decode.generate import lm_generate  # noqa: E402
+from tfm.nn import attention  # noqa: E402
+from tfm.nn.config import ModelConfig  # noqa: E402
+from tfm.nn.models import DecoderLM  # noqa: E402
+from tfm.training import flops, losses  # noqa: E402
 
 
 def timed(fn, repeats: int = 10) -> float:

@@ -30,7 +30,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from tfm import flops  # noqa: E402
+from tfm.training import flops  # noqa: E402
 
 SIZE, KERNELS, STEPS = 1536, 5, 20
 

@@ -1,6 +1,6 @@
 """Per-device memory of the paper's base model train step, on one device and sharded over 8.
 
-The train step is the one `./launch.sh train` runs (tfm.train.state_shardings + jit_steps:
+The train step is the one `./launch.sh train` runs (tfm.training.train.state_shardings + jit_steps:
 explicit in/out shardings, donated state), lowered with abstract inputs (jax.ShapeDtypeStruct
 carrying the shardings) and compiled; nothing of the ~65M-parameter state is allocated.
 Figures are XLA's `compiled.memory_analysis()` for one device's SPMD program:
@@ -10,7 +10,7 @@ Figures are XLA's `compiled.memory_analysis()` for one device's SPMD program:
   temp       activations, gradients and workspace XLA allocates during the step
   peak       arguments + outputs - aliased + temp (an upper bound of live memory)
 
-Model: tfm.config.paper_base(37000) EncoderDecoder (6+6 layers, d_model 512, d_ff 2048, 8 heads,
+Model: tfm.nn.config.paper_base(37000) EncoderDecoder (6+6 layers, d_model 512, d_ff 2048, 8 heads,
 shared 37k embeddings, dropout 0.1), Adam (the paper's, mu and nu in float32), label smoothing
 0.1, float32 everywhere; batch 8 x 64 source and 64 target tokens by default.
 
@@ -44,9 +44,17 @@ import ml_collections  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tfm import optim, sharding, train  # noqa: E402
-from tfm.config import paper_base  # noqa: E402
 from tfm.data.pipeline import feature_lengths  # noqa: E402
+from tfm.nn.config import paper_base  # noqa: E402
+from tfm.parallel import sharding  # noqa: E402
+from tfm.training import optim, train  # noqa: E402
+from tfm.training.experiment import (  # noqa: E402
+    EvalConfig,
+    Experiment,
+    GenerateConfig,
+    TrainConfig,
+    state_shardings,
+)
 
 MESHES = {
     "one": {"data": 1, "fsdp": 1, "tensor": 1},
@@ -58,7 +66,7 @@ MESHES = {
 MIB = 2**20
 
 
-def experiment(mesh_name: str, batch: int, seq_len: int, scan_layers: bool) -> train.Experiment:
+def experiment(mesh_name: str, batch: int, seq_len: int, scan_layers: bool) -> Experiment:
     """An Experiment for the paper-base model without a data pipeline: the memory of a step
     depends only on batch shapes, so a stand-in gives the train lengths and batch size."""
     model_config = paper_base(37000).replace(scan_layers=scan_layers)
@@ -73,15 +81,15 @@ def experiment(mesh_name: str, batch: int, seq_len: int, scan_layers: bool) -> t
         train_lengths=feature_lengths(seq_len, seq_len),
         config=types.SimpleNamespace(batch_size=batch, seq_len=seq_len),
     )
-    return train.Experiment(
+    return Experiment(
         config=config,
         workdir=Path("/nonexistent"),
         model_config=model_config,
         mode="seq2seq",
         data=data,  # type: ignore[arg-type]
-        train=train.TrainConfig(label_smoothing=0.1),
-        eval=train.EvalConfig(),
-        generate=train.GenerateConfig(),
+        train=TrainConfig(label_smoothing=0.1),
+        eval=EvalConfig(),
+        generate=GenerateConfig(),
         optimizer_config=optimizer_config,
         optimizer=optimizer,
         schedule=schedule,
@@ -90,7 +98,7 @@ def experiment(mesh_name: str, batch: int, seq_len: int, scan_layers: bool) -> t
     )
 
 
-def abstract_batch(exp: train.Experiment, batch: int, seq_len: int) -> dict:
+def abstract_batch(exp: Experiment, batch: int, seq_len: int) -> dict:
     """The training batch as ShapeDtypeStructs split over the batch axes (as shard_batch does)."""
     spec = sharding.batch_sharding(exp.mesh, exp.rules)
     keys = ("source", "source_positions", "source_segment_ids", "inputs", "targets", "positions",
@@ -112,7 +120,7 @@ def shard_bytes(tree: dict) -> tuple[int, int]:
 
 def measure(mesh_name: str, batch: int, seq_len: int, scan_layers: bool) -> dict:
     exp = experiment(mesh_name, batch, seq_len, scan_layers)
-    abstract, shardings = train.state_shardings(exp)
+    abstract, shardings = state_shardings(exp)
     train_step, _ = train.jit_steps(exp, shardings)
     start = time.perf_counter()
     compiled = train_step.lower(abstract, abstract_batch(exp, batch, seq_len)).compile()

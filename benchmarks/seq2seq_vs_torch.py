@@ -14,9 +14,10 @@ tfm runs its real `train.train_step` on `EncoderDecoder(paper_base(8000))`; torc
 shared embedding, the same positions restarting in each packed pair, block-diagonal attention
 masks (causal in the decoder), tied output and `F.cross_entropy(label_smoothing=0.1)`, in eager
 mode. Repeats interleave the two; medians are reported as target tokens/s, with MFU against the
-measured float32 matmul peak (tfm.flops' per-target-token count). A third row times tfm's step
+measured float32 matmul peak (tfm.training.flops' per-target-token count). A third row times tfm's
+step
 compiled with XLA's own CPU options (YNNPACK dots and reductions; what TFM_XLA_DEFAULTS=0 gives,
-see tfm/compile_options.py), which --no-xla_defaults leaves out. Writes
+see tfm/cpu_compile.py), which --no-xla_defaults leaves out. Writes
 benchmarks/results/seq2seq_vs_torch.{json,md}.
 """
 
@@ -40,9 +41,11 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax.linen import meta as nn_meta  # noqa: E402
 
-from tfm import compile_options, flops, host_memory, train  # noqa: E402
-from tfm.config import paper_base  # noqa: E402
-from tfm.models import EncoderDecoder  # noqa: E402
+from tfm.kernels import cpu_compile, cpu_memory  # noqa: E402
+from tfm.nn.config import paper_base  # noqa: E402
+from tfm.nn.models import EncoderDecoder  # noqa: E402
+from tfm.training import flops, train  # noqa: E402
+from tfm.training.experiment import TrainState  # noqa: E402
 
 try:
     import torch
@@ -80,9 +83,9 @@ def tfm_runner(config, batch: dict, lr: float = 1e-4):
               for k, v in batch.items()}
     boxed = model.init(jax.random.PRNGKey(0), arrays["source"][:1], arrays["inputs"][:1])
     params = nn_meta.unbox(boxed["params"])
-    state = train.TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params),
+    state = TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params),
                              jax.random.PRNGKey(1))
-    step = compile_options.jit(
+    step = cpu_compile.jit(
         lambda s, b: train.train_step(s, b, model=model, mode="seq2seq", optimizer=optimizer,
                                       schedule=optax.constant_schedule(lr), label_smoothing=0.1),
         donate_argnums=(0,),
@@ -172,7 +175,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.length % args.pairs:
         parser.error(f"--length {args.length} must be a multiple of --pairs {args.pairs}")
-    host_memory.keep_freed_memory()
+    cpu_memory.keep_freed_memory()
     info = cpu_info()
     print(json.dumps(info), flush=True)
     peak = max(matmul_peaks(["float32"])["float32"].values())
@@ -183,15 +186,15 @@ def main() -> None:
     )
     batch = packed_batch(args.batch, args.length, args.pairs, args.vocab)
     runs = {"tfm": tfm_runner(config, batch), "torch": torch_runner(args, batch)}
-    options = {"tfm": compile_options.compiler_options(), "torch": None}
+    options = {"tfm": cpu_compile.compiler_options(), "torch": None}
     if args.xla_defaults:
-        with compile_options.using(None):
+        with cpu_compile.using(None):
             runs[XLA_DEFAULTS] = tfm_runner(config, batch)
         options[XLA_DEFAULTS] = None
     times = {name: [] for name in runs}
     for _ in range(args.repeats):
         for name, run in runs.items():
-            with compile_options.using(options[name]):
+            with cpu_compile.using(options[name]):
                 times[name].append(run())
     tokens = args.batch * args.length
     segment = args.length // args.pairs

@@ -8,11 +8,11 @@ Each repeat runs fresh Python processes (nothing imported or compiled before):
   the metric writer (tensorboardX), `init_state` (trace, compile, run), compiling the train and
   eval steps;
 - the init program, traced and lowered once, then compiled with
-  `compile_options.run_once_options` (LLVM -O1, what init_state uses) and with the steps'
+  `cpu_compile.run_once_options` (LLVM -O1, what init_state uses) and with the steps'
   options (-O3), in alternating order across repeats; both programs' parameters are compared
   bit for bit;
 - the plain `import tensorboardX`, which imports torch when it is installed (tfm imports it
-  with torch hidden, `tfm.metrics._tensorboardx_writer`: the tensorboardx_writer phase).
+  with torch hidden, `tfm.training.metrics._tensorboardx_writer`: the tensorboardx_writer phase).
 
 Medians over repeats. Writes benchmarks/results/startup.{json,md}.
 """
@@ -35,7 +35,8 @@ import json, sys, tempfile, time
 start = time.perf_counter()
 sys.path.insert(0, ROOT)
 import jax
-from tfm import experiment, metrics, sharding, train
+from tfm.training import experiment, metrics, train
+from tfm.parallel import sharding
 from configs import CONFIG_MODULE as module
 times = {"import": time.perf_counter() - start}
 
@@ -67,14 +68,16 @@ import json, sys, tempfile, time
 sys.path.insert(0, ROOT)
 import jax
 from flax import linen as nn
-from tfm import compile_options, experiment, sharding
+from tfm.kernels import cpu_compile
+from tfm.training import experiment
+from tfm.parallel import sharding
 from configs import CONFIG_MODULE as module
 exp = experiment.setup(module.get_config(ARG), tempfile.mkdtemp())
 abstract, shardings = experiment.state_shardings(exp)
 init = experiment._init_fn(exp)
 rng = jax.random.PRNGKey(exp.train.seed)
-options = {"run_once": compile_options.run_once_options(),
-           "steps": compile_options.compiler_options()}
+options = {"run_once": cpu_compile.run_once_options(),
+           "steps": cpu_compile.compiler_options()}
 with sharding.sharding_context(exp.mesh, exp.rules):
     lowered = jax.jit(lambda key: nn.meta.unbox(init(key)), out_shardings=shardings).lower(rng)
     seconds, states = {}, {}
@@ -112,7 +115,7 @@ def main() -> None:
     args = parser.parse_args()
 
     sys.path.insert(0, str(ROOT))
-    from tfm import flops
+    from tfm.training import flops
 
     path, _, arg = args.config.partition(":")
 

@@ -8,10 +8,11 @@ block 256, batch 64, dropout 0.2, `train.cpu_kernels="auto"`), tfm only, next to
 with the attention core (`attention.dot_product_attention`: softmax(q k^T) v with its mask and
 dropout, forward and backward) replaced by `q + k + v`, which keeps the shapes and every other
 op (projections, FFN, norms, dropout, loss, optimizer). Repeats interleave the two; medians;
-freed host memory is kept, as in training (tfm/host_memory.py).
+freed host memory is kept, as in training (tfm/cpu_memory.py).
 The core's share is the difference; the rest's MFU counts the step's model FLOPs less the
-core's (tfm.flops.attention_core_flops: 12 * layers * block * d_attn per token) against this
-host's measured matmul peak (tfm.flops.measure_matmul_flops, 2048^3, best of 10, in that
+core's (tfm.training.flops.attention_core_flops: 12 * layers * block * d_attn per token) against
+this
+host's measured matmul peak (tfm.training.flops.measure_matmul_flops, 2048^3, best of 10, in that
 dtype). Writes benchmarks/results/step_breakdown.{json,md}.
 """
 
@@ -31,13 +32,15 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import char_gpt  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from tfm import attention, flops, host_memory, layers  # noqa: E402
+from tfm.kernels import cpu_memory  # noqa: E402
+from tfm.nn import attention, layers  # noqa: E402
+from tfm.training import flops  # noqa: E402
 
 FULL, NO_CORE = "whole step", "attention core replaced by q + k + v"
 
 
 class _AttentionWithoutCore:
-    """tfm.attention as the layers see it, with the core replaced by q + k + v."""
+    """tfm.nn.attention as the layers see it, with the core replaced by q + k + v."""
 
     def __getattr__(self, name):
         return getattr(attention, name)
@@ -109,7 +112,7 @@ def main() -> None:
     args = parser.parse_args()
     info = flops.cpu_features()
     print(json.dumps(info))
-    host_memory.keep_freed_memory()  # as training on CPU does (tfm/host_memory.py)
+    cpu_memory.keep_freed_memory()  # as training on CPU does (tfm/cpu_memory.py)
     rows = [measure(dtype, args) for dtype in args.dtypes.split(",")]
     command = "python " + " ".join(
         [Path(sys.argv[0]).as_posix()] + [f"'{a}'" if " " in a else a for a in sys.argv[1:]]

@@ -5,7 +5,7 @@
 
 Each dtype runs in the same process on the same batches: compile and warm up, then time
 `--steps` train steps `--repeats` times and keep the median. MFU uses the config's FLOPs per
-token (tfm.flops) against the device peak (on CPU: a matmul micro-benchmark, measured once
+token (tfm.training.flops) against the device peak (on CPU: a matmul micro-benchmark, measured once
 per dtype and cached). Writes benchmarks/results/train_throughput.{json,md}.
 """
 
@@ -25,7 +25,10 @@ import jax.numpy as jnp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tfm import flops, host_memory, sharding, train  # noqa: E402
+from tfm.kernels import cpu_memory  # noqa: E402
+from tfm.parallel import sharding  # noqa: E402
+from tfm.training import flops, train  # noqa: E402
+from tfm.training.experiment import init_state, setup, state_shardings  # noqa: E402
 
 
 def load_config(spec: str):
@@ -40,11 +43,11 @@ def load_config(spec: str):
 def measure(config, dtype: str, steps: int, repeats: int, workdir: Path) -> dict:
     config = config.copy_and_resolve_references()
     config.model.dtype = dtype
-    experiment = train.setup(config, workdir)
-    _, shardings = train.state_shardings(experiment)
-    state = train.init_state(experiment, shardings)
+    experiment = setup(config, workdir)
+    _, shardings = state_shardings(experiment)
+    state = init_state(experiment, shardings)
     step_fn, _ = train.jit_steps(experiment, shardings)  # what train_and_evaluate runs
-    host_memory.keep_freed_memory()  # as train_and_evaluate does on CPU
+    cpu_memory.keep_freed_memory()  # as train_and_evaluate does on CPU
     iterator = experiment.data.train_iterator()
     batches = [
         sharding.shard_batch(next(iterator), experiment.mesh, rules=experiment.rules)

@@ -20,7 +20,8 @@ fraction of rows whose tokens agree. Speed: tokens/s = rows x 64 / median time o
 repeats (compile excluded), and the batch-1 greedy bound: weight bytes a decode step reads (the
 decoder and the tied embedding as output layer) over the measured memory bandwidth. Also the
 output layer alone at 1-128 rows, from the tied table read transposed and from a
-[d_model, vocab] copy (`tfm.models.output_kernel`), torch beside (--no-output_layer skips). Writes
+[d_model, vocab] copy (`tfm.nn.models.output_kernel`), torch beside (--no-output_layer skips).
+Writes
 benchmarks/results/translate_vs_hf.{json,md}.
 """
 
@@ -42,9 +43,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from tfm import compile_options, flops, host_memory  # noqa: E402
-from tfm.generate import best_sequences, translate  # noqa: E402
+from tfm.decode.generate import best_sequences, translate  # noqa: E402
 from tfm.interop import hf as interop  # noqa: E402
+from tfm.kernels import cpu_compile, cpu_memory  # noqa: E402
+from tfm.training import flops  # noqa: E402
 
 try:
     import torch
@@ -85,8 +87,8 @@ def output_layer_rows(args, repeats: int = 15) -> list[dict]:
     table = rng.normal(size=(args.vocab, args.d_model)).astype(np.float32)
     on_jax, copy = jnp.asarray(table), jnp.asarray(table.T.copy())
     on_torch = torch.from_numpy(table)
-    transposed = compile_options.jit(lambda x, t: x @ t.T)
-    plain = compile_options.jit(lambda x, k: x @ k)
+    transposed = cpu_compile.jit(lambda x, t: x @ t.T)
+    plain = cpu_compile.jit(lambda x, k: x @ k)
     rows = []
     for count in (1, 4, 8, 32, 128):
         x = rng.normal(size=(count, args.d_model)).astype(np.float32)
@@ -219,7 +221,7 @@ def main() -> None:
     unknown = set(args.methods.split(",")) - {"greedy", "beam"}
     if unknown:
         parser.error(f"--methods: {sorted(unknown)} not in greedy, beam")
-    host_memory.keep_freed_memory()
+    cpu_memory.keep_freed_memory()
     info = cpu_info()
     print(json.dumps(info), flush=True)
     bandwidth = memory_bandwidth()

@@ -8,8 +8,8 @@
     python benchmarks/vs_torch.py --only train --dtypes float32 --microbatches 1,8,32
     python benchmarks/vs_torch.py --only train --dtypes float32 --microbatches 32 --cpu_devices 1,2
     python benchmarks/vs_torch.py --only train --cpu_kernels auto,xla,onednn
-    python benchmarks/vs_torch.py --xla_defaults off      # tfm without tfm/compile_options.py
-    python benchmarks/vs_torch.py --malloc_defaults off   # glibc's, not tfm/host_memory.py's
+    python benchmarks/vs_torch.py --xla_defaults off      # tfm without tfm/cpu_compile.py
+    python benchmarks/vs_torch.py --malloc_defaults off   # glibc's, not tfm/cpu_memory.py's
 
 Training: a char GPT (6 layers, 6 heads, d_model 384, block 256, batch 64, dropout 0.2, learned
 positions, pre-LN, GELU, no biases, tied output, AdamW), as tfm's real `train.train_step` and as
@@ -23,14 +23,14 @@ beside it one loop over a full-size cache, `cache_segments=1`) against Hugging F
 token over the measured memory bandwidth.
 
 --cpu_kernels auto,xla,onednn times tfm's train step with each `train.cpu_kernels` (see
-tfm/compile_options.py): auto is tfm's default (YNNPACK dots for bfloat16 on a CPU with bf16
+tfm/cpu_compile.py): auto is tfm's default (YNNPACK dots for bfloat16 on a CPU with bf16
 units, else xla), onednn oneDNN dots, ynnpack XLA's CPU defaults, ynnpack_dots YNNPACK dots.
 
 --cpu_devices 1,2 also times tfm training data-parallel over 2 CPU devices of this host (what
 `./launch.sh train ... --devices_per_process 2` runs): each device runs its half of the batch on
 its own thread, so small ops on the two halves overlap instead of leaving a core idle.
 
-The run keeps freed host memory as tfm's training loop does (`tfm/host_memory.py`; the setting
+The run keeps freed host memory as tfm's training loop does (`tfm/cpu_memory.py`; the setting
 is the process's, so torch runs under it too); `--malloc_defaults off` leaves glibc's defaults.
 
 Repeats interleave the two frameworks, and medians are reported, because the machine is shared.
@@ -60,9 +60,11 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from char_gpt import VOCAB, init_params, model_config, random_batch, tfm_train_runner  # noqa: E402
 
-from tfm import compile_options, decoding, flops, host_memory  # noqa: E402
-from tfm.decoding import DecodeConfig  # noqa: E402
-from tfm.generate import lm_generate  # noqa: E402
+from tfm.decode import search  # noqa: E402
+from tfm.decode.generate import lm_generate  # noqa: E402
+from tfm.decode.search import DecodeConfig  # noqa: E402
+from tfm.kernels import cpu_compile, cpu_memory  # noqa: E402
+from tfm.training import flops  # noqa: E402
 
 KERNEL_LABELS = {"xla": "XLA's kernels", "ynnpack": "XLA's defaults (YNNPACK)",
                  "ynnpack_dots": "YNNPACK dots", "onednn": "oneDNN dots"}
@@ -71,7 +73,7 @@ KERNEL_LABELS = {"xla": "XLA's kernels", "ynnpack": "XLA's defaults (YNNPACK)",
 def kernels_label(kind: str, dtype: str) -> str:
     """How a train row's cpu_kernels shows in the table; tfm's default ("auto") says what it
     chose for this dtype on this CPU."""
-    label = KERNEL_LABELS[compile_options.resolve_cpu_kernels(kind, dtype)]
+    label = KERNEL_LABELS[cpu_compile.resolve_cpu_kernels(kind, dtype)]
     return f"tfm's default ({label})" if kind == "auto" else label
 
 try:
@@ -85,8 +87,8 @@ except ImportError:  # pragma: no cover - the benchmark says what to install
 
 def cpu_info() -> dict:
     return {**flops.cpu_features(), "jax": jax.__version__, "torch": torch.__version__,
-            "tfm_compiler_options": compile_options.compiler_options(),
-            "keeps_freed_memory": host_memory.keep_freed_memory()}
+            "tfm_compiler_options": cpu_compile.compiler_options(),
+            "keeps_freed_memory": cpu_memory.keep_freed_memory()}
 
 
 def best_time(fn, repeats: int = 5) -> float:
@@ -243,7 +245,7 @@ def bench_train(args, peaks: dict) -> list[dict]:
         rows.append({
             "work": "train", "dtype": dtype, "dropout_rng": impl, "microbatches": k,
             "cpu_devices": n, "cpu_kernels": kind,
-            "cpu_kernels_chosen": compile_options.resolve_cpu_kernels(kind, dtype),
+            "cpu_kernels_chosen": cpu_compile.resolve_cpu_kernels(kind, dtype),
             "batch": args.batch, "block": args.block, "tfm_tokens_per_s": tfm_tps,
             "torch_tokens_per_s": torch_tps[k], "ratio": tfm_tps / torch_tps[k],
             # against torch taking the batch at once, the anchor of issue 9
@@ -350,7 +352,7 @@ def bench_decode(args, bandwidth: float) -> list[dict]:
             tps = {k: batch * new_tokens / statistics.median(v) for k, v in times.items()}
             row = {
                 "work": "decode", "batch": batch, "new_tokens": new_tokens,
-                "segment_ends": decoding.segment_ends(new_tokens, DecodeConfig.cache_segments),
+                "segment_ends": search.segment_ends(new_tokens, DecodeConfig.cache_segments),
                 "tfm_tokens_per_s": tps["tfm"], "tfm_bf16_tokens_per_s": tps["tfm_bf16"],
                 "tfm_one_loop_tokens_per_s": tps["tfm_one_loop"],
                 "hf_tokens_per_s": tps["hf"], "ratio": tps["tfm"] / tps["hf"],
@@ -375,7 +377,7 @@ def report(info: dict, peaks: dict, bandwidth: float, rows: list[dict], command:
                      for d, p in peaks.items()) + ". " if peaks else "")
         + f"Memory bandwidth (512 MiB sum): {bandwidth / 1e9:.1f} GB/s. "
         f"tfm's XLA options: {info.get('tfm_compiler_options') or 'XLA defaults'}. "
-        "Freed host memory: " + ("kept (tfm/host_memory.py)." if info.get("keeps_freed_memory")
+        "Freed host memory: " + ("kept (tfm/cpu_memory.py)." if info.get("keeps_freed_memory")
                                  else "glibc's defaults."),
         "",
     ]
@@ -455,9 +457,9 @@ def main() -> None:
                              "ynnpack_dots, onednn")
     parser.add_argument("--xla_defaults", choices=("on", "off"), default="on",
                         help="off: tfm compiles with XLA's defaults, not "
-                             "tfm/compile_options.py's (TFM_XLA_DEFAULTS=0)")
+                             "tfm/cpu_compile.py's (TFM_XLA_DEFAULTS=0)")
     parser.add_argument("--malloc_defaults", choices=("on", "off"), default="on",
-                        help="off: glibc's malloc defaults, not tfm/host_memory.py's "
+                        help="off: glibc's malloc defaults, not tfm/cpu_memory.py's "
                              "(TFM_MALLOC_DEFAULTS=0); the setting is the process's, so torch "
                              "runs under it too")
     parser.add_argument("--steps", type=int, default=2, help="train steps per timing")
@@ -473,7 +475,7 @@ def main() -> None:
         os.environ["TFM_XLA_DEFAULTS"] = "0"
     if args.malloc_defaults == "off":
         os.environ["TFM_MALLOC_DEFAULTS"] = "0"
-    host_memory.keep_freed_memory()  # before the backend's threads start (one malloc arena)
+    cpu_memory.keep_freed_memory()  # before the backend's threads start (one malloc arena)
     # Before anything starts the backend: devices for --cpu_devices (1 device runs on the first).
     jax.config.update("jax_num_cpu_devices", max(int(n) for n in args.cpu_devices.split(",")))
     torch.set_num_threads(os.cpu_count() or 1)

@@ -1,4 +1,4 @@
-"""tfm's CPU compile options (tfm/compile_options.py) against the alternatives, side by side.
+"""tfm's CPU compile options (tfm/cpu_compile.py) against the alternatives, side by side.
 
     python benchmarks/xla_options.py                    # about 8 minutes on 2 cores
     python benchmarks/xla_options.py --gpt_microbatches ""  --repeats 5   # without the 6-layer step
@@ -12,7 +12,7 @@ Each piece of work runs under every setting in one process, repeats interleaved,
   train.cpu_kernels="auto" takes for bfloat16 on a CPU with bf16 units);
 - "no YNNPACK": XLA's own dots and reductions (tfm's choice, for every step);
 - "no YNNPACK -O1": the same with LLVM at -O1 instead of -O3 (faster to compile; what
-  parameter initialisation uses, compile_options.run_once_options); not in the default set;
+  parameter initialisation uses, cpu_compile.run_once_options); not in the default set;
 - "oneDNN dots": XLA hands every dot to the oneDNN library (the rest as "no YNNPACK"; what a
   step's `cpu_kernels="onednn"` asks for, the `train.cpu_kernels` config field); not in the
   default set (benchmarks/README.md).
@@ -44,16 +44,19 @@ import numpy as np  # noqa: E402
 from char_gpt import SHAPE, init_params, model_config, random_batch, tfm_train_runner  # noqa: E402
 from train_throughput import load_config  # noqa: E402
 
-from tfm import compile_options, flops, host_memory, sharding, train  # noqa: E402
-from tfm.generate import lm_generate  # noqa: E402
+from tfm.decode.generate import lm_generate  # noqa: E402
+from tfm.kernels import cpu_compile, cpu_memory  # noqa: E402
+from tfm.parallel import sharding  # noqa: E402
+from tfm.training import flops, train  # noqa: E402
+from tfm.training.experiment import init_state, setup, state_shardings  # noqa: E402
 
-YNN = compile_options.YNN_FUSION
+YNN = cpu_compile.YNN_FUSION
 ALL_SETTINGS: dict[str, dict | None] = {
     "XLA defaults": None,
-    "YNNPACK dots": compile_options.YNNPACK_DOTS_OPTIONS,
+    "YNNPACK dots": cpu_compile.YNNPACK_DOTS_OPTIONS,
     "no YNNPACK": {YNN: ""},
     "no YNNPACK -O1": {YNN: "", "xla_backend_optimization_level": 1},
-    "oneDNN dots": compile_options.ONEDNN_OPTIONS,  # what cpu_kernels="onednn" asks for
+    "oneDNN dots": cpu_compile.ONEDNN_OPTIONS,  # what cpu_kernels="onednn" asks for
 }
 DEFAULT_SETTINGS = "XLA defaults,YNNPACK dots,no YNNPACK"
 TFM_CHOICE = "no YNNPACK"
@@ -65,7 +68,7 @@ def interleave(runs: dict[str, Callable[[], float]], repeats: int) -> dict[str, 
     times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(repeats):
         for name, run in runs.items():
-            with compile_options.using(SETTINGS[name]):
+            with cpu_compile.using(SETTINGS[name]):
                 times[name].append(run())
     return {name: statistics.median(values) for name, values in times.items()}
 
@@ -73,8 +76,8 @@ def interleave(runs: dict[str, Callable[[], float]], repeats: int) -> dict[str, 
 def recipe_steps(args) -> list[dict]:
     """The small recipe's train step (per step) and eval step (per batch)."""
     config = load_config(args.config)
-    experiment = train.setup(config, Path("/tmp/tfm_xla_options"))
-    _, shardings = train.state_shardings(experiment)
+    experiment = setup(config, Path("/tmp/tfm_xla_options"))
+    _, shardings = state_shardings(experiment)
     iterator = experiment.data.train_iterator()
     batches = [sharding.shard_batch(next(iterator), experiment.mesh, rules=experiment.rules)
                for _ in range(args.steps)]
@@ -86,8 +89,8 @@ def recipe_steps(args) -> list[dict]:
     train_step, eval_step = train.jit_steps(experiment, shardings)
     states, losses, eval_losses = {}, {}, {}
     for name in SETTINGS:
-        with compile_options.using(SETTINGS[name]):
-            states[name] = train.init_state(experiment, shardings)
+        with cpu_compile.using(SETTINGS[name]):
+            states[name] = init_state(experiment, shardings)
             states[name], metrics = train_step(states[name], batches[0])  # compile
             losses[name] = float(metrics["loss_sum"])
             eval_losses[name] = float(eval_step(states[name].params, eval_batches[0])["loss_sum"])
@@ -128,7 +131,7 @@ def gpt_train_steps(args) -> list[dict]:
     for k in [int(k) for k in args.gpt_microbatches.split(",") if k]:
         runs = {}
         for name in SETTINGS:
-            with compile_options.using(SETTINGS[name]):
+            with cpu_compile.using(SETTINGS[name]):
                 runs[name] = tfm_train_runner(SHAPE, "float32", batch, microbatches=k)[0]
         seconds = interleave({name: (lambda run=run: run(1)) for name, run in runs.items()},
                              args.gpt_repeats)
@@ -153,7 +156,7 @@ def decode_loops(args) -> list[dict]:
             return time.perf_counter() - start
 
         for name in SETTINGS:
-            with compile_options.using(SETTINGS[name]):
+            with cpu_compile.using(SETTINGS[name]):
                 run()  # compile
         seconds = interleave(dict.fromkeys(SETTINGS, run), args.repeats)
         rows.append({"work": f"greedy decode, char GPT 6 x 384, batch {batch}, "
@@ -213,7 +216,7 @@ def main() -> None:
     if jax.default_backend() != "cpu":
         sys.exit("xla_options.py compares CPU compile options; this backend is "
                  f"{jax.default_backend()}")
-    host_memory.keep_freed_memory()  # as the training loop does
+    cpu_memory.keep_freed_memory()  # as the training loop does
     info = flops.cpu_features()
     print(json.dumps(info), flush=True)
     rows = recipe_steps(args)

@@ -12,10 +12,10 @@ import typing
 import ml_collections
 from ml_collections import config_dict
 
-from tfm.config import ModelConfig
 from tfm.data.build import DataConfig
-from tfm.experiment import GENERATE_DEFAULTS, EvalConfig, TrainConfig
-from tfm.optim import DEFAULTS as OPTIMIZER_DEFAULTS
+from tfm.nn.config import ModelConfig
+from tfm.training.experiment import GENERATE_DEFAULTS, EvalConfig, TrainConfig
+from tfm.training.optim import DEFAULTS as OPTIMIZER_DEFAULTS
 
 _OPTIONAL_TYPES = {"int": int, "float": float, "str": str, "tuple": tuple, "bool": bool}
 
@@ -59,7 +59,8 @@ def base_config() -> ml_collections.ConfigDict:
     # param_dtype, scan_layers, remat, attention_backend). A workdir checkpoint wins on resume.
     config.init = ml_collections.ConfigDict(dict(pretrained=config_dict.placeholder(str)))
     config.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
-    config.logical_axis_rules = ()  # (("embed", None), ...) overrides tfm.sharding's defaults
+    # (("embed", None), ...) overrides tfm.parallel.sharding's defaults
+    config.logical_axis_rules = ()
     config.distributed = ml_collections.ConfigDict(
         dict(enabled="auto", coordinator_address="", num_processes=0, process_id=-1)
     )
@@ -72,7 +73,7 @@ def apply_variants(config: ml_collections.ConfigDict, arg: str | None, variants:
     `variants` maps a name to a function that edits the config; every position scheme is also
     a variant (sets model.position_scheme). Unknown names raise, listing what is allowed.
     """
-    from tfm.positions import POSITION_SCHEMES
+    from tfm.nn.positions import POSITION_SCHEMES
 
     for name in filter(None, (arg or "").split(",")):
         if name in POSITION_SCHEMES:
@@ -89,8 +90,8 @@ def apply_variants(config: ml_collections.ConfigDict, arg: str | None, variants:
 def position_sweep(arg: str | None = None) -> list[dict]:
     """Every position scheme (`model.position_scheme`), one run each; when the sweep's ARG names
     schemes (`reverse,rope,alibi`), just those (a pilot or a rerun of a few)."""
-    from tfm.config import POSITION_SCHEMES
-    from tfm.sweep import sweep
+    from tfm.nn.config import POSITION_SCHEMES
+    from tfm.sweeps.sweep import sweep
 
     names = set(filter(None, (arg or "").split(",")))
     return sweep("model.position_scheme", [s for s in POSITION_SCHEMES if s in names]
@@ -105,7 +106,7 @@ def synthetic_sweep(arg: str | None) -> list[dict]:
     named in ARG), on the task named in ARG, or on copy, reverse and addition when ARG names none.
     The sweep's ARG is also the config's, so `reverse,runlocal` applies to every run."""
     from tfm.data.synthetic import TASKS
-    from tfm.sweep import product, sweep
+    from tfm.sweeps.sweep import product, sweep
 
     names = set(filter(None, (arg or "").split(",")))
     if names & set(TASKS):

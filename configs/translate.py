@@ -29,7 +29,7 @@ Measured on a 2-core AMD EPYC (results in experiments/results/, with their comma
 """
 
 from configs.base import apply_variants, base_config
-from tfm.sweep import sweep
+from tfm.sweeps.sweep import sweep
 
 
 def get_config(arg: str | None = None):

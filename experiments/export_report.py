@@ -12,7 +12,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tfm import flops  # noqa: E402
+from tfm.training import flops  # noqa: E402
 
 root, name, sweep_command, report_command = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
 out = ROOT / "experiments/results" / name

@@ -41,7 +41,7 @@ def parameter_count(workdir: Path) -> int:
     import jax
     import numpy as np
 
-    from tfm import checkpoint
+    from tfm.training import checkpoint
 
     with checkpoint.Checkpointer(workdir / "checkpoints", async_save=False) as checkpointer:
         params = checkpointer.restore()["params"]

@@ -11,7 +11,7 @@
 
 Overrides of the training run go after the config as for ./launch.sh (--config.x=y). Weights come
 from the reference attention backend (the only one that returns them): every call of
-tfm.attention.dot_product_attention is recorded with the path of the module that made it.
+tfm.nn.attention.dot_product_attention is recorded with the path of the module that made it.
 """
 
 from __future__ import annotations
@@ -34,7 +34,9 @@ import jax  # noqa: E402
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from tfm import attention, positions  # noqa: E402
+from tfm.nn import attention, positions  # noqa: E402
+from tfm.training.evaluate import decode_texts  # noqa: E402
+from tfm.training.experiment import model_for, restore_params, setup  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -92,26 +94,25 @@ def model_attention(config_arg: str, overrides: list[str], workdir: str, text: s
     from absl import flags
     from ml_collections import config_flags
 
-    from tfm import train
     from tfm.data.tokenizers import BOS_ID
 
     config_flags.DEFINE_config_file("config")
     flags.FLAGS([sys.argv[0], f"--config={config_arg}", *overrides])
     config = flags.FLAGS.config
-    experiment = train.setup(config, workdir)
-    params, _ = train.restore_params(experiment, step)
+    experiment = setup(config, workdir)
+    params, _ = restore_params(experiment, step)
     data = experiment.data
-    output = train.decode_texts(experiment, params, [text], method="greedy",
-                                max_new_tokens=None if experiment.task == "seq2seq" else 64)[0]
+    output = decode_texts(experiment, params, [text], method="greedy",
+                                max_new_tokens=None if experiment.mode == "seq2seq" else 64)[0]
     model_config = dataclasses.replace(experiment.model_config, attention_backend="reference",
                                        scan_layers=False)
     if experiment.model_config.scan_layers:
         raise SystemExit("plot_attention: train with model.scan_layers=False to plot per layer")
-    model = train.model_for(model_config, experiment.task)
+    model = model_for(model_config, experiment.mode)
     prompt = data.encode_prompt(text)
     target = data.tokenizer.encode(output)
     variables = {"params": params}
-    if experiment.task == "seq2seq":
+    if experiment.mode == "seq2seq":
         inputs = [BOS_ID, *target]
         records = attention_weights(model, variables, jnp.asarray([prompt]), jnp.asarray([inputs]))
         source_labels = _token_labels(data.source_tokenizer or data.tokenizer, prompt)

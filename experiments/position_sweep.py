@@ -1,5 +1,6 @@
 """Length generalisation of every position scheme on a synthetic task: a thin wrapper over
-`./launch.sh sweep` and `./launch.sh report` (tfm.sweep, tfm.report) that writes one table.
+`./launch.sh sweep` and `./launch.sh report` (tfm.sweeps.sweep, tfm.sweeps.report) that writes one
+table.
 
     python experiments/position_sweep.py                          # decoder-only, reverse
     python experiments/position_sweep.py --config configs/synthetic_seq2seq.py --task sort
@@ -26,8 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tfm import report, sweep  # noqa: E402
-from tfm.config import POSITION_SCHEMES  # noqa: E402
+from tfm.nn.config import POSITION_SCHEMES  # noqa: E402
+from tfm.sweeps import report, sweep  # noqa: E402
 
 METRICS = ("eval_exact_match", "eval_test_exact_match", "eval_loss", "eval_test_loss")
 

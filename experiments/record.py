@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tfm import flops  # noqa: E402
+from tfm.training import flops  # noqa: E402
 
 
 def last_json_object(text: str) -> dict | None:

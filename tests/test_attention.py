@@ -1,4 +1,4 @@
-"""tfm.attention against naive numpy, across backends, dtypes, masks and error cases."""
+"""tfm.nn.attention against naive numpy, across backends, dtypes, masks and error cases."""
 
 import re
 
@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tfm import attention, attention_blocks, compile_options
+from tfm.kernels import cpu_attention, cpu_compile
+from tfm.nn import attention
 
 BATCH, Q_LEN, KV_LEN, NUM_HEADS, HEAD_DIM = 2, 5, 6, 4, 8
 
@@ -374,7 +375,7 @@ def test_cache_layout_equals_the_default_layout():
 
 @pytest.mark.parametrize("groups", [1, 2], ids=["mha", "gqa"])
 def test_16bit_backward_equals_autodiff(groups):
-    """attention_blocks.attend_16bit's hand-written backward pass (run here in float32, where
+    """cpu_attention.attend_16bit's hand-written backward pass (run here in float32, where
     nothing is rounded to 16 bits) against jax's autodiff of attend_block over the same query
     blocks: the gradients of queries, keys, values and the bias, with a padding mask that leaves
     one query no key, a bias broadcast over the batch, and dropout (same rngs, same masks)."""
@@ -394,14 +395,14 @@ def test_16bit_backward_equals_autodiff(groups):
 
     def loss(path, query, keys, values, bias, rate):
         if path == "16bit":
-            out = attention_blocks.attend_16bit(
+            out = cpu_attention.attend_16bit(
                 query, keys.swapaxes(-1, -2), values, bias, mask, 0.3, rate, dropout_rng, blocks)
         else:
-            out = jnp.concatenate([attention_blocks.attend_block(
+            out = jnp.concatenate([cpu_attention.attend_block(
                 query[:, :, :, start:stop], keys[:, :, :kv_stop], values[:, :, :kv_stop],
-                attention_blocks.rows_cols(bias, start, stop, kv_stop),
-                attention_blocks.rows_cols(mask, start, stop, kv_stop), 0.3, rate,
-                attention_blocks.block_rng(dropout_rng, start), False,
+                cpu_attention.rows_cols(bias, start, stop, kv_stop),
+                cpu_attention.rows_cols(mask, start, stop, kv_stop), 0.3, rate,
+                cpu_attention.block_rng(dropout_rng, start), False,
             )[0] for start, stop, kv_stop in blocks], axis=3)
         return jnp.sum(jnp.sin(out) * probe), out
 
@@ -448,7 +449,7 @@ def test_bf16_attention_backward_matmuls_stay_bfloat16_when_compiled():
     def loss(query, key, value):
         return jnp.sum(attention.dot_product_attention(query, key, value).astype(jnp.float32))
 
-    grad = compile_options.jit(jax.grad(loss, (0, 1, 2)), cpu_kernels="ynnpack_dots")
+    grad = cpu_compile.jit(jax.grad(loss, (0, 1, 2)), cpu_kernels="ynnpack_dots")
     program = grad.lower(query, key, value).compile().as_text()
     dtypes = dict(re.findall(r"%([\w.\-]+) = (\w+)\[", program))
     operands = [tuple(dtypes[name] for name in re.findall(r"%([\w.\-]+)", args))

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from tiny_model import TINY
 
-from tfm import cache as cache_lib
-from tfm.cache import grow, init_cache, reorder_beams
-from tfm.config import POSITION_SCHEMES, ModelConfig
-from tfm.models import DecoderLM, EncoderDecoder, output_kernel
+from tfm.nn import cache as cache_lib
+from tfm.nn.cache import grow, init_cache, reorder_beams
+from tfm.nn.config import POSITION_SCHEMES, ModelConfig
+from tfm.nn.models import DecoderLM, EncoderDecoder, output_kernel
 
 TOKENS = jax.random.randint(jax.random.PRNGKey(0), (2, 8), 3, 13)
 PROMPT_LENGTHS = np.array([3, 5])

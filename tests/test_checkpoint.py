@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tfm.checkpoint import (
+from tfm.training.checkpoint import (
     Checkpointer,
     CheckpointError,
     average_checkpoints,

@@ -1,11 +1,11 @@
-"""tfm.compile_options: jax.jit with tfm's XLA options, nested or not, same numbers."""
+"""tfm.kernels.cpu_compile: jax.jit with tfm's XLA options, nested or not, same numbers."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tfm import compile_options
+from tfm.kernels import cpu_compile
 
 
 def _mlp(x, w1, w2):  # x: [rows, d]; w1: [d, f]; w2: [f, d]
@@ -14,9 +14,9 @@ def _mlp(x, w1, w2):  # x: [rows, d]; w1: [d, f]; w2: [f, d]
 
 @pytest.fixture
 def fresh_options():
-    compile_options.compiler_options.cache_clear()
+    cpu_compile.compiler_options.cache_clear()
     yield
-    compile_options.compiler_options.cache_clear()
+    cpu_compile.compiler_options.cache_clear()
 
 
 def _inputs():
@@ -28,7 +28,7 @@ def _inputs():
 def test_jit_matches_jax_jit_top_level_nested_and_lowered():
     x, w1, w2 = _inputs()
     reference = jax.jit(_mlp)(x, w1, w2)
-    fast = compile_options.jit(_mlp)
+    fast = cpu_compile.jit(_mlp)
     np.testing.assert_allclose(fast(x, w1, w2), reference, rtol=1e-5, atol=1e-6)
     # Inside another jit the arguments are tracers: a nested jax.jit may not carry options.
     outer = jax.jit(lambda x, w1, w2: fast(x, w1, w2) * 2.0)
@@ -47,7 +47,7 @@ def test_jit_as_decorator_keeps_static_arguments():
         calls.append(exponent)
         return x**exponent
 
-    fast = compile_options.jit(static_argnames=("exponent",))(power)
+    fast = cpu_compile.jit(static_argnames=("exponent",))(power)
     x = jnp.arange(4.0)
     np.testing.assert_array_equal(fast(x, exponent=3), x**3)
     np.testing.assert_array_equal(fast(x, exponent=3), x**3)
@@ -61,34 +61,34 @@ def test_options_on_cpu_and_the_ways_to_turn_them_off(fresh_options, monkeypatch
         pytest.skip("CPU options")
     monkeypatch.delenv("TFM_XLA_DEFAULTS", raising=False)
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
-    options = compile_options.compiler_options()
-    assert options in (None, compile_options.CPU_OPTIONS)  # None: this jaxlib lacks the option
-    compile_options.compiler_options.cache_clear()
+    options = cpu_compile.compiler_options()
+    assert options in (None, cpu_compile.CPU_OPTIONS)  # None: this jaxlib lacks the option
+    cpu_compile.compiler_options.cache_clear()
     monkeypatch.setenv("TFM_XLA_DEFAULTS", "0")
-    assert compile_options.compiler_options() is None
-    compile_options.compiler_options.cache_clear()
+    assert cpu_compile.compiler_options() is None
+    cpu_compile.compiler_options.cache_clear()
     monkeypatch.delenv("TFM_XLA_DEFAULTS")
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_experimental_ynn_fusion_type=")  # the user's
-    assert compile_options.compiler_options() is None
+    assert cpu_compile.compiler_options() is None
 
 
 def test_using_compiles_calls_inside_it_with_the_given_options(fresh_options, monkeypatch):
     monkeypatch.delenv("TFM_XLA_DEFAULTS", raising=False)
     monkeypatch.delenv("XLA_FLAGS", raising=False)
-    if compile_options.compiler_options() is None:
+    if cpu_compile.compiler_options() is None:
         pytest.skip("not a CPU, or this jaxlib lacks the option")
     x, w1, w2 = _inputs()
-    step = compile_options.jit(_mlp)
+    step = cpu_compile.jit(_mlp)
 
     def program() -> str:
         return step.lower(x, w1, w2).compile().as_text()
 
-    with compile_options.using(None):  # XLA's defaults hand the dots to YNNPACK
+    with cpu_compile.using(None):  # XLA's defaults hand the dots to YNNPACK
         assert "__ynn_fusion" in program()
         inside = step(x, w1, w2)
     assert "__ynn_fusion" not in program()  # tfm's options again
     np.testing.assert_allclose(inside, step(x, w1, w2), rtol=1e-5, atol=1e-6)
-    with compile_options.using({compile_options.YNN_FUSION: "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}):
+    with cpu_compile.using({cpu_compile.YNN_FUSION: "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}):
         assert "__ynn_fusion" in program()
 
 
@@ -97,35 +97,35 @@ def test_a_step_can_ask_for_xla_cpu_defaults(fresh_options, monkeypatch):
     hand its dots to YNNPACK, while other steps keep tfm's options; same numbers."""
     monkeypatch.delenv("TFM_XLA_DEFAULTS", raising=False)
     monkeypatch.delenv("XLA_FLAGS", raising=False)
-    if compile_options.compiler_options() is None:
+    if cpu_compile.compiler_options() is None:
         pytest.skip("not a CPU, or this jaxlib lacks the option")
     x, w1, w2 = _inputs()
-    steps = {kind: compile_options.jit(_mlp, cpu_kernels=kind) for kind in ("xla", "ynnpack")}
+    steps = {kind: cpu_compile.jit(_mlp, cpu_kernels=kind) for kind in ("xla", "ynnpack")}
     programs = {kind: step.lower(x, w1, w2).compile().as_text() for kind, step in steps.items()}
     assert "__ynn_fusion" in programs["ynnpack"] and "__ynn_fusion" not in programs["xla"]
     np.testing.assert_allclose(steps["ynnpack"](x, w1, w2), steps["xla"](x, w1, w2),
                                rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="cpu_kernels='mkl' must be one of"):
-        compile_options.jit(_mlp, cpu_kernels="mkl")
+        cpu_compile.jit(_mlp, cpu_kernels="mkl")
 
 
 def test_cpu_kernels_can_be_chosen_per_call_from_the_arguments(fresh_options, monkeypatch):
     """cpu_kernels may be a function of the call's (bound) arguments: here YNNPACK from 8 rows."""
     monkeypatch.delenv("TFM_XLA_DEFAULTS", raising=False)
     monkeypatch.delenv("XLA_FLAGS", raising=False)
-    if compile_options.compiler_options() is None:
+    if cpu_compile.compiler_options() is None:
         pytest.skip("not a CPU, or this jaxlib lacks the option")
     x, w1, w2 = _inputs()  # x: [8, 32]
 
     def by_rows(arguments):
         return "ynnpack" if arguments["x"].shape[0] >= 8 else "xla"
 
-    step = compile_options.jit(_mlp, cpu_kernels=by_rows)
+    step = cpu_compile.jit(_mlp, cpu_kernels=by_rows)
     assert "__ynn_fusion" in step.lower(x, w1, w2=w2).compile().as_text()
     assert "__ynn_fusion" not in step.lower(x[:4], w1, w2).compile().as_text()
     np.testing.assert_allclose(step(x, w1, w2), _mlp(x, w1, w2), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(step(x[:4], w1, w2), _mlp(x[:4], w1, w2), rtol=1e-5, atol=1e-6)
-    wrong = compile_options.jit(_mlp, cpu_kernels=lambda arguments: "mkl")
+    wrong = cpu_compile.jit(_mlp, cpu_kernels=lambda arguments: "mkl")
     with pytest.raises(ValueError, match="cpu_kernels chose 'mkl'"):
         wrong(x, w1, w2)
 
@@ -135,8 +135,8 @@ def test_a_step_can_ask_for_onednn_dots(fresh_options, monkeypatch):
     on an x86-64 CPU; values and gradients equal tfm's own options' to float32 rounding."""
     monkeypatch.delenv("TFM_XLA_DEFAULTS", raising=False)
     monkeypatch.delenv("XLA_FLAGS", raising=False)
-    compile_options.onednn_options.cache_clear()
-    if compile_options.onednn_options() in (None, compile_options.compiler_options()):
+    cpu_compile.onednn_options.cache_clear()
+    if cpu_compile.onednn_options() in (None, cpu_compile.compiler_options()):
         pytest.skip("not an x86-64 CPU, or this jaxlib lacks the oneDNN options")
     x, w1, w2 = _inputs()
 
@@ -144,7 +144,7 @@ def test_a_step_can_ask_for_onednn_dots(fresh_options, monkeypatch):
         batched = jnp.einsum("brd,bdf->brf", x.reshape(2, -1, x.shape[-1]), jnp.stack([w1, w1]))
         return (_mlp(x, w1, w2) ** 2).sum() + jnp.tanh(batched).sum()
 
-    steps = {kind: compile_options.jit(jax.value_and_grad(loss, argnums=(1, 2)), cpu_kernels=kind)
+    steps = {kind: cpu_compile.jit(jax.value_and_grad(loss, argnums=(1, 2)), cpu_kernels=kind)
              for kind in ("xla", "onednn")}
     programs = {kind: step.lower(x, w1, w2).compile().as_text() for kind, step in steps.items()}
     assert programs["onednn"].count("__onednn_fusion") >= 3
@@ -156,19 +156,19 @@ def test_a_step_can_ask_for_onednn_dots(fresh_options, monkeypatch):
     for grad, grad_ref in zip(grads, grads_ref, strict=True):
         np.testing.assert_allclose(grad, grad_ref, rtol=1e-5, atol=1e-5)
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_use_onednn=false")  # the user's flag wins
-    compile_options.onednn_options.cache_clear()
-    assert compile_options.onednn_options() == compile_options.compiler_options()
-    compile_options.onednn_options.cache_clear()
+    cpu_compile.onednn_options.cache_clear()
+    assert cpu_compile.onednn_options() == cpu_compile.compiler_options()
+    cpu_compile.onednn_options.cache_clear()
 
 
 CACHE_SCRIPT = """
 import sys, jax, jax.numpy as jnp
-from tfm import compile_options
+from tfm.kernels import cpu_compile
 events = []
 jax.monitoring.register_event_listener(lambda name, **kwargs: events.append(name))
 jax.jit(jnp.cos)(1.0)  # compiled before the cache is on: it must still take effect after
-compile_options.use_compilation_cache(sys.argv[1], min_compile_seconds=0)
-step = compile_options.jit(lambda x: jnp.tanh(x @ x.T).sum())
+cpu_compile.use_compilation_cache(sys.argv[1], min_compile_seconds=0)
+step = cpu_compile.jit(lambda x: jnp.tanh(x @ x.T).sum())
 print(float(step(jnp.arange(12.0).reshape(3, 4))))
 print("HITS", sum(name.endswith("/cache_hits") for name in events))
 """
@@ -197,9 +197,9 @@ def test_auto_cpu_kernels_take_ynnpack_dots_for_bfloat16_on_cpus_with_bf16_units
 ):
     """train.cpu_kernels="auto": YNNPACK's bf16 matmuls where the CPU computes bf16, XLA's own
     kernels otherwise; explicit choices pass through, unknown ones are named."""
-    monkeypatch.setattr(compile_options.flops, "cpu_features",
+    monkeypatch.setattr(cpu_compile.flops, "cpu_features",
                         lambda: {"bf16_native": bf16_native})
-    resolve = compile_options.resolve_cpu_kernels
+    resolve = cpu_compile.resolve_cpu_kernels
     assert resolve("auto", jnp.bfloat16) == ("ynnpack_dots" if bf16_native else "xla")
     assert resolve("auto", "float32") == "xla"
     assert resolve("onednn", jnp.bfloat16) == "onednn"
@@ -212,8 +212,8 @@ def test_ynnpack_dots_hand_only_the_dots_to_ynnpack(fresh_options, monkeypatch):
     (which XLA's defaults, "ynnpack", would hand to YNNPACK too); same values as "xla"."""
     monkeypatch.delenv("TFM_XLA_DEFAULTS", raising=False)
     monkeypatch.delenv("XLA_FLAGS", raising=False)
-    compile_options.ynnpack_dots_options.cache_clear()
-    if compile_options.ynnpack_dots_options() is None:
+    cpu_compile.ynnpack_dots_options.cache_clear()
+    if cpu_compile.ynnpack_dots_options() is None:
         pytest.skip("not a CPU, or this jaxlib lacks the option")
     keys = jax.random.split(jax.random.PRNGKey(0), 2)
     x, w = jax.random.normal(keys[0], (64, 128)), jax.random.normal(keys[1], (128, 128)) * 0.1
@@ -224,7 +224,7 @@ def test_ynnpack_dots_hand_only_the_dots_to_ynnpack(fresh_options, monkeypatch):
         return y / jnp.sqrt(jnp.mean(y * y, axis=-1, keepdims=True) + 1e-6)
 
     kinds = ("ynnpack_dots", "ynnpack", "xla")
-    steps = {kind: compile_options.jit(normalized, cpu_kernels=kind) for kind in kinds}
+    steps = {kind: cpu_compile.jit(normalized, cpu_kernels=kind) for kind in kinds}
     entries = {}
     for kind, step in steps.items():
         program = step.lower(x, w).compile().as_text()

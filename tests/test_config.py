@@ -2,7 +2,8 @@
 
 import pytest
 
-from tfm.config import ConfigError, ModelConfig, from_dict, paper_base, paper_big
+from tfm.checks import ConfigError
+from tfm.nn.config import ModelConfig, from_dict, paper_base, paper_big
 
 
 @pytest.mark.parametrize(
@@ -84,7 +85,7 @@ def test_derived_knobs_resolve_their_defaults():
 
 
 def test_decode_config_is_hashable_and_checked_once():
-    from tfm.decoding import DecodeConfig
+    from tfm.decode.search import DecodeConfig
 
     decode = DecodeConfig("beam", 8, beam_size=2)
     assert {decode: 1}[DecodeConfig("beam", 8, beam_size=2)] == 1
@@ -101,7 +102,7 @@ def test_decode_config_is_hashable_and_checked_once():
 
 
 def test_experiment_sections_name_their_field():
-    from tfm.experiment import EvalConfig, GenerateConfig, TrainConfig
+    from tfm.training.experiment import EvalConfig, GenerateConfig, TrainConfig
 
     with pytest.raises(ConfigError, match=r"generate.beam_size=0 must be an integer >= 1"):
         GenerateConfig.from_section({"beam_size": 0})

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
-from tfm.config import ConfigError
+from tfm.checks import ConfigError
 from tfm.data import Data, DataConfig, build_data, builders, synthetic
 from tfm.data.tokenizers import BOS_ID, EOS_ID
 

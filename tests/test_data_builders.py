@@ -6,7 +6,7 @@ import sys
 import pytest
 import tensorflow_datasets as tfds
 
-from tfm.config import ConfigError
+from tfm.checks import ConfigError
 from tfm.data import builders
 from tfm.data.builders import DataError
 

@@ -1,4 +1,4 @@
-"""Tests for tfm/distributed.py: config validation in-process, and a real 2-process run on
+"""Tests for tfm/parallel/distributed.py: config validation in-process, and a real 2-process run on
 localhost (2 simulated CPU devices per process, gloo collectives)."""
 
 import json
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tfm import distributed
-from tfm.config import ConfigError
+from tfm.checks import ConfigError
+from tfm.parallel import distributed
 
 REPO = Path(__file__).resolve().parents[1]
 CLEAN_ENV: dict[str, str] = {}  # no SLURM / MPI / TPU / TFM_* variables
@@ -81,7 +81,7 @@ def test_single_process_maybe_initialize(monkeypatch):
 WORKER = textwrap.dedent(
     """
     import json, sys
-    from tfm.distributed import maybe_initialize
+    from tfm.parallel.distributed import maybe_initialize
     process_id, port, out_path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     if process_id == 0:  # explicit config
         config = {"enabled": True, "coordinator_address": f"localhost:{port}",
@@ -91,7 +91,7 @@ WORKER = textwrap.dedent(
     info = maybe_initialize(config)
     assert maybe_initialize(config) == info  # idempotent
     import jax, jax.numpy as jnp, numpy as np
-    from tfm import sharding
+    from tfm.parallel import sharding
     mesh = sharding.make_mesh({"data": -1})
     mesh_2x2 = sharding.make_mesh({"data": 2, "fsdp": 2})
     # Each process holds 2 rows: process p's rows are 10 * p + [[0, 1], [2, 3]].

@@ -6,8 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tfm import flops
-from tfm.config import ConfigError, ModelConfig
+from tfm.checks import ConfigError
+from tfm.nn.config import ModelConfig
+from tfm.training import flops
 
 # A: the paper's block shape, tiny. B: GQA + SwiGLU + pre-RMSNorm, no biases, untied, two vocabs.
 CONFIG_A = ModelConfig(vocab_size=100, d_model=16, num_heads=4, d_ff=32, num_encoder_layers=2,
@@ -86,7 +87,7 @@ def _model_param_count(model, *args):
     CONFIG_B.replace(position_scheme="t5_bias", t5_shared_across_layers=False),
 ])
 def test_counts_match_the_models(config):
-    models = pytest.importorskip("tfm.models")
+    models = pytest.importorskip("tfm.nn.models")
     tokens = jnp.ones((1, 8), jnp.int32)
     lm = _model_param_count(models.DecoderLM(config), tokens)
     assert lm == flops.count_params_from_config(config, "lm")["total"]

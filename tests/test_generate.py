@@ -1,4 +1,5 @@
-"""Generation at model level (tfm/generate.py): the cached decoders against naive recomputation.
+"""Generation at model level (tfm/decode/generate.py): the cached decoders against naive
+recomputation.
 
 Models are tiny and randomly initialised with numpy (no compiled init), with an untied output
 projection larger than the default init so greedy paths change with context (tied random
@@ -15,12 +16,13 @@ import jax
 import numpy as np
 import pytest
 
-from tfm import compile_options, decoding, generate
-from tfm.cache import grow, init_cache, reorder_beams
-from tfm.config import ModelConfig
 from tfm.data.tokenizers import ByteTokenizer, content_ids
-from tfm.generate import generate_text, lm_generate, translate
-from tfm.models import DecoderLM, EncoderDecoder
+from tfm.decode import generate, search
+from tfm.decode.generate import generate_text, lm_generate, translate
+from tfm.kernels import cpu_compile
+from tfm.nn.cache import grow, init_cache, reorder_beams
+from tfm.nn.config import ModelConfig
+from tfm.nn.models import DecoderLM, EncoderDecoder
 
 PAD, BOS, EOS = 0, 1, 2
 TINY = dict(
@@ -180,7 +182,7 @@ def test_decoding_eight_rows_or_more_uses_library_dots_and_equals_recomputation(
     monkeypatch.setattr(generate, "_has_avx512", lambda: avx512)
     assert [generate.decode_cpu_kernels(rows) for rows in (1, 7, 8, 32)] == [
         "xla", "xla", library, library]
-    if compile_options.kernel_options(library) in (None, compile_options.compiler_options()):
+    if cpu_compile.kernel_options(library) in (None, cpu_compile.compiler_options()):
         pytest.skip(f"not an x86-64 CPU, or this jaxlib lacks the {library} options")
     config, params = lm_setup("rope")
     prompts = np.concatenate([PROMPTS, PROMPTS])  # 8 rows
@@ -189,15 +191,15 @@ def test_decoding_eight_rows_or_more_uses_library_dots_and_equals_recomputation(
     expected, _ = naive_lm_greedy(config, params)
     assert_rows(output, expected + expected)
 
-    def program(rows: int, decode: decoding.DecodeConfig) -> str:
+    def program(rows: int, decode: search.DecodeConfig) -> str:
         return generate._lm_generate_jit.lower(
             params, prompts[:rows], lengths[:rows], jax.random.PRNGKey(0), config, decode, EOS
         ).compile().as_text()
 
-    greedy = decoding.DecodeConfig("greedy", max_new_tokens=MAX_NEW)
+    greedy = search.DecodeConfig("greedy", max_new_tokens=MAX_NEW)
     assert fusion in program(8, greedy)
     assert fusion not in program(4, greedy)
-    beam = decoding.DecodeConfig("beam", beam_size=4, max_new_tokens=MAX_NEW)
+    beam = search.DecodeConfig("beam", beam_size=4, max_new_tokens=MAX_NEW)
     assert fusion in program(2, beam)  # 2 prompts x 4 beams
 
 
@@ -268,7 +270,7 @@ def test_beam_search_reordering_only_self_attention_equals_gathering_every_leaf(
                            method=EncoderDecoder.decode)
 
     outputs = [
-        decoding.beam_search(tokens_to_logits, logits[:, 0], cache, beam_size=3,
+        search.beam_search(tokens_to_logits, logits[:, 0], cache, beam_size=3,
                              max_new_tokens=9, eos_id=EOS, grow_cache=grow, cache_segments=1,
                              reorder_cache=reorder)
         for reorder in (None, reorder_beams)
@@ -285,7 +287,7 @@ def test_beam_search_reordering_only_self_attention_equals_gathering_every_leaf(
 @functools.cache
 def eos_never_runner_up() -> int:
     """An ordinary token that is never among the top 2 on the greedy paths of lm_setup("rope"),
-    so beam_size=1 must follow greedy exactly (see tfm.decoding.beam_search)."""
+    so beam_size=1 must follow greedy exactly (see tfm.decode.search.beam_search)."""
     config, params = lm_setup("rope")
     _, top2 = naive_lm_greedy(config, params, eos_id=-1)
     seen = set().union(*(step for row in top2 for step in row))

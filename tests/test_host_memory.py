@@ -1,4 +1,5 @@
-"""tfm.host_memory: after keep_freed_memory, a freed large block is reused without page faults.
+"""tfm.kernels.cpu_memory: after keep_freed_memory, a freed large block is reused without page
+faults.
 
 Each check runs in a fresh interpreter: the malloc setting is the whole process's.
 """
@@ -17,8 +18,8 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="gl
 # afresh each time (16,384 faults of 4 KiB pages); kept freed memory is reused.
 _MALLOC_ROUNDS = textwrap.dedent("""
     import ctypes, resource, sys
-    from tfm import host_memory
-    print(host_memory.keep_freed_memory())
+    from tfm.kernels import cpu_memory
+    print(cpu_memory.keep_freed_memory())
     libc = ctypes.CDLL("libc.so.6")
     libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
     libc.free.argtypes = [ctypes.c_void_p]
@@ -41,8 +42,8 @@ _MALLOC_ROUNDS = textwrap.dedent("""
 _JIT_ROUNDS = textwrap.dedent("""
     import resource
     import jax, jax.numpy as jnp
-    from tfm import host_memory
-    host_memory.keep_freed_memory()
+    from tfm.kernels import cpu_memory
+    cpu_memory.keep_freed_memory()
     step = jax.jit(lambda x: jnp.cumsum(x.reshape(-1, 8), axis=1)[::512].sum())
     x = jnp.ones((12 << 20,), jnp.float32)
     for round in range(40):

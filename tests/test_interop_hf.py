@@ -13,9 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tfm.generate import lm_generate, translate
+from tfm.decode.generate import lm_generate, translate
 from tfm.interop import hf
-from tfm.models import stack_layer_params
+from tfm.nn.models import stack_layer_params
+from tfm.training.experiment import init_state, setup, state_shardings
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 DECODERS = ("gpt2", "llama", "llama3_rope", "linear_rope", "qwen2", "mistral")
@@ -274,17 +275,16 @@ def test_training_starts_from_the_pretrained_parameters(tmp_path, scan, mesh):
     """Unrolled on one device, and scanned on a 2x2x2 mesh (8 simulated devices)."""
     import jax
 
-    from tfm import train
 
     config = _finetune_config(tmp_path, FIXTURES / "llama", scan_layers=scan)
     if mesh is not None:
         config.mesh.update(mesh)
     devices = jax.devices()[:1] if mesh is None else None
-    experiment = train.setup(config, tmp_path / "run", devices=devices)
+    experiment = setup(config, tmp_path / "run", devices=devices)
     pretrained_config, params = hf.load_pretrained(FIXTURES / "llama")
     assert experiment.model_config == pretrained_config.replace(scan_layers=scan)
-    _, shardings = train.state_shardings(experiment)
-    state = train.init_state(experiment, shardings)
+    _, shardings = state_shardings(experiment)
+    state = init_state(experiment, shardings)
     if mesh is not None:  # really spread over the mesh
         kernel = state.params["decoder"]["stack"]["layers"]["feed_forward"]["wi"]["kernel"]
         assert len(kernel.sharding.device_set) == 8
@@ -295,10 +295,9 @@ def test_training_starts_from_the_pretrained_parameters(tmp_path, scan, mesh):
 
 
 def test_pretrained_folder_errors_name_the_field(tmp_path):
-    from tfm import train
-    from tfm.config import ConfigError
+    from tfm.checks import ConfigError
 
     with pytest.raises(ConfigError, match="init.pretrained='/nowhere' must be a Hugging Face"):
-        train.setup(_finetune_config(tmp_path, "/nowhere"), tmp_path / "run")
+        setup(_finetune_config(tmp_path, "/nowhere"), tmp_path / "run")
     with pytest.raises(ConfigError, match="holds a seq2seq model but the data is for a lm task"):
-        train.setup(_finetune_config(tmp_path, FIXTURES / "t5"), tmp_path / "run")
+        setup(_finetune_config(tmp_path, FIXTURES / "t5"), tmp_path / "run")

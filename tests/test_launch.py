@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from tfm import checkpoint, metrics
+from tfm.training import checkpoint, metrics
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH = REPO / "launch.sh"
@@ -118,7 +118,8 @@ def test_override_error_line(path, expected):
 
 
 def test_bad_config_value_is_one_clean_line():
-    """Errors in values (found by tfm.train.validate_config before any data is read) print
+    """Errors in values (found by tfm.training.experiment.parse_config before any data is read)
+    print
     one line naming the field and exit 1."""
     result = launch("train", "configs/synthetic_lm.py", "--config.model.num_heads=3")
     assert result.returncode == 1
@@ -287,7 +288,8 @@ def test_help_example_prompt_is_in_the_quick_start_vocabulary():
 def test_train_stopped_by_a_signal_exits_128_plus_signum(monkeypatch, tmp_path, capsys):
     """A run that saved and stopped on SIGTERM is not a finished run: the exit status says so
     (a sweep or a scheduler then resumes it instead of recording it done)."""
-    from tfm import main, train
+    from tfm import main
+    from tfm.training import train
 
     monkeypatch.setattr(train, "train_and_evaluate",
                         lambda config, workdir: {"step": 7, "stopped_by": "SIGTERM"})

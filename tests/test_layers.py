@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from tiny_model import TINY
 
-from tfm import positions
-from tfm.config import ModelConfig
-from tfm.layers import FeedForward, MultiHeadAttention, Norm, PositionBias, PositionEmbedding
-from tfm.models import DecoderLM
+from tfm.nn import positions
+from tfm.nn.config import ModelConfig
+from tfm.nn.layers import FeedForward, MultiHeadAttention, Norm, PositionBias, PositionEmbedding
+from tfm.nn.models import DecoderLM
 
 
 def tiny(**changes) -> ModelConfig:

@@ -3,8 +3,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tfm import losses
-from tfm.losses import smoothed_target_entropy
+from tfm.training import losses
+from tfm.training.losses import smoothed_target_entropy
 
 # Jitted once per shape: checks they trace, and is much faster than op-by-op dispatch.
 cross_entropy = jax.jit(losses.cross_entropy, static_argnames="label_smoothing")

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from tensorboardX.proto import event_pb2
 
-from tfm.metrics import MetricWriter, progress_bar, read_metrics
+from tfm.training.metrics import MetricWriter, progress_bar, read_metrics
 
 
 def _read_events(directory):
@@ -106,7 +106,7 @@ def test_tensorboard_writer_does_not_import_torch(tmp_path):
     )
     script = textwrap.dedent(f"""
         import builtins, sys
-        from tfm.metrics import MetricWriter, read_metrics
+        from tfm.training.metrics import MetricWriter, read_metrics
         with MetricWriter({str(tmp_path / "run")!r}, process_index=0) as writer:
             writer.write(1, {{"loss": 2.0}})
         imported_during_writer = getattr(builtins, "FAKE_TORCH_IMPORTS", 0)

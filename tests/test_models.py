@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from tiny_model import TINY
 
-from tfm.config import POSITION_SCHEMES, ModelConfig, paper_base
-from tfm.models import DecoderLM, Encoder, EncoderDecoder, stack_layer_params
+from tfm.nn.config import POSITION_SCHEMES, ModelConfig, paper_base
+from tfm.nn.models import DecoderLM, Encoder, EncoderDecoder, stack_layer_params
 
 
 def tiny(**changes) -> ModelConfig:
@@ -205,7 +205,7 @@ def test_paper_base_parameter_count():
 
 def _decode_step_by_step(model, params, config, tokens, valid, prefill):
     """Cached decoding: prefill the first `prefill` tokens in one call, then one token a step."""
-    from tfm.cache import init_cache
+    from tfm.nn.cache import init_cache
 
     cache = init_cache(config, tokens.shape[0], tokens.shape[1])
     logits, cache = model.apply(

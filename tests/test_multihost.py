@@ -5,7 +5,7 @@ Each run is `./launch.sh train configs/synthetic_seq2seq.py:runlocal` with tiny 
 Adam moments are split across the processes (fsdp=2, one CPU device each) and every checkpoint
 leaf is a global array written by both. What is compared:
 - run 1 (2 processes, steps 1-2) starts from an empty data_dir: process 0 prepares the dataset
-  while process 1 waits (tfm.train.setup), so the two never write it at the same time;
+  while process 1 waits (tfm.training.train.setup), so the two never write it at the same time;
 - run 2 (1 process, 1 device) resumes at step 2 and logs steps 3-4; run 3 (2 processes)
   resumes at step 4 and logs steps 5-6: every step is logged exactly once, so each run restored
   the step counter, and the eval loss keeps falling (2 -> 4 -> 6), so the params went on
@@ -26,7 +26,10 @@ from pathlib import Path
 import pytest
 
 from configs import synthetic_seq2seq
-from tfm import sharding, train
+from tfm.parallel import sharding
+from tfm.training import train
+from tfm.training.evaluate import evaluate
+from tfm.training.experiment import restore_params, setup, state_shardings
 
 REPO = Path(__file__).resolve().parents[1]
 OVERRIDES = {
@@ -124,18 +127,18 @@ def test_two_processes_then_one_then_two(tmp_path):
     assert [r for r in records if r["step"] == 6 and "eval_exact_match" in r]
 
     # This process has 8 devices: the same config gives fsdp=8, a third mesh for the same state.
-    experiment = train.setup(config_for(data_dir), workdir)
+    experiment = setup(config_for(data_dir), workdir)
     assert dict(experiment.mesh.shape) == {"data": 1, "fsdp": 8, "tensor": 1}
-    _, shardings = train.state_shardings(experiment)
+    _, shardings = state_shardings(experiment)
     _, eval_fn = train.jit_steps(experiment, shardings)
     batch = sharding.shard_batch(next(iter(experiment.data.eval_batches("validation"))),
                                  experiment.mesh, rules=experiment.rules)
     compiled_eval = None
     for step in (2, 4):
-        params, restored_step = train.restore_params(experiment, step)
+        params, restored_step = restore_params(experiment, step)
         compiled_eval = compiled_eval or eval_fn.lower(params, batch).compile(FAST_COMPILE)
         assert restored_step == step
         kernel = params["encoder"]["stack"]["layer_0"]["feed_forward"]["wi"]["kernel"]
         assert kernel.addressable_shards[0].data.shape == (4, 64)  # 32 / fsdp=8 rows each
-        results = train.evaluate(experiment, params, compiled_eval)
+        results = evaluate(experiment, params, compiled_eval)
         assert results["eval_loss"] == pytest.approx(eval_loss[step], rel=1e-5)

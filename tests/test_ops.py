@@ -1,4 +1,5 @@
-"""tfm.ops.linear: values and both gradients against plain autodiff of an einsum, and the
+"""tfm.kernels.cpu_dense.linear: values and both gradients against plain autodiff of an einsum, and
+the
 bfloat16 operands of its backward matmuls."""
 
 import re
@@ -8,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tfm import compile_options, ops
+from tfm.kernels import cpu_compile, cpu_dense
 
 
 def _inputs(in_dims, out_dims, seed=0):
@@ -32,7 +33,7 @@ def test_values_and_gradients_equal_autodiff(in_dims, out_dims):
         return jnp.sum(jnp.einsum(spec, x, kernel, precision="highest") * cotangent)
 
     def fast(x, kernel):
-        return jnp.sum(ops.linear(x, kernel, num_contracted=n_in) * cotangent)
+        return jnp.sum(cpu_dense.linear(x, kernel, num_contracted=n_in) * cotangent)
 
     np.testing.assert_allclose(fast(x, kernel), reference(x, kernel), rtol=1e-5)
     for got, want in zip(jax.grad(fast, (0, 1))(x, kernel), jax.grad(reference, (0, 1))(x, kernel),
@@ -46,7 +47,8 @@ def test_bfloat16_backward_matmuls_take_bfloat16_operands():
     x, kernel = _inputs((8,), (16,))
 
     def loss(x, kernel):
-        return jnp.sum(ops.linear(x, kernel, compute_dtype=jnp.bfloat16, out_dtype=jnp.float32))
+        return jnp.sum(cpu_dense.linear(x, kernel, compute_dtype=jnp.bfloat16,
+        out_dtype=jnp.float32))
 
     jaxpr = jax.make_jaxpr(jax.grad(loss, (0, 1)))(x, kernel)
     dot_eqns = []
@@ -87,10 +89,10 @@ def test_bfloat16_backward_matmuls_stay_bfloat16_when_compiled(in_dims, out_dims
     x = jnp.tile(x.reshape(-1, *in_dims), (8, 1))  # [48, in]: enough rows for YNNPACK
 
     def loss(x, kernel, compute_dtype):
-        y = ops.linear(x, kernel, compute_dtype=compute_dtype, out_dtype=jnp.float32)
+        y = cpu_dense.linear(x, kernel, compute_dtype=compute_dtype, out_dtype=jnp.float32)
         return jnp.sum(jnp.sin(y))
 
-    grad = compile_options.jit(jax.grad(loss, (0, 1)), static_argnums=2, cpu_kernels="ynnpack")
+    grad = cpu_compile.jit(jax.grad(loss, (0, 1)), static_argnums=2, cpu_kernels="ynnpack")
     program = grad.lower(x, kernel, jnp.bfloat16).compile().as_text()
     operand_dtypes = _compiled_dot_operand_dtypes(program)
     assert len(operand_dtypes) == 3 and len(set(operand_dtypes)) == 1, operand_dtypes
@@ -102,14 +104,14 @@ def test_bfloat16_backward_matmuls_stay_bfloat16_when_compiled(in_dims, out_dims
 def test_mismatched_shapes_are_named():
     x, kernel = _inputs((6,), (4,))
     with pytest.raises(ValueError, match=r"must end in the kernel's input dims \(5,\)"):
-        ops.linear(x, kernel[:5])
+        cpu_dense.linear(x, kernel[:5])
 
 
 def test_gelu_is_the_exact_gelu():
     x = np.linspace(-8.0, 8.0, 2001)
     expected = 0.5 * x * (1.0 + np.vectorize(__import__("math").erf)(x / np.sqrt(2.0)))
-    np.testing.assert_allclose(ops.gelu(jnp.asarray(x, jnp.float32)), expected, atol=2e-6)
-    np.testing.assert_allclose(ops.gelu(jnp.asarray(x, jnp.float32)),
+    np.testing.assert_allclose(cpu_dense.gelu(jnp.asarray(x, jnp.float32)), expected, atol=2e-6)
+    np.testing.assert_allclose(cpu_dense.gelu(jnp.asarray(x, jnp.float32)),
                                jax.nn.gelu(jnp.asarray(x, jnp.float32), approximate=False),
                                atol=2e-6)
 
@@ -125,10 +127,10 @@ def test_bfloat16_tied_kernel_backward_runs_with_bf16_kernels(in_dims, out_dims)
     table = kernel.T  # [out, in], the layout an embedding table has
 
     def loss(x, table, compute_dtype):
-        y = ops.linear(x, table.T, compute_dtype=compute_dtype, out_dtype=jnp.float32)
+        y = cpu_dense.linear(x, table.T, compute_dtype=compute_dtype, out_dtype=jnp.float32)
         return jnp.sum(jnp.sin(y))
 
-    grad = compile_options.jit(jax.grad(loss, (0, 1)), static_argnums=2,
+    grad = cpu_compile.jit(jax.grad(loss, (0, 1)), static_argnums=2,
                                cpu_kernels="ynnpack_dots")
     got, want = grad(x, table, jnp.bfloat16), grad(x, table, jnp.float32)
     for g, w in zip(got, want, strict=True):

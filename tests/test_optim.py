@@ -7,8 +7,8 @@ import numpy as np
 import optax
 import pytest
 
-from tfm import optim
-from tfm.config import ConfigError
+from tfm.checks import ConfigError
+from tfm.training import optim
 
 
 def test_paper_schedule_by_hand():

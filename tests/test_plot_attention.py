@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tfm.config import ModelConfig
-from tfm.models import EncoderDecoder
+from tfm.nn.config import ModelConfig
+from tfm.nn.models import EncoderDecoder
 
 SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "plot_attention.py"
 spec = importlib.util.spec_from_file_location("plot_attention", SCRIPT)

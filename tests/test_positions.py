@@ -1,4 +1,4 @@
-"""Tests for tfm/positions.py: values against formulas, naive numpy loops and invariants."""
+"""Tests for tfm/nn/positions.py: values against formulas, naive numpy loops and invariants."""
 
 import math
 
@@ -7,8 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tfm import positions as P
-from tfm.config import POSITION_SCHEMES, ConfigError
+from tfm.checks import ConfigError
+from tfm.nn import positions as P
+from tfm.nn.config import POSITION_SCHEMES
 
 RNG = np.random.default_rng(0)
 # Jitted once per shape: far fewer compilations than op-by-op eager dispatch.
@@ -336,14 +337,14 @@ def _distance_bias(config, query_positions, key_positions, bidirectional, param)
 
 
 def test_a_new_scheme_is_one_registry_entry(monkeypatch):
-    """Adding a scheme touches tfm/positions.py only: a new SCHEMES entry is accepted by the
+    """Adding a scheme touches tfm/nn/positions.py only: a new SCHEMES entry is accepted by the
     config, creates its parameter, biases the logits, and decodes with a KV cache like the
     full forward pass."""
     from tiny_model import TINY
 
-    from tfm.cache import init_cache
-    from tfm.config import ModelConfig
-    from tfm.models import DecoderLM
+    from tfm.nn.cache import init_cache
+    from tfm.nn.config import ModelConfig
+    from tfm.nn.models import DecoderLM
 
     entry = P.PositionScheme("distance", "bias", "learned slopes", logit_bias=_distance_bias)
     monkeypatch.setitem(P.SCHEMES, "distance", entry)
@@ -380,7 +381,7 @@ def test_a_new_scheme_is_one_registry_entry(monkeypatch):
 
 
 def test_rope_frequency_scalings():
-    from tfm.positions import rope_frequencies
+    from tfm.nn.positions import rope_frequencies
 
     plain = rope_frequencies(8, 10000.0)
     np.testing.assert_allclose(plain, 10000.0 ** (-np.arange(0, 8, 2) / 8))

@@ -1,4 +1,5 @@
-"""tfm.prng's fused threefry is jax's threefry bit for bit: same hash, same draws, same keys."""
+"""tfm.training.prng's fused threefry is jax's threefry bit for bit: same hash, same draws, same
+keys."""
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +9,7 @@ from jax.experimental import mesh_utils
 from jax.extend import random as jax_random
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from tfm import prng
+from tfm.training import prng
 
 
 def test_hash_equals_jax_threefry_2x32():

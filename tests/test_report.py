@@ -1,4 +1,4 @@
-"""tfm.report: mean ± std over seeds from fabricated metrics files, checked against a hand
+"""tfm.sweeps.report: mean ± std over seeds from fabricated metrics files, checked against a hand
 computation; the markdown, CSV and JSON tables; the plots; lengths from eval_seq_len.json."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tfm import report, sweep
+from tfm.sweeps import report, sweep
 
 # (scheme, seed) -> final eval_exact_match, eval_loss
 FINAL = {

@@ -1,4 +1,4 @@
-"""Tests for tfm/sharding.py on 8 simulated CPU devices (tests/conftest.py sets the flag).
+"""Tests for tfm/parallel/sharding.py on 8 simulated CPU devices (tests/conftest.py sets the flag).
 
 Sharded results are compared with a single-device run at rtol/atol 1e-5 in float32.
 """
@@ -15,8 +15,9 @@ import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from tfm import sharding
-from tfm.config import ConfigError, ModelConfig
+from tfm.checks import ConfigError
+from tfm.nn.config import ModelConfig
+from tfm.parallel import sharding
 
 MESHES = {
     "data8": {"data": 8, "fsdp": 1, "tensor": 1},

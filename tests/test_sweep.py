@@ -1,4 +1,4 @@
-"""tfm.sweep: declaring runs, naming them, the dry run, the SLURM script, and one real sweep
+"""tfm.sweeps.sweep: declaring runs, naming them, the dry run, the SLURM script, and one real sweep
 (train subprocesses: a run that finishes and is then read back, not retrained; a run with a bad
 override that fails while the sweep goes on; evaluation at several lengths)."""
 
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from tfm import sweep
-from tfm.sweep import product, run_name, zip_
-from tfm.sweep import sweep as axis
+from tfm.sweeps import sweep
+from tfm.sweeps.sweep import product, run_name, zip_
+from tfm.sweeps.sweep import sweep as axis
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,5 @@
-"""The training system end to end (tfm/train.py): tiny runs of the config families, exact resume,
+"""The training system end to end (tfm/training/train.py): tiny runs of the config families, exact
+resume,
 SIGTERM, the NaN guard, incompatible or corrupt checkpoints, label smoothing through the real
 loop, and config validation before anything compiles. (configs/synthetic_lm.py learns end to end
 through ./launch.sh in tests/test_launch.py.)
@@ -32,10 +33,26 @@ import pytest
 from jax.experimental.compilation_cache import compilation_cache
 
 from configs import char_lm, synthetic_lm, synthetic_seq2seq, translate
-from tfm import checkpoint, compile_options, metrics, train
-from tfm import experiment as experiment_module
-from tfm.config import ConfigError
-from tfm.experiment import required_lengths
+from tfm.checks import ConfigError
+from tfm.kernels import cpu_compile
+from tfm.training import checkpoint, metrics, train
+from tfm.training import experiment as experiment_module
+from tfm.training.evaluate import (
+    PromptError,
+    evaluate,
+    evaluate_checkpoint,
+    generate_from_checkpoint,
+)
+from tfm.training.experiment import (
+    TrainingError,
+    compute_logits,
+    init_state,
+    parse_config,
+    required_lengths,
+    restore_params,
+    setup,
+    state_shardings,
+)
 
 NUM_STEPS = 16  # the reference run
 LABEL_SMOOTHING = 0.1
@@ -204,16 +221,16 @@ def test_label_smoothing_in_the_loop_matches_hand_computation(reference, data_di
     workdir = tmp_path / "run"
     shutil.copytree(reference_dir, workdir)
     config = seq2seq_config(data_dir, num_steps=NUM_STEPS + 1, eval_every=0)
-    experiment = train.setup(config, workdir)
+    experiment = setup(config, workdir)
     assert experiment.train.label_smoothing == LABEL_SMOOTHING
-    abstract, _ = train.state_shardings(experiment)
+    abstract, _ = state_shardings(experiment)
     iterator = experiment.data.train_iterator()
     with checkpoint.Checkpointer(workdir / "checkpoints") as checkpointer:
         state = checkpointer.restore(NUM_STEPS, abstract_state=abstract, data_iterator=iterator)
     batch = {k: jnp.asarray(v) for k, v in next(iterator).items()}
     logits_fn = jax.jit(
         functools.partial(
-            train.compute_logits, experiment.model, mode=experiment.mode, deterministic=False
+            compute_logits, experiment.model, mode=experiment.mode, deterministic=False
         )
     )
     logits = logits_fn(state.params, batch, dropout_rng=jax.random.fold_in(state.rng, NUM_STEPS))
@@ -301,7 +318,7 @@ def test_nonfinite_loss_stops_without_overwriting(reference, data_dir, tmp_path,
     config = seq2seq_config(
         data_dir, num_steps=NUM_STEPS + 8, log_every=100, checkpoint_every=4, eval_every=0
     )
-    with pytest.raises(train.TrainingError) as error:
+    with pytest.raises(TrainingError) as error:
         train.train_and_evaluate(config, workdir)
     message = str(error.value)
     assert "non-finite" in message and f"steps {NUM_STEPS + 1}-{NUM_STEPS + 4}" in message
@@ -331,7 +348,7 @@ def test_incompatible_optimizer_state_names_the_field(reference, data_dir, tmp_p
     shutil.copytree(reference_dir, workdir)
     config = seq2seq_config(data_dir, num_steps=NUM_STEPS + 8)
     config.optimizer.grad_clip_norm = 0.0
-    with pytest.raises(train.TrainingError, match=r"optimizer.grad_clip_norm: saved 1.0, current"):
+    with pytest.raises(TrainingError, match=r"optimizer.grad_clip_norm: saved 1.0, current"):
         train.train_and_evaluate(config, workdir)
 
 
@@ -377,9 +394,9 @@ def test_corrupt_latest_checkpoint_falls_back_and_is_moved_aside(
     garble_arrays(workdir / "checkpoints" / str(NUM_STEPS))
     bad_files = sorted(p.name for p in (workdir / "checkpoints" / str(NUM_STEPS)).rglob("*"))
 
-    with caplog.at_level("WARNING", logger="tfm.train"):
+    with caplog.at_level("WARNING", logger="tfm.training.train"):
         result = train.train_and_evaluate(config, workdir)
-    warnings = [r.getMessage() for r in caplog.records if r.name == "tfm.train"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "tfm.training.train"]
     assert len(warnings) == 1 and "\n" not in warnings[0], warnings
     assert warnings[0].startswith(f"checkpoint step {NUM_STEPS} could not be read")
     assert "training resumes from step 8" in warnings[0]
@@ -410,14 +427,14 @@ def test_learned_positions_shorter_than_a_needed_length_fail_before_compiling(
     config = seq2seq_config(data_dir)
     config.model.update(position_scheme="learned", **overrides)
     with count_compilations() as compiled, pytest.raises(ConfigError) as error:
-        train.setup(config, tmp_path)
+        setup(config, tmp_path)
     assert not compiled
     message = str(error.value)
     assert message.startswith(f"model.max_len={overrides['max_len']} is too short")
     assert re.search(match, message.split(". Set model.max_len")[0]), message
     assert "\n" not in message
     config.model.max_len = 65  # exactly long enough
-    train.setup(config, tmp_path)
+    setup(config, tmp_path)
 
 
 def test_an_error_during_training_saves_the_last_step_and_resumes_exactly(
@@ -465,7 +482,7 @@ def test_eval_from_checkpoint_reproduces_training_eval(reference):
     """`./launch.sh eval` (in process) gives the metrics logged at the last training step.
     (`generate` runs end to end in tests/test_launch.py.)"""
     config, workdir, result = reference
-    evaluated = train.evaluate_checkpoint(config, workdir)
+    evaluated = evaluate_checkpoint(config, workdir)
     assert evaluated["step"] == NUM_STEPS
     assert evaluated["eval_loss"] == pytest.approx(result["eval_loss"], rel=1e-6)
     assert evaluated["eval_exact_match"] == result["eval_exact_match"]
@@ -476,8 +493,8 @@ def test_prompt_characters_outside_the_vocabulary(reference, caplog):
     generate.map_unknown=True it is generated from, and a prompt longer than the training
     source rows of sinusoidal positions gets a one-line warning, not an error."""
     config, workdir, _ = reference
-    with pytest.raises(train.PromptError) as error:
-        train.generate_from_checkpoint(config, workdir, ["123", "12a4"])
+    with pytest.raises(PromptError) as error:
+        generate_from_checkpoint(config, workdir, ["123", "12a4"])
     assert str(error.value) == (
         "prompt 2 '12a4' has characters outside the vocabulary: 'a' (the vocabulary: "
         "'0123456789+='); remove them, or pass --config.generate.map_unknown=True to map them "
@@ -485,10 +502,10 @@ def test_prompt_characters_outside_the_vocabulary(reference, caplog):
     config = ml_collections.ConfigDict(config.to_dict())
     config.generate.map_unknown = True
     long_prompt = "0123456789012345"  # 16 symbols + eos: longer than data.seq_len=12
-    with caplog.at_level("WARNING", logger="tfm.train"):
-        outputs = train.generate_from_checkpoint(config, workdir, ["12a4", long_prompt])
+    with caplog.at_level("WARNING", logger="tfm.training.train"):
+        outputs = generate_from_checkpoint(config, workdir, ["12a4", long_prompt])
     assert len(outputs) == 2 and all(isinstance(o, str) for o in outputs)
-    warnings = [r.getMessage() for r in caplog.records if r.name == "tfm.train"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "tfm.training.train"]
     assert warnings == [
         f"prompt 2 {long_prompt!r} is 17 tokens, longer than the 12 of the training rows; "
         "position_scheme='sinusoidal' runs at any length, but quality past the trained lengths "
@@ -499,13 +516,13 @@ def test_eval_decoding_shows_progress(reference, capsys):
     """Eval decoding (minutes for BLEU on a real split) shows a bar over its batches when
     train.progress_bar is on, and nothing when it is off."""
     config, workdir, _ = reference
-    experiment = train.setup(config, workdir)
-    params, _ = train.restore_params(experiment)
+    experiment = setup(config, workdir)
+    params, _ = restore_params(experiment)
     capsys.readouterr()
-    train.evaluate(experiment, params)
+    evaluate(experiment, params)
     assert "decode validation" not in capsys.readouterr().err
     experiment.train = dataclasses.replace(experiment.train, progress_bar=True)
-    train.evaluate(experiment, params)
+    evaluate(experiment, params)
     err = capsys.readouterr().err
     assert "decode validation:" in err and "/1 [" in err and "batch/s" in err, err
 
@@ -553,7 +570,7 @@ def test_char_lm_extrapolation_fits_learned_positions_at_context_128(data_dir, t
     # batch_size 16: the tests' 8 host devices split the batch (the recipe's 12 is for 1 CPU).
     config.data.update(data_dir=str(data_dir), path=str(corpus), batch_size=16)
     with count_compilations() as compiled:
-        experiment = train.setup(config, tmp_path / "run")
+        experiment = setup(config, tmp_path / "run")
     assert not compiled
     assert experiment.model_config.max_len == 128
     assert max(length for length, _ in required_lengths(experiment)) <= 128
@@ -623,9 +640,9 @@ def test_the_dropout_generator_is_reproducible_in_the_train_step(data_dir, tmp_p
     """The same state and batch give bit-identical steps with each generator; tfm's fused
     threefry draws jax's threefry masks (the same step as jax's own lowering), rbg other masks
     (so a different loss), from the same checkpointed state."""
-    experiment = train.setup(seq2seq_config(data_dir), tmp_path)
-    _, shardings = train.state_shardings(experiment)
-    state = train.init_state(experiment, shardings)
+    experiment = setup(seq2seq_config(data_dir), tmp_path)
+    _, shardings = state_shardings(experiment)
+    state = init_state(experiment, shardings)
     batch = {k: jnp.asarray(v) for k, v in next(experiment.data.train_iterator()).items()}
     losses, params = {}, {}
     for impl in ("rbg", "threefry", "threefry2x32"):
@@ -658,30 +675,30 @@ def run_once_options_unforced(monkeypatch):
     """The suite's XLA_FLAGS set -O0 for every program (faster compiles), which tfm's options
     then leave alone; without it in $XLA_FLAGS, run_once_options asks for -O1."""
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-    compile_options.run_once_options.cache_clear()
-    compile_options.compiler_options.cache_clear()
+    cpu_compile.run_once_options.cache_clear()
+    cpu_compile.compiler_options.cache_clear()
     yield
-    compile_options.run_once_options.cache_clear()
-    compile_options.compiler_options.cache_clear()
+    cpu_compile.run_once_options.cache_clear()
+    cpu_compile.compiler_options.cache_clear()
 
 
 @pytest.mark.parametrize("kind", ["seq2seq", "char_lm_small"])
 def test_init_compiled_for_one_run_gives_the_same_parameters_bit_for_bit(
     kind, data_dir, tmp_path, run_once_options_unforced
 ):
-    """init_state compiles with compile_options.run_once_options (LLVM -O1 on CPU, to compile
+    """init_state compiles with cpu_compile.run_once_options (LLVM -O1 on CPU, to compile
     faster): the parameters and optimizer state must equal those of the init program compiled
     at XLA's default -O3, bit for bit, or a run's numbers would depend on the option (at -O0
     the normal(0.02) embeddings differ in the last bit)."""
     config = (seq2seq_config(data_dir) if kind == "seq2seq"
               else _small_char_lm_config(data_dir, tmp_path / "corpus.txt"))
-    experiment = train.setup(config, tmp_path / "run")
+    experiment = setup(config, tmp_path / "run")
     if jax.default_backend() == "cpu":  # else: XLA's defaults both ways
-        assert compile_options.run_once_options() == compile_options.RUN_ONCE_OPTIONS
-    _, shardings = train.state_shardings(experiment)
-    state = train.init_state(experiment, shardings)
+        assert cpu_compile.run_once_options() == cpu_compile.RUN_ONCE_OPTIONS
+    _, shardings = state_shardings(experiment)
+    state = init_state(experiment, shardings)
     init = experiment_module._init_fn(experiment)
-    default_level = {**(compile_options.compiler_options() or {}), compile_options.LLVM_LEVEL: 3}
+    default_level = {**(cpu_compile.compiler_options() or {}), cpu_compile.LLVM_LEVEL: 3}
     with train.sharding.sharding_context(experiment.mesh, experiment.rules):
         reference = jax.jit(lambda rng: nn.meta.unbox(init(rng)), out_shardings=shardings,
                             compiler_options=default_level)(
@@ -692,9 +709,9 @@ def test_init_compiled_for_one_run_gives_the_same_parameters_bit_for_bit(
 def _one_step(config, workdir):
     """(params before, state after one compiled train step on the first batch, its metrics),
     on the config's mesh (all 8 test devices, data parallel)."""
-    experiment = train.setup(config, workdir)
-    _, shardings = train.state_shardings(experiment)
-    state = train.init_state(experiment, shardings)
+    experiment = setup(config, workdir)
+    _, shardings = state_shardings(experiment)
+    state = init_state(experiment, shardings)
     batch = train.sharding.shard_batch(
         next(experiment.data.train_iterator()), experiment.mesh,
         train.sharding.batch_sharding(experiment.mesh, experiment.rules), experiment.rules,
@@ -781,30 +798,30 @@ def test_config_errors_name_the_field_before_compiling(data_dir, tmp_path, path,
     config = seq2seq_config(data_dir)
     _set(config, path, value)
     with count_compilations() as compiled, pytest.raises(ConfigError, match=match):
-        train.setup(config, tmp_path)
+        setup(config, tmp_path)
     assert not compiled
 
 
 def test_valid_config_sets_up_without_compiling(data_dir, tmp_path):
     with count_compilations() as compiled:
-        experiment = train.setup(seq2seq_config(data_dir), tmp_path)
+        experiment = setup(seq2seq_config(data_dir), tmp_path)
     assert not compiled
-    assert experiment.task == "seq2seq"
+    assert experiment.mode == "seq2seq"
     assert experiment.model_config.vocab_size == experiment.data.vocab_size
 
 
 def test_setup_parses_each_section_once(data_dir, tmp_path, monkeypatch):
     """One pass over the config: setup and the compiled steps resolve the optimizer section
     once, and the experiment carries the frozen sections (the decode config hashable)."""
-    from tfm import optim
+    from tfm.training import optim
 
     calls = []
     resolve = optim.resolve_optimizer_config
     monkeypatch.setattr(
         optim, "resolve_optimizer_config", lambda section: calls.append(1) or resolve(section)
     )
-    experiment = train.setup(seq2seq_config(data_dir), tmp_path)
-    train.jit_steps(experiment, train.state_shardings(experiment)[1])
+    experiment = setup(seq2seq_config(data_dir), tmp_path)
+    train.jit_steps(experiment, state_shardings(experiment)[1])
     assert len(calls) == 1
     assert experiment.mode == experiment.data.mode == "seq2seq"
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -830,7 +847,7 @@ def test_every_config_variant_is_valid(module, variants):
     validation `setup` runs before building anything."""
     for arg in (None, *variants, *SCHEMES):
         config = module.get_config(arg)
-        train.validate_config(config)
+        parse_config(config)
         if arg in SCHEMES:
             assert config.model.position_scheme == arg
 

@@ -1,4 +1,5 @@
-"""Fault injection for tfm/train.py: training SIGKILLed at random points, inside steps and inside
+"""Fault injection for tfm/training/train.py: training SIGKILLed at random points, inside steps and
+inside
 checkpoint saves, restarted each time, ends in exactly the state (and metrics.jsonl) of one
 uninterrupted run. Each run is a fresh process, as after a real crash."""
 
@@ -15,7 +16,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from tfm import checkpoint, metrics
+from tfm.training import checkpoint, metrics
 
 REPO = Path(__file__).resolve().parents[1]
 NUM_STEPS = 16
@@ -27,7 +28,7 @@ RUN_TIMEOUT_S = 240
 CHILD = r"""
 import json, os, signal, sys, time
 from configs import synthetic_seq2seq
-from tfm import checkpoint, train
+from tfm.training import checkpoint, train
 
 workdir, data_dir, kill = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 config = synthetic_seq2seq.get_config("runlocal")

@@ -1,4 +1,5 @@
-"""The training loop's own pieces (tfm.train.setup, state_shardings, init_state, jit_steps) on
+"""The training loop's own pieces (tfm.training.train.setup, state_shardings, init_state,
+jit_steps) on
 8 simulated CPU devices (tests/conftest.py) against one device of the same process.
 
 What is compared, on a tiny encoder-decoder (configs/synthetic_seq2seq.py:runlocal, d_model 32,
@@ -9,7 +10,7 @@ What is compared, on a tiny encoder-decoder (configs/synthetic_seq2seq.py:runloc
   in exact arithmetic, so Adam steps them by the sign of rounding noise);
 - the train state's params and Adam mu/nu really are sharded as the rules say (spec and the
   shape each device holds);
-- greedy decoding (tfm.generate.translate) with params sharded over 2 x 2 x 2 gives the
+- greedy decoding (tfm.decode.generate.translate) with params sharded over 2 x 2 x 2 gives the
   one-device tokens exactly and scores within 1e-5;
 - a mesh that does not match the device count, a batch the batch axes do not divide, and a
   tensor axis that divides neither num_heads nor d_ff fail in setup, before anything compiles.
@@ -26,8 +27,11 @@ import optax
 import pytest
 
 from configs import synthetic_seq2seq
-from tfm import generate, sharding, train
-from tfm.config import ConfigError
+from tfm.checks import ConfigError
+from tfm.decode import generate
+from tfm.parallel import sharding
+from tfm.training import train
+from tfm.training.experiment import init_state, setup, state_shardings
 
 MESHES = {
     "data8": {"data": 8, "fsdp": 1, "tensor": 1},
@@ -53,12 +57,12 @@ def tiny_config(data_dir, mesh):
 
 
 def experiment(data_dir, mesh, devices=None):
-    return train.setup(tiny_config(data_dir, mesh), data_dir / "workdir", devices=devices)
+    return setup(tiny_config(data_dir, mesh), data_dir / "workdir", devices=devices)
 
 
 def run_steps(exp, state, host_batches):
     """Loss (token mean) of each step, and the final state."""
-    _, shardings = train.state_shardings(exp)
+    _, shardings = state_shardings(exp)
     train_fn, _ = train.jit_steps(exp, shardings)
     batches = [sharding.shard_batch(batch, exp.mesh, rules=exp.rules) for batch in host_batches]
     compiled = train_fn.lower(state, batches[0]).compile(FAST_COMPILE)
@@ -79,8 +83,8 @@ def initial_state(data_dir):
     """The train state initialised directly sharded over 2 x 2 x 2 (init_state, as the loop
     does), fetched to the host; every run below starts from it."""
     exp = experiment(data_dir, MESHES["2x2x2"])
-    _, shardings = train.state_shardings(exp)
-    state = train.init_state(exp, shardings)
+    _, shardings = state_shardings(exp)
+    state = init_state(exp, shardings)
     query = state.params["encoder"]["stack"]["layer_0"]["self_attention"]["query"]["kernel"]
     assert query.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor", None)
     assert query.addressable_shards[0].data.shape == (16, 2, 8)
@@ -98,7 +102,7 @@ def host_batches(data_dir):
 def one_device_run(data_dir, initial_state, host_batches):
     exp = experiment(data_dir, ONE_DEVICE, jax.devices()[:1])
     assert exp.mesh.size == 1
-    _, shardings = train.state_shardings(exp)
+    _, shardings = state_shardings(exp)
     losses, state = run_steps(exp, jax.device_put(initial_state, shardings), host_batches)
     return losses, jax.device_get(state)
 
@@ -119,7 +123,8 @@ def expected_spec(names):
     return jax.sharding.PartitionSpec(*(table.get(name) for name in names))
 
 
-# Logical names of a few parameters (from tfm/layers.py) whose specs and shard shapes are checked.
+# Logical names of a few parameters (from tfm/nn/layers.py) whose specs and shard shapes are
+# checked.
 CHECKED = {
     ("encoder", "stack", "layer_0", "self_attention", "query", "kernel"):
         ("embed", "heads", "head_dim"),
@@ -144,7 +149,7 @@ def test_sharded_training_matches_one_device(mesh_name, data_dir, initial_state,
     exp = experiment(data_dir, MESHES[mesh_name])
     sizes = dict(exp.mesh.shape)
     assert exp.mesh.size == 8 and sizes == MESHES[mesh_name]
-    _, shardings = train.state_shardings(exp)
+    _, shardings = state_shardings(exp)
     losses, state = run_steps(exp, jax.device_put(initial_state, shardings), host_batches)
 
     ref_losses, ref_state = one_device_run
@@ -189,7 +194,7 @@ def test_sharded_training_matches_one_device(mesh_name, data_dir, initial_state,
 def test_decoding_under_a_mesh_equals_one_device(data_dir, one_device_run):
     _, trained = one_device_run
     exp = experiment(data_dir, MESHES["2x2x2"])
-    _, shardings = train.state_shardings(exp)
+    _, shardings = state_shardings(exp)
     sharded_params = jax.device_put(trained.params, shardings.params)
     sources, _ = exp.data.eval_texts("validation")
     tokens, lengths = generate.pad_batch([exp.data.encode_prompt(s) for s in sources[:4]])
@@ -233,4 +238,4 @@ def test_bad_sizes_fail_in_setup(data_dir, mesh, changes, match, monkeypatch):
         config.model.d_ff = changes["d_ff"]
     monkeypatch.setattr(jax, "jit", no_compiling)
     with pytest.raises(ConfigError, match=match):
-        train.setup(config, data_dir / "bad")
+        setup(config, data_dir / "bad")

@@ -74,13 +74,14 @@ def main(argv: list[str]) -> None:
         raise app.UsageError("average needs --output=NEW_WORKDIR")
 
     # Heavy imports after flag parsing, so usage errors are instant.
-    from tfm import train
-    from tfm.checkpoint import CheckpointError, ConfigMismatchError
-    from tfm.config import ConfigError
+    from tfm.checks import ConfigError
     from tfm.data.builders import DataError
+    from tfm.training.checkpoint import CheckpointError, ConfigMismatchError
+    from tfm.training.evaluate import PromptError
+    from tfm.training.experiment import TrainingError
 
-    expected = (ConfigError, DataError, CheckpointError, ConfigMismatchError, train.TrainingError,
-                FileNotFoundError, FileExistsError, train.PromptError)
+    expected = (ConfigError, DataError, CheckpointError, ConfigMismatchError, TrainingError,
+                FileNotFoundError, FileExistsError, PromptError)
     try:
         _run(command, _CONFIG.value, workdir, config_arg)
     except expected as error:  # a bad value or file, not a bug: one line, no traceback
@@ -128,7 +129,7 @@ def os_error_line(error: OSError) -> str:
 
 
 def _run(command: str, config: Any, workdir: Path, config_arg: str) -> None:
-    from tfm import checkpoint, train
+    from tfm.training import checkpoint, evaluate, experiment, train
 
     if command == "train":
         final = train.train_and_evaluate(config, workdir)
@@ -139,16 +140,15 @@ def _run(command: str, config: Any, workdir: Path, config_arg: str) -> None:
         _print(json.dumps(evaluate_lengths(config, workdir, _EVAL_SEQ_LEN.value, _STEP.value),
                           indent=1))
     elif command == "eval":
-        results = train.evaluate_checkpoint(config, workdir, _STEP.value)
+        results = evaluate.evaluate_checkpoint(config, workdir, _STEP.value)
         _print(json.dumps(results, indent=1))
     elif command == "generate":
         prompts = _read_prompts()
-        outputs = train.generate_from_checkpoint(config, workdir, prompts, _STEP.value)
+        outputs = evaluate.generate_from_checkpoint(config, workdir, prompts, _STEP.value)
         for prompt, output in zip(prompts, outputs, strict=True):
             _print(f"{prompt}\t->\t{output}")
     else:
-        experiment = train.setup(config, workdir)
-        abstract, _ = train.state_shardings(experiment)
+        abstract, _ = experiment.state_shardings(experiment.setup(config, workdir))
         step = checkpoint.write_averaged_checkpoint(
             workdir / "checkpoints", Path(_OUTPUT.value) / "checkpoints", abstract,
             last_k=_LAST_K.value,
@@ -167,7 +167,8 @@ def evaluate_lengths(
     Returns {length: metrics}, also merged into WORKDIR/eval_seq_len.json."""
     import jax
 
-    from tfm import positions, train
+    from tfm.nn import positions
+    from tfm.training.evaluate import evaluate_checkpoint
 
     if not all(text.isdigit() and int(text) > 0 for text in lengths):
         raise app.UsageError(f"--eval_seq_len takes whole numbers >= 1; got {','.join(lengths)}")
@@ -181,7 +182,7 @@ def evaluate_lengths(
         with config.unlocked():
             variant = config.copy_and_resolve_references()
         variant.data.eval_seq_len = length
-        results[str(length)] = train.evaluate_checkpoint(variant, workdir, step)
+        results[str(length)] = evaluate_checkpoint(variant, workdir, step)
     if jax.process_index() == 0:
         path = workdir / "eval_seq_len.json"
         saved = json.loads(path.read_text()) if path.exists() else {}

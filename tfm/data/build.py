@@ -1,7 +1,7 @@
 """The training loop's data entry point: `build_data(config.data, process_index, process_count)`.
 
 The `data` section of an experiment config (a dict or ml_collections ConfigDict) is validated by
-`DataConfig.from_dict`; a bad value raises `tfm.config.ConfigError` naming `data.<field>`.
+`DataConfig.from_dict`; a bad value raises `tfm.checks.ConfigError` naming `data.<field>`.
 Fields (default), by topic; a kind-specific field may only differ from its default for its kind:
 
   kind ("synthetic"): "synthetic" | "text" | "parallel" | "tfds"
@@ -69,7 +69,7 @@ import grain
 import numpy as np
 import tensorflow_datasets as tfds
 
-from tfm.config import MODES, ConfigError, check_choice, check_positive
+from tfm.checks import ConfigError, check_choice, check_positive
 from tfm.data import builders, pipeline, synthetic
 from tfm.data.tokenizers import (
     EOS_ID,
@@ -81,6 +81,7 @@ from tfm.data.tokenizers import (
     Tokenizer,
     train_sentencepiece,
 )
+from tfm.nn.config import MODES
 
 KINDS = ("synthetic", "text", "parallel", "tfds")
 # Fields only one kind uses: they must keep their default for the other kinds.
@@ -264,7 +265,7 @@ class DataConfig:
 
     @property
     def resolved_mode(self) -> str:
-        """The model this data trains (tfm.config.MODES): "lm" for text or mode="lm" pairs."""
+        """The model this data trains (tfm.nn.config.MODES): "lm" for text or mode="lm" pairs."""
         if self.is_text:
             return "lm"
         return self.mode or "seq2seq"
@@ -428,7 +429,7 @@ class Data:
 
     @property
     def mode(self) -> str:
-        """The model this data trains, one of tfm.config.MODES."""
+        """The model this data trains, one of tfm.nn.config.MODES."""
         return self.encoder.model_mode
 
     @property

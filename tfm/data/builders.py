@@ -47,9 +47,9 @@ import tensorflow_datasets as tfds
 from etils import epath
 from tensorflow_datasets.proto import tf_example_pb2
 
-from tfm import metrics
-from tfm.config import ConfigError
+from tfm.checks import ConfigError
 from tfm.data import synthetic
+from tfm.training import metrics
 
 # Every tfm builder is built from a config object (the task's parameters), which tfds warns
 # about on every command.

@@ -4,7 +4,7 @@ BERT (the encoder).
 `load_pretrained(directory) -> (ModelConfig, params)` reads a local Hugging Face model folder
 (`config.json` plus `model.safetensors`, sharded safetensors, or `pytorch_model.bin`) with
 safetensors' numpy API: no torch is needed (except for `.bin` files). `params` are plain numpy
-arrays in the unrolled layout of `model_for(config)` (`tfm.models.stack_layer_params` converts
+arrays in the unrolled layout of `model_for(config)` (`tfm.nn.models.stack_layer_params` converts
 them for `scan_layers=True`). `save_pretrained(config, params, directory)` writes GPT-2 and
 Llama-family configs back, so a tfm-trained model opens in Hugging Face tools.
 
@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from tfm.config import ModelConfig
-from tfm.models import DecoderLM, Encoder, EncoderDecoder
+from tfm.nn.config import ModelConfig
+from tfm.nn.models import DecoderLM, Encoder, EncoderDecoder
 
 Params = dict[str, Any]
 FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "t5", "bert")
@@ -744,7 +744,7 @@ def generate_pretrained(
     folder's tokenizer.json; with `prompt_ids` the prompts are space-separated token ids and
     the outputs are ids too. Rows are left-padded with explicit validity, so each prompt
     continues from its own end."""
-    from tfm.generate import lm_generate, translate
+    from tfm.decode.generate import lm_generate, translate
 
     config, params = load_pretrained(directory)
     hf_config = read_config(directory)

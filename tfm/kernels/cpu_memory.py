@@ -13,7 +13,7 @@ shrink below its high-water mark until it exits. A training loop reuses them
 (its resident size stayed flat over 400 small-recipe steps with evaluations), but a program that
 keeps large step outputs alive across calls can hold several freed copies (a loop returning
 48 MB arrays settled at 0.9 GB instead of 0.3 GB). So tfm sets it only in its training loop
-(`tfm.train.train_and_evaluate` on CPU); call it yourself for your own loops.
+(`tfm.training.train.train_and_evaluate` on CPU); call it yourself for your own loops.
 
 Left alone when TFM_MALLOC_DEFAULTS=0, when the C library has no `mallopt` (not glibc), or when
 $GLIBC_TUNABLES already sets glibc.malloc options (yours win).

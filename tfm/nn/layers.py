@@ -1,7 +1,7 @@
 """Thin Flax (linen) modules over the pure functions in attention.py and positions.py.
 
 Parameters carry logical axis names (vocab, embed, heads, kv_heads, head_dim, mlp, layers, relpos,
-buckets) so sharding is a matter of rules (tfm/sharding.py), not code.
+buckets) so sharding is a matter of rules (tfm/parallel/sharding.py), not code.
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tfm import attention, cache, ops, positions
-from tfm.config import ModelConfig
+from tfm.kernels import cpu_dense
+from tfm.nn import attention, cache, positions
+from tfm.nn.config import ModelConfig
 
 Array = jax.Array
 
@@ -32,7 +33,8 @@ class Projection(nn.Module):
     """y = x . kernel (+ bias), contracting the last len(in_features) axes of x.
 
     kernel: [*in_features, *features] with logical axis `names`; Glorot-uniform over those
-    fans. The matmul is `tfm.ops.linear`: compute-dtype operands in both passes, float32
+    fans. The matmul is `tfm.kernels.cpu_dense.linear`: compute-dtype operands in both passes,
+    float32
     accumulation. `kernel` and `bias` are attributes, so a layer can fuse several projections
     of one input into one matmul (`project_together`).
     """
@@ -78,7 +80,7 @@ def project_together(
     has_bias = projections[0].bias is not None
     if any((p.bias is not None) != has_bias for p in projections):
         raise ValueError("project_together needs projections that all have a bias or all none")
-    y = ops.linear(
+    y = cpu_dense.linear(
         x,
         kernel,
         num_contracted=num_in,
@@ -175,11 +177,12 @@ class TokenEmbedding(nn.Module):
         elif tuple(kernel.shape) != (config.d_model, self.vocab_size):
             raise ValueError(f"the tied output kernel must be [d_model, vocab] = "
                              f"{(config.d_model, self.vocab_size)}; got {tuple(kernel.shape)}")
-        return ops.linear(x, kernel, compute_dtype=config.compute_dtype, out_dtype=jnp.float32)
+        return cpu_dense.linear(x, kernel, compute_dtype=config.compute_dtype,
+        out_dtype=jnp.float32)
 
 
 def _param_fn(module: nn.Module, config: ModelConfig) -> positions.ParamFn:
-    """The `param` hook tfm.positions' schemes create their tables with, in `module`."""
+    """The `param` hook tfm.nn.positions' schemes create their tables with, in `module`."""
 
     def param(name: str, shape: tuple[int, ...], stddev: float, axes: tuple) -> Array:
         init = _kernel(axes, nn.initializers.normal(stddev=stddev))
@@ -190,7 +193,7 @@ def _param_fn(module: nn.Module, config: ModelConfig) -> positions.ParamFn:
 
 class PositionEmbedding(nn.Module):
     """Absolute positions added to the token embeddings, for schemes that have an embedding
-    hook in tfm.positions.SCHEMES (sinusoidal, learned); identity for the others."""
+    hook in tfm.nn.positions.SCHEMES (sinusoidal, learned); identity for the others."""
 
     config: ModelConfig
 
@@ -229,7 +232,8 @@ class MultiHeadAttention(nn.Module):
     no position information (queries from the decoder, keys/values from the encoder output).
     Query, key and value projections of one input run as one matmul (`project_together`).
 
-    With a KV cache (`cache_slots`, every layer's slots, see tfm/cache.py) the new keys and values
+    With a KV cache (`cache_slots`, every layer's slots, see tfm/nn/cache.py) the new keys and
+    values
     are written into this layer's slots in place, and attention reads the slots in their
     head-major layout; the updated slots are returned.
     """
@@ -362,7 +366,7 @@ class FeedForward(nn.Module):
             if config.activation == "relu":
                 hidden = nn.relu(hidden)
             elif config.activation == "gelu":
-                hidden = ops.gelu(hidden)
+                hidden = cpu_dense.gelu(hidden)
             else:  # gelu_tanh (GPT-2's "gelu_new")
                 hidden = nn.gelu(hidden, approximate=True)
         return _dense(config, config.d_ff, config.d_model, ("mlp", "embed"), "wo")(hidden)

@@ -3,7 +3,8 @@ saves.
 
 Data flows one way: config -> data pipeline -> model -> loss -> optimizer -> checkpoint/metrics.
 `train_and_evaluate(config, workdir)` is what `./launch.sh train` runs. The experiment's setup,
-state and restore live in tfm/experiment.py, evaluation and generation in tfm/evaluate.py;
+state and restore live in tfm/training/experiment.py, evaluation and generation in
+tfm/training/evaluate.py;
 their public names are re-exported here, the entry point scripts and tests import.
 """
 
@@ -24,25 +25,13 @@ import ml_collections
 import numpy as np
 import optax
 
-from tfm import checkpoint, compile_options, flops, host_memory, losses, metrics, prng, sharding
-from tfm.evaluate import (  # noqa: F401  (re-exported)
-    PromptError,
-    check_prompts,
-    decode_texts,
-    eval_step,
-    evaluate,
-    evaluate_checkpoint,
-    generate_from_checkpoint,
-    jit_eval_step,
-)
-from tfm.experiment import (  # noqa: F401  (re-exported)
-    EVAL_DEFAULTS,
-    GENERATE_DEFAULTS,
-    TRAIN_DEFAULTS,
-    EvalConfig,
+from tfm.kernels import cpu_compile, cpu_memory
+from tfm.parallel import sharding
+from tfm.training import checkpoint, flops, losses, metrics, prng
+from tfm.training.evaluate import evaluate, jit_eval_step
+from tfm.training.experiment import (
     Experiment,
     ExperimentConfig,
-    GenerateConfig,
     InShardingContext,
     TrainConfig,
     TrainingError,
@@ -50,13 +39,9 @@ from tfm.experiment import (  # noqa: F401  (re-exported)
     compute_logits,
     init_state,
     make_checkpointer,
-    model_for,
-    parse_config,
     restore_newest_readable,
-    restore_params,
     setup,
     state_shardings,
-    validate_config,
 )
 
 
@@ -179,9 +164,9 @@ def jit_steps(experiment: Experiment, shardings: Any) -> tuple[Callable, Callabl
         dropout_rng_impl=experiment.train.dropout_rng,
         microbatches=experiment.train.microbatches,
     )
-    jit_train = compile_options.jit(
+    jit_train = cpu_compile.jit(
         step_fn,
-        cpu_kernels=compile_options.resolve_cpu_kernels(
+        cpu_kernels=cpu_compile.resolve_cpu_kernels(
             experiment.train.cpu_kernels, experiment.model_config.compute_dtype
         ),
         in_shardings=(shardings, sharding.batch_sharding(mesh, experiment.rules)),
@@ -197,7 +182,7 @@ def train_and_evaluate(
     """Trains `config` in `workdir`, resuming from its latest checkpoint; returns final metrics."""
     experiment = setup(config, workdir)
     if jax.default_backend() == "cpu":  # each step then reuses its temporaries' pages
-        host_memory.keep_freed_memory()
+        cpu_memory.keep_freed_memory()
     options = experiment.train
     experiment.workdir.mkdir(parents=True, exist_ok=True)
     if jax.process_index() == 0:

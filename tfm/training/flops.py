@@ -21,7 +21,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from tfm.config import ConfigError, ModelConfig
+from tfm.checks import ConfigError
+from tfm.nn.config import ModelConfig
 
 KINDS = ("lm", "seq2seq", "encoder")
 
@@ -112,7 +113,7 @@ def _mlp_counts(config: ModelConfig) -> tuple[int, int]:
 
 
 def count_params_from_config(config: ModelConfig, kind: str = "lm") -> dict[str, int]:
-    """Parameter counts of the model `kind` builds (tfm/models.py: DecoderLM, EncoderDecoder,
+    """Parameter counts of the model `kind` builds (tfm/nn/models.py: DecoderLM, EncoderDecoder,
     Encoder), by group: embedding, output (untied projection), position, attention, mlp, norm,
     total; plus `matmul`, the weights that enter the 6N FLOP count (see the module docstring)."""
     _check_kind(kind)

@@ -6,14 +6,15 @@ naming the field and the allowed values, before any parameter is created or anyt
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import numbers
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
+
+from tfm.checks import ConfigError, check_bool, check_choice, check_positive, check_rate
+from tfm.nn.positions import ROPE_SCALINGS, get_scheme, rope_frequencies
 
 # What a model is, in one vocabulary used by data, training and generation: a decoder-only
 # language model or an encoder-decoder.
@@ -25,94 +26,8 @@ NORM_PLACEMENTS = ("post", "pre")
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "swiglu", "geglu")
 GATED_ACTIVATIONS = ("swiglu", "geglu")
 BIAS_GROUPS = ("qkv", "attention_out", "mlp", "lm_head")
-ROPE_SCALINGS = ("none", "linear", "ntk", "llama3")  # tfm.positions.ROPE_SCALINGS
 ATTENTION_BACKENDS = ("reference", "xla", "cudnn")
 DTYPES = ("float32", "bfloat16", "float16")
-
-
-def __getattr__(name: str) -> Any:
-    # The scheme names live in tfm.positions' registry; this alias keeps the old import working.
-    if name == "POSITION_SCHEMES":
-        from tfm.positions import POSITION_SCHEMES
-
-        return POSITION_SCHEMES
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the field and what is allowed."""
-
-
-# The one set of validators every config section uses. `field` is the name the error shows
-# (e.g. "data.batch_size" or "beam_size"); each raises ConfigError naming it and what is allowed.
-
-
-def check_choice(field: str, value: Any, allowed: Sequence[str]) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{field}={value!r} is unknown; choose one of: {', '.join(allowed)}")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def check_positive(field: str, value: Any, allow_zero: bool = False) -> None:
-    """An integer > 0 (or >= 0)."""
-    if not (_is_int(value) and (value >= 0 if allow_zero else value > 0)):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ConfigError(f"{field}={value!r} must be an integer {bound}")
-
-
-def check_int(field: str, value: Any, minimum: int, note: str = "") -> None:
-    """An integer >= minimum; `note` explains a special value, e.g. "(0 = all)"."""
-    if not (_is_int(value) and value >= minimum):
-        raise ConfigError(f"{field}={value!r} must be an integer >= {minimum}{note}")
-
-
-def check_number(field: str, value: Any, allowed: str, ok: Callable[[float], bool]) -> None:
-    """A real number (not a bool) for which ok(value) holds; `allowed` words the range."""
-    is_number = isinstance(value, numbers.Real) and not isinstance(value, bool)
-    if not (is_number and ok(value)):
-        raise ConfigError(f"{field}={value!r} must be {allowed}")
-
-
-def check_bool(field: str, value: Any, optional: bool = False) -> None:
-    if not (isinstance(value, bool) or (optional and value is None)):
-        allowed = "True, False or None" if optional else "True or False"
-        raise ConfigError(f"{field}={value!r} must be one of: {allowed}")
-
-
-def _rate(field: str, value: Any) -> None:
-    check_number(field, value, "a number in [0, 1)", lambda v: 0.0 <= v < 1.0)
-
-
-def section_dict(values: Any, section: str, known: Sequence[str]) -> dict[str, Any]:
-    """A config section (dict, ConfigDict or None) as a plain dict; unknown keys raise
-    ConfigError naming `section.key` and the known fields."""
-    given = {} if values is None else (
-        values.to_dict() if hasattr(values, "to_dict") else dict(values))
-    unknown = sorted(set(given) - set(known))
-    if unknown:
-        raise ConfigError(
-            f"{', '.join(f'{section}.{key}' for key in unknown)}: unknown field(s); known "
-            f"fields: {', '.join(known)}"
-        )
-    return given
-
-
-@contextlib.contextmanager
-def field_prefix(section: str) -> Iterator[None]:
-    """Inside it, a ConfigError's field gets the section's name: "temperature=0" becomes
-    "generate.temperature=0" when a section checks its fields with another module's config."""
-    try:
-        yield
-    except ConfigError as error:
-        raise ConfigError(f"{section}.{error}") from None
-
-
-def field_defaults(cls: type) -> dict[str, Any]:
-    """{field: default} of a config dataclass (what configs/base.py exposes as overridable)."""
-    return {field.name: field.default for field in dataclasses.fields(cls)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,8 +171,8 @@ class ModelConfig:
                     f"num_kv_heads={self.num_kv_heads}; each key/value head serves a whole "
                     "group of query heads"
                 )
-        _rate("dropout_rate", self.dropout_rate)
-        _rate("attention_dropout_rate", self.attention_dropout_rate)
+        check_rate("dropout_rate", self.dropout_rate)
+        check_rate("attention_dropout_rate", self.attention_dropout_rate)
         scheme = self.scheme  # ConfigError naming the registered schemes if unknown
         check_positive("max_len", self.max_len)
         check_choice("sinusoidal_layout", self.sinusoidal_layout, SINUSOIDAL_LAYOUTS)
@@ -305,9 +220,7 @@ class ModelConfig:
     # Derived values: read these, never recompute them elsewhere.
     @property
     def scheme(self) -> Any:
-        """The registry entry of `position_scheme` (a tfm.positions.PositionScheme)."""
-        from tfm.positions import get_scheme
-
+        """The registry entry of `position_scheme` (a tfm.nn.positions.PositionScheme)."""
         return get_scheme(self.position_scheme)
 
     @property
@@ -333,8 +246,6 @@ class ModelConfig:
     @property
     def rope_frequencies(self) -> np.ndarray:
         """RoPE's rotation frequencies (float64, static) with this config's scaling."""
-        from tfm.positions import rope_frequencies
-
         return rope_frequencies(
             round(self.resolved_head_dim * self.rope_fraction),
             self.rope_base,

@@ -26,8 +26,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import checkpoint_managers
 
-from tfm import metrics
-from tfm.config import ConfigError
+from tfm.checks import ConfigError
+from tfm.training import metrics
 
 # Steps saved without metrics (the forced saves of unevaluated steps, SIGTERM) are meant not to
 # compete for the best step; orbax warns about each one inside the progress bar.
@@ -77,7 +77,7 @@ class ConfigMismatchError(ValueError):
 
 
 def _model_field_defaults() -> dict[str, Any]:
-    from tfm.config import ModelConfig
+    from tfm.nn.config import ModelConfig
 
     return {f"model.{f.name}": f.default for f in dataclasses.fields(ModelConfig)}
 

@@ -38,7 +38,8 @@ the operands); only YNNPACK runs them in bf16, at about twice float32's FLOP/s o
 AVX512-BF16 (902 vs 450 GFLOP/s, torch's bf16 876: benchmarks/results/vs_torch_avx512bf16/
 before_bf16_attention).
 So train.cpu_kernels="auto" (the default, `resolve_cpu_kernels`) takes "ynnpack_dots" for a
-bf16 model on a CPU with bf16 units, and the eval step does the same; tfm.ops.linear keeps its
+bf16 model on a CPU with bf16 units, and the eval step does the same; tfm.kernels.cpu_dense.linear
+keeps its
 backward matmuls in the layout those kernels take.
 
 `use_compilation_cache(directory)` turns on jax's persistent compilation cache, so later
@@ -59,7 +60,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from tfm import flops
+from tfm.training import flops
 
 YNN_FUSION = "xla_cpu_experimental_ynn_fusion_type"
 LLVM_LEVEL = "xla_backend_optimization_level"

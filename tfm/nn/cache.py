@@ -16,7 +16,7 @@ Layout (every leaf has batch on axis 0, so decoding algorithms can reorder beams
   write into that reader and the loop carry: four whole-layer copies per layer and step in
   the compiled decode loop, against one slice copy when stacked).
   `grow` appends empty slots: decoding starts from a cache with room for the prompt and grows
-  it before each segment of its loop (tfm.decoding, `cache_segments`).
+  it before each segment of its loop (tfm.decode.search, `cache_segments`).
 - `lengths`: [batch] int32, how many slots of each row are filled = where the next token is written.
   Rows advance independently (prompts of different lengths, rows that stopped at EOS).
 - `valid`: [batch, max_len] bool, which filled slots hold real tokens (False for left padding
@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from tfm.config import ModelConfig
+from tfm.nn.config import ModelConfig
 
 # One layer's slots per entry (a tuple), or all layers stacked on axis 1 (scan_layers).
 LayerSlots = tuple[jax.Array, ...] | jax.Array
@@ -115,7 +115,7 @@ def check_cache(cache: DecoderCache, config: ModelConfig, has_cross: bool) -> No
             "cache was built for another model config: (num_decoder_layers, num_kv_heads, "
             f"head_dim) is {got} ({form} slots) in the cache but {expected} in the model "
             f"config (scan_layers={config.scan_layers}); build it with "
-            "tfm.cache.init_cache(config, ...)"
+            "tfm.nn.cache.init_cache(config, ...)"
         )
     if has_cross and cache.cross_keys is None:
         raise ValueError(
@@ -142,7 +142,8 @@ def check_room(cache: DecoderCache, new_len: int) -> None:
 def grow(cache: DecoderCache, extra_slots: int) -> DecoderCache:
     """`cache` with `extra_slots` more empty self-attention slots at the end of every row (keys,
     values and `valid`, which marks them real); filled slots, lengths and the cross-attention
-    slots are unchanged. Decoding grows its cache as it goes (tfm.decoding, `cache_segments`), so
+    slots are unchanged. Decoding grows its cache as it goes (tfm.decode.search, `cache_segments`),
+    so
     its early steps attend over fewer slots. One copy of the slots per call."""
 
     def pad(slots: LayerSlots, slot_axis: int) -> LayerSlots:

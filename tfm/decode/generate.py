@@ -15,12 +15,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tfm import compile_options, decoding, flops
-from tfm.cache import grow, init_cache, reorder_beams
-from tfm.config import MODES, ModelConfig, check_choice
+from tfm.checks import check_choice
 from tfm.data.tokenizers import BOS_ID, EOS_ID, content_ids
-from tfm.decoding import DecodeConfig
-from tfm.models import DecoderLM, EncoderDecoder, output_kernel
+from tfm.decode import search
+from tfm.decode.search import DecodeConfig
+from tfm.kernels import cpu_compile
+from tfm.nn.cache import grow, init_cache, reorder_beams
+from tfm.nn.config import MODES, ModelConfig
+from tfm.nn.models import DecoderLM, EncoderDecoder, output_kernel
+from tfm.training import flops
 
 
 def fill_id(config: ModelConfig) -> int:
@@ -45,7 +48,7 @@ def _check_length(config: ModelConfig, total_len: int) -> None:
 
 
 # lm_generate's loops over at least this many rows (batch x beams) compile their dots with a
-# library (x86-64 CPUs): oneDNN (compile_options.ONEDNN_OPTIONS) on CPUs without AVX-512, where
+# library (x86-64 CPUs): oneDNN (cpu_compile.ONEDNN_OPTIONS) on CPUs without AVX-512, where
 # on the char GPT of benchmarks/vs_torch.py (6 x 384, 256 new tokens, greedy) it ran 1.13x
 # faster than XLA's kernels at batch 8 and 1.30x at batch 32 in paired scratch A/Bs (AMD EPYC,
 # AVX2), and YNNPACK (cpu_kernels="ynnpack_dots") on CPUs with AVX-512, where oneDNN ran at
@@ -74,7 +77,7 @@ def _lm_kernels(arguments: dict[str, Any]) -> str:
 
 
 @functools.partial(
-    compile_options.jit, static_argnames=("config", "decode", "eos_id"), cpu_kernels=_lm_kernels
+    cpu_compile.jit, static_argnames=("config", "decode", "eos_id"), cpu_kernels=_lm_kernels
 )
 def _lm_generate_jit(params, prompts, prompt_lengths, rng, config, decode, eos_id):
     model = DecoderLM(config)
@@ -89,7 +92,7 @@ def _lm_generate_jit(params, prompts, prompt_lengths, rng, config, decode, eos_i
     def tokens_to_logits(tokens, cache):
         return model.apply({"params": params}, tokens, cache=cache, output_kernel=kernel)
 
-    return decoding.decode(
+    return search.decode(
         tokens_to_logits, last, cache, rng, decode, max_new_tokens=decode.max_new_tokens,
         eos_id=eos_id, pad_id=fill_id(config), grow_cache=grow, reorder_cache=reorder_beams,
     )
@@ -108,7 +111,7 @@ def lm_generate(
 ) -> Any:
     """Continues each prompt as `decode` says (default: greedy, 64 new tokens); `options`
     (method=, max_new_tokens=, beam_size=, ... : DecodeConfig fields) replace its fields.
-    Returns decoding.DecodeOutput (greedy, sample) or BeamOutput (beam)."""
+    Returns search.DecodeOutput (greedy, sample) or BeamOutput (beam)."""
     decode = _decode_config(decode, options)
     prompts = np.asarray(prompts)
     prompt_lengths = np.asarray(prompt_lengths)
@@ -129,7 +132,7 @@ def lm_generate(
 
 
 @functools.partial(
-    compile_options.jit, static_argnames=("config", "decode", "bos_id", "eos_id")
+    cpu_compile.jit, static_argnames=("config", "decode", "bos_id", "eos_id")
 )
 def _translate_jit(params, source, source_lengths, rng, config, decode, bos_id, eos_id):
     model = EncoderDecoder(config)
@@ -159,7 +162,7 @@ def _translate_jit(params, source, source_lengths, rng, config, decode, bos_id, 
 
     source_lengths = source_valid.sum(axis=1).astype(jnp.int32)
     max_new_per_row = jnp.minimum(source_lengths + decode.extra_len, decode.max_new_tokens)
-    return decoding.decode(
+    return search.decode(
         tokens_to_logits, logits[:, 0], cache, rng, decode,
         max_new_tokens=decode.max_new_tokens, eos_id=eos_id, pad_id=fill_id(config),
         max_new_per_row=max_new_per_row, grow_cache=grow, reorder_cache=reorder_beams,

@@ -2,7 +2,7 @@
 
 Inputs are token ids with optional explicit `positions` (per packed segment, or an offset when
 decoding) and `segment_ids` (packed examples; 0 = padding). A decoder accepts an explicit KV cache
-(tfm/cache.py) and returns the updated one:
+(tfm/nn/cache.py) and returns the updated one:
 `(logits, cache) = model.apply(params, tokens, cache=c)`.
 """
 
@@ -15,11 +15,11 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from tfm import attention
-from tfm import cache as cache_lib
-from tfm.cache import DecoderCache, check_cache, check_room
-from tfm.config import ModelConfig
-from tfm.layers import (
+from tfm.nn import attention
+from tfm.nn import cache as cache_lib
+from tfm.nn.cache import DecoderCache, check_cache, check_room
+from tfm.nn.config import ModelConfig
+from tfm.nn.layers import (
     FeedForward,
     MultiHeadAttention,
     Norm,
@@ -62,7 +62,7 @@ class Block(nn.Module):
     post-LN (the paper's "Add & Norm"): x = Norm(x + Dropout(Sublayer(x)));
     pre-LN: x = x + Dropout(Sublayer(Norm(x))), with a final norm after the stack.
     Call signature fits nn.scan: ((x, cache), layer index, LayerContext) -> ((x, cache), None).
-    `cache` is the DecoderCache of every layer (tfm/cache.py layout) or None; this block reads
+    `cache` is the DecoderCache of every layer (tfm/nn/cache.py layout) or None; this block reads
     and writes its own layer's slots in place and returns the same cache form.
     """
 
@@ -144,7 +144,7 @@ class Block(nn.Module):
 class Stack(nn.Module):
     """`num_layers` blocks, unrolled or under nn.scan (compile time flat in depth), plus the
     final norm of pre-LN. The DecoderCache of all layers travels through the stack as the carry
-    (per-layer or stacked slots, see tfm/cache.py); each block updates its layer's in place."""
+    (per-layer or stacked slots, see tfm/nn/cache.py); each block updates its layer's in place."""
 
     config: ModelConfig
     num_layers: int

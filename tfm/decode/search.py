@@ -5,7 +5,7 @@ Every algorithm is written against a callback, as in Flax's wmt/lm1b examples:
     tokens_to_logits(tokens: [batch, length] int32, cache)
         -> (logits: [batch, length, vocab] float32, cache)
 
-`cache` is any pytree whose leaves all have batch on axis 0 (`tfm.cache.DecoderCache` is one), so
+`cache` is any pytree whose leaves all have batch on axis 0 (`tfm.nn.cache.DecoderCache` is one), so
 beam search can expand it to batch * beam rows and reorder beams with one gather per leaf.
 
 The algorithms start from `initial_logits: [batch, vocab]` (the logits after the prompt or BOS was
@@ -17,7 +17,8 @@ stops on its own at EOS (pad after) or at its `max_new_per_row` limit; the loop 
 row is done or `max_new_tokens` tokens were generated. Rows that are done still go through the
 model (their outputs are discarded), because the batch moves in lockstep.
 
-Growing the cache (`grow_cache`, e.g. `tfm.cache.grow`; what `tfm.generate` does): the caller
+Growing the cache (`grow_cache`, e.g. `tfm.nn.cache.grow`; what `tfm.decode.generate` does): the
+caller
 prefills a cache with room for the prompt only, and the loop runs as `cache_segments` while loops
 (`segment_ends`), growing the cache by each one's steps before it starts, so early steps attend
 over a shorter cache instead of every step over the final length. Each segment is one more copy
@@ -41,14 +42,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tfm import compile_options
-from tfm.config import ConfigError, check_choice, check_int, check_number
+from tfm.checks import ConfigError, check_choice, check_int, check_number
+from tfm.kernels import cpu_compile
 
 Cache = Any  # any pytree whose leaves have batch on axis 0
 TokensToLogits = Callable[[jax.Array, Cache], tuple[jax.Array, Cache]]
 GrowCache = Callable[[Cache, int], Cache]  # (cache, n) -> the cache with n more empty slots
 # (cache, index [batch * beam] int) -> row r holds row index[r]; index stays within each source's
-# beams (e.g. tfm.cache.reorder_beams, which leaves cross-attention entries where they are).
+# beams (e.g. tfm.nn.cache.reorder_beams, which leaves cross-attention entries where they are).
 ReorderCache = Callable[[Cache, jax.Array], Cache]
 
 # A segment of the decode loop runs at least this many steps: below it the cache saved per step
@@ -177,7 +178,7 @@ def _segments(
     if grow_cache is None:
         if cache_segments != 1:
             raise ValueError(
-                f"cache_segments={cache_segments} needs grow_cache (e.g. tfm.cache.grow) and a "
+                f"cache_segments={cache_segments} needs grow_cache (e.g. tfm.nn.cache.grow) and a "
                 "cache prefilled with room for the prompt only; without it the cache has its "
                 "final size and the loop runs once (cache_segments=1)"
             )
@@ -232,7 +233,7 @@ def filter_logits(logits: jax.Array, *, top_k: int = 0, top_p: float = 1.0) -> j
     return _filter_logits(logits, top_k=int(top_k), top_p=float(top_p))
 
 
-@functools.partial(compile_options.jit, static_argnames=("top_k", "top_p"))
+@functools.partial(cpu_compile.jit, static_argnames=("top_k", "top_p"))
 def _filter_logits(logits: jax.Array, *, top_k: int, top_p: float) -> jax.Array:
     if top_k == 0 and top_p >= 1.0:
         return logits
@@ -270,7 +271,7 @@ class _SequentialState(NamedTuple):
 
 
 @functools.partial(
-    compile_options.jit,
+    cpu_compile.jit,
     static_argnames=(
         "tokens_to_logits", "max_new_tokens", "eos_id", "pad_id", "sampling", "ends",
         "grow_cache",
@@ -471,7 +472,7 @@ def _gather_rows(cache: Cache, index: jax.Array) -> Cache:
     return jax.tree.map(lambda x: x[index], cache)
 
 
-@functools.partial(compile_options.jit, static_argnames=_BEAM_STATIC)
+@functools.partial(cpu_compile.jit, static_argnames=_BEAM_STATIC)
 def _beam_search(
     tokens_to_logits: TokensToLogits,
     initial_logits: jax.Array,

@@ -1,8 +1,8 @@
 """Evaluation: loss, perplexity and accuracy on the eval splits, and the generation metrics
 (exact match, BLEU) of decoded outputs; `./launch.sh eval` and `./launch.sh generate`.
 
-Decoding options travel as one `tfm.decoding.DecodeConfig`, built from the config's `eval` or
-`generate` section (see tfm/experiment.py) and passed unchanged to tfm.generate.
+Decoding options travel as one `tfm.decode.search.DecodeConfig`, built from the config's `eval` or
+`generate` section (see tfm/training/experiment.py) and passed unchanged to tfm.decode.generate.
 """
 
 from __future__ import annotations
@@ -19,10 +19,13 @@ import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
 
-from tfm import compile_options, generate, losses, metrics, sharding
 from tfm.data import tokenizers
-from tfm.decoding import DecodeConfig
-from tfm.experiment import (
+from tfm.decode import generate
+from tfm.decode.search import DecodeConfig
+from tfm.kernels import cpu_compile
+from tfm.parallel import sharding
+from tfm.training import losses, metrics
+from tfm.training.experiment import (
     Experiment,
     InShardingContext,
     compute_logits,
@@ -31,7 +34,7 @@ from tfm.experiment import (
     state_shardings,
 )
 
-logger = logging.getLogger("tfm.train")  # the training system's log name, as before the split
+logger = logging.getLogger("tfm.training.train")  # the training system's one log name
 
 
 class PromptError(ValueError):
@@ -51,9 +54,9 @@ def jit_eval_step(experiment: Experiment, param_shardings: Any) -> InShardingCon
     """`eval_step` jit-compiled: params placed as `param_shardings`, batches split over the
     "batch" rule's mesh axes, loss sums replicated. `eval(params, batch) -> loss sums`."""
     mesh = experiment.mesh
-    jitted = compile_options.jit(
+    jitted = cpu_compile.jit(
         functools.partial(eval_step, model=experiment.model, mode=experiment.mode),
-        cpu_kernels=compile_options.resolve_cpu_kernels(
+        cpu_kernels=cpu_compile.resolve_cpu_kernels(
             "auto", experiment.model_config.compute_dtype
         ),
         in_shardings=(param_shardings, sharding.batch_sharding(mesh, experiment.rules)),

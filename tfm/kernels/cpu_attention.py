@@ -9,7 +9,7 @@ Two versions of the same computation:
   backward matmul of the attention core float32 x float32, so a bf16 model never used the CPU's
   bf16 units there. Here the backward matmuls take 16-bit operands (accumulating in float32)
   in the layouts XLA's CPU bf16 kernels (YNNPACK) take: the left operand contracted on its
-  minor axis, the right one on its major axis (`ops.swap_minor` copies); keys come transposed,
+  minor axis, the right one on its major axis (`cpu_dense.swap_minor` copies); keys come transposed,
   [..., head_dim, kv_len]. The softmax backward uses delta = rowsum(dout * out) (as flash
   attention does) instead of a reduction over the logits, and the key and value gradients of
   all blocks are summed in float32. In an interleaved scratch A/B on a CPU with AVX512-BF16
@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tfm import ops
+from tfm.kernels import cpu_dense
 
 # Finite, so a fully masked row never produces NaN; its weights are then set to zero, so it
 # reads no key at all (not a uniform average over masked, possibly future, keys).
@@ -177,8 +177,8 @@ def _attend_16bit_bwd(scale, rate, blocks, residuals, grad_out):
     # rowsum(d out * out) (out = dropped w . v), a reduction over head_dim, not kv_len.
     delta = jnp.sum(grad_out * out, axis=-1, keepdims=True)  # [b, k, g, q, 1]
     grad_out = grad_out.astype(dtype)
-    values_t = ops.swap_minor(value)  # [b, k, head_dim, kv_len]
-    keys = ops.swap_minor(keys_t)  # [b, k, kv_len, head_dim]
+    values_t = cpu_dense.swap_minor(value)  # [b, k, head_dim, kv_len]
+    keys = cpu_dense.swap_minor(keys_t)  # [b, k, kv_len, head_dim]
 
     def rows_first(array):  # [b, k, g, q, n] -> [b, k, g * q, n], rows contracted together
         return array.reshape(batch, num_kv_heads, -1, array.shape[-1])
@@ -200,11 +200,11 @@ def _attend_16bit_bwd(scale, rate, blocks, residuals, grad_out):
         ))
         padding = ((0, 0), (0, 0), (0, 0), (0, keys_t.shape[-1] - kv_stop))
         grad_keys_t = grad_keys_t + jnp.pad(jnp.einsum(  # [b, k, head_dim, kv_stop]
-            "bkhx,bkxs->bkhs", ops.swap_minor(rows_first(query[:, :, :, start:stop])),
+            "bkhx,bkxs->bkhs", cpu_dense.swap_minor(rows_first(query[:, :, :, start:stop])),
             rows_first(grad_scores), preferred_element_type=jnp.float32,
         ), padding)
         grad_values_t = grad_values_t + jnp.pad(jnp.einsum(
-            "bkhx,bkxs->bkhs", ops.swap_minor(rows_first(block_grad_out)),
+            "bkhx,bkxs->bkhs", cpu_dense.swap_minor(rows_first(block_grad_out)),
             rows_first(_dropped(weights, keep, rate).astype(dtype)),
             preferred_element_type=jnp.float32,
         ), padding)

@@ -1,4 +1,5 @@
-"""`./launch.sh report ROOT`: one table and plots for any sweep (tfm.sweep) or folder of runs.
+"""`./launch.sh report ROOT`: one table and plots for any sweep (tfm.sweeps.sweep) or folder of
+runs.
 
 Reads each run's overrides from ROOT/sweep.json (or ROOT/*/sweep_run.json) and its metrics from
 ROOT/NAME/metrics.jsonl (the last value of each metric). Runs that differ only in train.seed
@@ -28,8 +29,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tfm.metrics import read_metrics
-from tfm.sweep import RUN_FILE, SEED_FIELD, SWEEP_FILE, format_value, read_json
+from tfm.sweeps.sweep import RUN_FILE, SEED_FIELD, SWEEP_FILE, format_value, read_json
+from tfm.training.metrics import read_metrics
 
 LENGTHS_FILE = "eval_seq_len.json"
 

@@ -27,24 +27,25 @@ import optax
 from flax import struct
 from jax.experimental import multihost_utils
 
-from tfm import checkpoint, compile_options, distributed, flops, optim, positions, sharding
-from tfm.config import (
-    MODES,
+from tfm.checks import (
     ConfigError,
-    ModelConfig,
     check_bool,
     check_choice,
     check_int,
     check_number,
     field_defaults,
     field_prefix,
-    from_dict,
     section_dict,
 )
 from tfm.data.build import Data, DataConfig, build_data
-from tfm.decoding import DecodeConfig
-from tfm.models import DecoderLM, EncoderDecoder
-from tfm.optim import OptimizerConfig
+from tfm.decode.search import DecodeConfig
+from tfm.kernels import cpu_compile
+from tfm.nn import positions
+from tfm.nn.config import MODES, ModelConfig, from_dict
+from tfm.nn.models import DecoderLM, EncoderDecoder
+from tfm.parallel import distributed, sharding
+from tfm.training import checkpoint, flops, optim
+from tfm.training.optim import OptimizerConfig
 
 TOP_LEVEL_SECTIONS = (
     "model",
@@ -61,7 +62,7 @@ TOP_LEVEL_SECTIONS = (
 # Fields of config.model that still apply when init.pretrained supplies the architecture.
 IMPLEMENTATION_FIELDS = ("dtype", "param_dtype", "scan_layers", "remat", "attention_backend")
 GENERATION_METRICS = ("none", "exact_match", "bleu")
-logger = logging.getLogger("tfm.train")  # the training system's log name, as before the split
+logger = logging.getLogger("tfm.training.train")  # the training system's one log name
 
 
 class TrainingError(RuntimeError):
@@ -93,7 +94,8 @@ class TrainConfig:
     async_checkpoints: bool = True
     progress_bar: bool = True
     # The generator of the dropout masks: "threefry" (jax's default generator, hashed in fused
-    # elementwise code: tfm.prng), "threefry2x32" (the same masks through jax's own lowering,
+    # elementwise code: tfm.training.prng), "threefry2x32" (the same masks through jax's own
+    # lowering,
     # ~4x slower on CPU), or "rbg" / "unsafe_rbg" (XLA's RngBitGenerator, made for
     # accelerators; other masks). Each is reproducible for the same config, seed and mesh; the
     # rbg ones may give other masks on another mesh or jax version.
@@ -114,14 +116,14 @@ class TrainConfig:
     # FLOP/s on AVX512-BF16) or "onednn" (dots by the oneDNN library, XLA's experimental path;
     # float32 char-LM train steps 1.02-1.09x faster in paired scratch A/Bs on an AVX2 CPU,
     # 1.10x in benchmarks/results/vs_torch_avx512bf16; x86-64 only, "xla"
-    # elsewhere). See tfm/compile_options.py. The eval step takes "auto"'s choice;
-    # lm_generate's loops take library dots from 8 rows (tfm.generate.decode_cpu_kernels).
+    # elsewhere). See tfm/cpu_compile.py. The eval step takes "auto"'s choice;
+    # lm_generate's loops take library dots from 8 rows (tfm.decode.generate.decode_cpu_kernels).
     # No effect off CPU.
     cpu_kernels: str = "auto"
 
     def __post_init__(self) -> None:
         check_choice("train.dropout_rng", self.dropout_rng, DROPOUT_RNGS)
-        check_choice("train.cpu_kernels", self.cpu_kernels, compile_options.CPU_KERNEL_CHOICES)
+        check_choice("train.cpu_kernels", self.cpu_kernels, cpu_compile.CPU_KERNEL_CHOICES)
         for field in ("num_steps", "log_every", "checkpoint_every", "microbatches"):
             check_int(f"train.{field}", getattr(self, field), 1)
         check_int("train.eval_every", self.eval_every, 0)
@@ -152,7 +154,7 @@ class EvalConfig:
     beam_size: int = 4
     alpha: float = 0.6
     extra_len: int = 50  # seq2seq: at most source length + 50 tokens
-    cache_segments: int = 4  # decode loops, the KV cache grown before each (tfm.decoding)
+    cache_segments: int = 4  # decode loops, the KV cache grown before each (tfm.decode.search)
 
     def __post_init__(self) -> None:
         check_int("eval.max_batches", self.max_batches, 0, " (0 = all)")
@@ -180,7 +182,7 @@ GENERATE_DECODE_FIELDS = (
 
 
 # `./launch.sh generate` decodes its prompts once, so by default it compiles one decode loop:
-# growing the cache in segments saves time per call but costs compile time (tfm.decoding).
+# growing the cache in segments saves time per call but costs compile time (tfm.decode.search).
 GENERATE_DECODE = DecodeConfig(cache_segments=1)
 
 
@@ -274,11 +276,6 @@ def parse_config(config: ml_collections.ConfigDict) -> ExperimentConfig:
     )
 
 
-def validate_config(config: ml_collections.ConfigDict) -> ExperimentConfig:
-    """`parse_config` under the name scripts know: raises ConfigError or returns the sections."""
-    return parse_config(config)
-
-
 @struct.dataclass
 class TrainState:
     """Everything a resumed run needs besides the data position: step, params, optimizer state
@@ -335,7 +332,7 @@ class Experiment:
     config: ml_collections.ConfigDict
     workdir: Path
     model_config: ModelConfig  # with the data's vocabulary sizes
-    mode: str  # one of tfm.config.MODES: "lm" or "seq2seq"
+    mode: str  # one of tfm.nn.config.MODES: "lm" or "seq2seq"
     data: Data
     train: TrainConfig
     eval: EvalConfig
@@ -346,11 +343,6 @@ class Experiment:
     mesh: jax.sharding.Mesh
     rules: Any
     pretrained: str | None = None  # a Hugging Face folder the first state's params come from
-
-    @property
-    def task(self) -> str:
-        """The old name of `mode`, kept for scripts written against it."""
-        return self.mode
 
     @property
     def model(self) -> nn.Module:
@@ -412,7 +404,7 @@ def setup(
     sections = config if isinstance(config, ExperimentConfig) else parse_config(config)
     if sections.train.compilation_cache_dir is not None:
         try:
-            compile_options.use_compilation_cache(sections.train.compilation_cache_dir)
+            cpu_compile.use_compilation_cache(sections.train.compilation_cache_dir)
         except OSError as error:
             raise ConfigError(f"train.compilation_cache_dir="
                               f"{sections.train.compilation_cache_dir!r}: cannot create or use "
@@ -425,10 +417,10 @@ def setup(
     # copy on their own disk.
     several = jax.process_count() > 1
     if several and jax.process_index() != 0:
-        multihost_utils.sync_global_devices("tfm.train.setup: data prepared")
+        multihost_utils.sync_global_devices("tfm.training.train.setup: data prepared")
     data = build_data(sections.data, jax.process_index(), jax.process_count())
     if several and jax.process_index() == 0:
-        multihost_utils.sync_global_devices("tfm.train.setup: data prepared")
+        multihost_utils.sync_global_devices("tfm.training.train.setup: data prepared")
     model_config = _model_for_data(sections, data)
     if (warning := flops.bf16_warning(model_config)) and jax.process_index() == 0:
         logger.warning(warning)
@@ -525,7 +517,7 @@ def _with_pretrained_params(experiment: Experiment, state: TrainState, shardings
     """`state` with the pretrained folder's parameters (placed by `shardings`, on any mesh and
     any number of processes) and a fresh optimizer state for them."""
     from tfm.interop import hf
-    from tfm.models import stack_layer_params
+    from tfm.nn.models import stack_layer_params
 
     _, params = hf.load_pretrained(experiment.pretrained)
     if experiment.model_config.scan_layers:
@@ -648,7 +640,7 @@ def init_state(experiment: Experiment, shardings: Any) -> TrainState:
     rng = jax.random.PRNGKey(experiment.train.seed)
     with sharding.sharding_context(experiment.mesh, experiment.rules):
         state = jax.jit(lambda r: nn.meta.unbox(init(r)), out_shardings=shardings,
-                        compiler_options=compile_options.run_once_options())(rng)
+                        compiler_options=cpu_compile.run_once_options())(rng)
     if experiment.pretrained is not None:
         state = _with_pretrained_params(experiment, state, shardings)
     return state
@@ -754,7 +746,7 @@ def restore_newest_readable(
                     step, bad_step, moved,
                 )
         if errors and jax.process_count() > 1:
-            multihost_utils.sync_global_devices("tfm.train: unreadable checkpoints moved")
+            multihost_utils.sync_global_devices("tfm.training.train: unreadable checkpoints moved")
             checkpointer.reload()
         return state
     raise errors[0][1]

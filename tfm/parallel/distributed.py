@@ -28,7 +28,7 @@ from typing import Any
 
 import jax
 
-from tfm.config import ConfigError
+from tfm.checks import ConfigError
 
 logger = logging.getLogger(__name__)
 

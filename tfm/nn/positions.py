@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tfm.config import ConfigError
+from tfm.checks import ConfigError
 
 Array = jax.Array
 ArrayLike = jax.Array | np.ndarray  # concrete or traced ids; numpy for static inputs
@@ -330,7 +330,7 @@ def _no_check(config: Any) -> None:
 @dataclasses.dataclass(frozen=True)
 class PositionScheme:
     """A position scheme by name and the hooks that say where it enters the model (None: the
-    scheme adds nothing there). `config` is a tfm.config.ModelConfig.
+    scheme adds nothing there). `config` is a tfm.nn.config.ModelConfig.
 
     embedding(config, token_positions [B, T], width T, param) -> [B, T, d_model], added to the
       token embeddings.

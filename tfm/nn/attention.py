@@ -12,8 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tfm import attention_blocks
-from tfm.config import ATTENTION_BACKENDS, ConfigError
+from tfm.checks import ConfigError
+from tfm.kernels import cpu_attention
+from tfm.nn.config import ATTENTION_BACKENDS
 
 _CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 _CUDNN_MAX_HEAD_DIM = 256  # Hopper and later; jax itself refuses > 128 on older GPUs.
@@ -104,10 +105,10 @@ def dot_product_attention(
     cache; the mask must still say so): the reference backend then skips the key blocks after
     each block of CAUSAL_BLOCK queries (longer blocks past MAX_CAUSAL_BLOCKS of them).
     cache_layout=True: key comes as [batch, num_kv_heads, head_dim, kv_len] and value as
-    [batch, num_kv_heads, kv_len, head_dim] (tfm/cache.py's layout, which the matmuls read
+    [batch, num_kv_heads, kv_len, head_dim] (tfm/nn/cache.py's layout, which the matmuls read
     without transposing).
     The reference backend in bfloat16 / float16 (without return_weights) computes each block
-    with `attention_blocks.attend_16bit`: the same forward, a hand-written backward pass
+    with `cpu_attention.attend_16bit`: the same forward, a hand-written backward pass
     whose matmuls take 16-bit operands (autodiff made them float32).
     Returns out [batch, q_len, num_heads, head_dim], plus the (post-dropout) weights
     [batch, num_heads, q_len, kv_len] float32 when return_weights.
@@ -186,22 +187,22 @@ def dot_product_attention(
     # Causal: queries [start, stop) see no key at or past `stop`.
     blocks = tuple((start, stop, stop if len(blocks) > 1 else kv_len) for start, stop in blocks)
     if sixteen_bit:
-        outs = [attention_blocks.attend_16bit(
+        outs = [cpu_attention.attend_16bit(
             grouped_query, key_major, value_major, bias, mask, scale, dropout_rate, dropout_rng,
             blocks,
         )]
     else:
         outs, all_weights = [], []
         for start, stop, kv_stop in blocks:
-            out_block, weights = attention_blocks.attend_block(
+            out_block, weights = cpu_attention.attend_block(
                 grouped_query[:, :, :, start:stop],
                 key_major[..., :kv_stop] if cache_layout else key_major[:, :, :kv_stop],
                 value_major[:, :, :kv_stop],
-                None if bias is None else attention_blocks.rows_cols(bias, start, stop, kv_stop),
-                None if mask is None else attention_blocks.rows_cols(mask, start, stop, kv_stop),
+                None if bias is None else cpu_attention.rows_cols(bias, start, stop, kv_stop),
+                None if mask is None else cpu_attention.rows_cols(mask, start, stop, kv_stop),
                 scale,
                 dropout_rate,
-                attention_blocks.block_rng(dropout_rng, start),
+                cpu_attention.block_rng(dropout_rng, start),
                 cache_layout,
             )
             outs.append(out_block)

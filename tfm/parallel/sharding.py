@@ -40,7 +40,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from tfm.config import ConfigError
+from tfm.checks import ConfigError
 
 MESH_AXES = ("data", "fsdp", "tensor")
 DEFAULT_MESH = {"data": -1, "fsdp": 1, "tensor": 1}

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from tfm.config import ConfigError
+from tfm.checks import ConfigError
 
 OPTIMIZERS = ("adam_paper", "adam", "adamw")
 SCHEDULES = ("paper", "cosine", "rsqrt", "constant")
