@@ -90,7 +90,7 @@ def apply_variants(config: ml_collections.ConfigDict, arg: str | None, variants:
 def position_sweep(arg: str | None = None) -> list[dict]:
     """Every position scheme (`model.position_scheme`), one run each; when the sweep's ARG names
     schemes (`reverse,rope,alibi`), just those (a pilot or a rerun of a few)."""
-    from tfm.nn.config import POSITION_SCHEMES
+    from tfm.nn.positions import POSITION_SCHEMES
     from tfm.sweeps.sweep import sweep
 
     names = set(filter(None, (arg or "").split(",")))

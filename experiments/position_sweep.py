@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tfm.nn.config import POSITION_SCHEMES  # noqa: E402
+from tfm.nn.positions import POSITION_SCHEMES  # noqa: E402
 from tfm.sweeps import report, sweep  # noqa: E402
 
 METRICS = ("eval_exact_match", "eval_test_exact_match", "eval_loss", "eval_test_loss")

@@ -1,4 +1,5 @@
-"""tfm.nn.attention against naive numpy, across backends, dtypes, masks and error cases."""
+"""tfm.nn.attention (the reference) and tfm.kernels.attention's backends against naive numpy,
+across dtypes, masks and error cases; the CPU kernel's blocks, cache layout and 16-bit backward."""
 
 import re
 
@@ -7,14 +8,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tfm.kernels import cpu_attention, cpu_compile
+from tfm import kernels
+from tfm.kernels import cache_layouts, cpu_attention, cpu_compile
 from tfm.nn import attention
 
 BATCH, Q_LEN, KV_LEN, NUM_HEADS, HEAD_DIM = 2, 5, 6, 4, 8
 
 # One compilation per configuration is much cheaper than op-by-op dispatch on a busy CPU.
-attend = jax.jit(attention.dot_product_attention,
-                 static_argnames=("scale", "backend", "return_weights", "dropout_rate"))
+attend = jax.jit(kernels.attention, static_argnames=(
+    "scale", "backend", "return_weights", "dropout_rate", "causal", "cache_layout"))
 
 
 def _qkv(num_kv_heads, seed=0, dtype=np.float32):
@@ -59,12 +61,13 @@ def _naive(query, key, value, bias, mask):
     return out, weights
 
 
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
 @pytest.mark.parametrize("num_kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
-def test_reference_matches_naive_numpy(num_kv_heads):
+def test_reference_matches_naive_numpy(num_kv_heads, backend):
     query, key, value = _qkv(num_kv_heads)
     bias, mask = _random_bias(), _random_mask()
     out, weights = attend(
-        query, key, value, bias=bias, mask=mask, return_weights=True)
+        query, key, value, bias=bias, mask=mask, return_weights=True, backend=backend)
     expected_out, expected_weights = _naive(query, key, value, bias, mask)
     assert out.shape == query.shape and out.dtype == jnp.float32
     assert weights.shape == (BATCH, NUM_HEADS, Q_LEN, KV_LEN) and weights.dtype == jnp.float32
@@ -88,13 +91,14 @@ def test_explicit_scale_and_no_mask():
     [(4, False, True), (4, True, False), (2, True, True), (1, False, True)],
     ids=["mask", "bias", "gqa-bias-mask", "mqa-mask"],
 )
-def test_reference_matches_xla(num_kv_heads, use_bias, use_mask):
+def test_reference_matches_the_kernels(num_kv_heads, use_bias, use_mask):
     query, key, value = _qkv(num_kv_heads, seed=3)
     kwargs = dict(bias=_random_bias() if use_bias else None,
                   mask=_random_mask() if use_mask else None)
     reference = attend(query, key, value, backend="reference", **kwargs)
-    xla = attend(query, key, value, backend="xla", **kwargs)
-    np.testing.assert_allclose(reference, xla, atol=1e-5, rtol=1e-5)
+    for backend in ("cpu", "xla"):
+        out = attend(query, key, value, backend=backend, **kwargs)
+        np.testing.assert_allclose(out, reference, atol=1e-5, rtol=1e-5, err_msg=backend)
 
 
 def test_padding_mask_broadcast_over_queries_matches_xla():
@@ -121,7 +125,7 @@ def test_bf16_output_dtype_and_close_to_f32():
     np.testing.assert_allclose(xla16.astype(jnp.float32), out32, atol=5e-2, rtol=5e-2)
 
 
-@pytest.mark.parametrize("backend", ["reference", "xla"])
+@pytest.mark.parametrize("backend", ["reference", "cpu", "xla"])
 def test_bf16_softmax_runs_in_float32(backend):
     # Logits 256 and 257: in bf16 (spacing 2 near 256) they would round equal and give 0.5 / 0.5,
     # so this fails unless both the logits and the softmax are kept in float32.
@@ -141,13 +145,13 @@ def test_fully_masked_rows_read_nothing():
     mask[0, 0, 2] = False
     mask = jnp.asarray(mask)
     bias = _random_bias()
-    for backend in ("reference", "xla"):
+    for backend in ("reference", "cpu", "xla"):
         out = attend(query, key, value, bias=bias, mask=mask, backend=backend)
         np.testing.assert_array_equal(out[0, 2], 0.0, err_msg=backend)
         assert float(jnp.abs(out[0, 1]).max()) > 0, backend  # other rows still attend
 
         def row_sum(key, value, backend=backend):
-            out = attention.dot_product_attention(
+            out = kernels.attention(
                 query, key, value, bias=bias, mask=mask, backend=backend
             )
             return out[0, 2].sum()
@@ -265,7 +269,7 @@ def _call(**kwargs):
     num_kv_heads = kwargs.pop("num_kv_heads", 2)
     query, key, value = _qkv(num_kv_heads)
     dtype = kwargs.pop("dtype", jnp.float32)
-    return attention.dot_product_attention(
+    return kernels.attention(
         query.astype(dtype), key.astype(dtype), value.astype(dtype), **kwargs)
 
 
@@ -282,7 +286,8 @@ def _call(**kwargs):
          "attention_backend='xla' cannot return attention weights.*'reference'"),
         (dict(backend="xla", dropout_rate=0.1, dropout_rng=jax.random.key(0)),
          "attention_backend='xla' has no attention dropout.*'reference'"),
-        (dict(backend="flash"), "attention_backend='flash' is unknown; .*reference, xla, cudnn"),
+        (dict(backend="flash"),
+         "attention_backend='flash' is unknown; .*auto, reference, cpu, xla, cudnn"),
         (dict(mask=jnp.ones((Q_LEN, KV_LEN), bool)), r"mask has shape \(5, 6\); expected rank 4"),
         (dict(mask=jnp.ones((BATCH, 1, Q_LEN, 3), bool)),
          r"mask has shape \(2, 1, 5, 3\).*\[2, 4, 5, 6\]"),
@@ -326,19 +331,19 @@ def _causal_padded_gqa(length, dtype, seed):
 def test_causal_block_skipping_equals_the_full_computation():
     """causal=True skips key blocks after each query block (q_len >= 2 * CAUSAL_BLOCK): values
     and gradients equal the unblocked computation, with a bias, GQA and padded keys."""
-    length = 2 * attention.CAUSAL_BLOCK + 17  # three blocks, the last one partial
+    length = 2 * cpu_attention.CAUSAL_BLOCK + 17  # three blocks, the last one partial
     query, key, value, mask, bias = _causal_padded_gqa(length, jnp.float32, seed=11)
 
     def loss(query, key, value, causal):
-        out = attention.dot_product_attention(query, key, value, bias=bias, mask=mask,
-                                              causal=causal)
+        out = kernels.attention(query, key, value, bias=bias, mask=mask, backend="cpu",
+                                causal=causal)
         return jnp.sum(out * jnp.cos(out)), out
 
     (_, blocked), blocked_grads = jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(
         query, key, value, True)
     (_, full), full_grads = jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(
         query, key, value, False)
-    assert len(attention._causal_blocks(length, length)) == 3
+    assert len(cpu_attention.causal_blocks(length, length)) == 3
     np.testing.assert_allclose(blocked, full, atol=1e-5)
     for got, want in zip(blocked_grads, full_grads, strict=True):
         np.testing.assert_allclose(got, want, atol=1e-5)
@@ -346,31 +351,34 @@ def test_causal_block_skipping_equals_the_full_computation():
 
 @pytest.mark.parametrize("length", [100, 128, 145, 512, 513, 1024, 4096])
 def test_causal_blocks_cover_the_queries_in_few_blocks(length):
-    blocks = attention._causal_blocks(length, length)
+    blocks = cpu_attention.causal_blocks(length, length)
     starts, stops = zip(*blocks, strict=True)
     assert starts[0] == 0 and stops[-1] == length
     assert list(starts[1:]) == list(stops[:-1])  # contiguous, each query once
-    assert len(blocks) <= attention.MAX_CAUSAL_BLOCKS
-    if length >= 2 * attention.CAUSAL_BLOCK:
+    assert len(blocks) <= cpu_attention.MAX_CAUSAL_BLOCKS
+    if length >= 2 * cpu_attention.CAUSAL_BLOCK:
         assert len(blocks) >= 2
         sizes = {stop - start for start, stop in blocks[:-1]}
-        assert len(sizes) == 1 and sizes.pop() % attention.CAUSAL_BLOCK == 0
+        assert len(sizes) == 1 and sizes.pop() % cpu_attention.CAUSAL_BLOCK == 0
     else:
         assert blocks == [(0, length)]
-    assert attention._causal_blocks(length, length + 1) == [(0, length)]  # not self-attention
+    assert cpu_attention.causal_blocks(length, length + 1) == [(0, length)]  # not self-attention
 
 
 def test_cache_layout_equals_the_default_layout():
     query, key, value = _qkv(2, seed=12)
     mask, bias = _random_mask(), _random_bias()
     expected = attend(query, key, value, bias=bias, mask=mask)
-    for backend in ("reference", "xla"):
-        out = attention.dot_product_attention(
-            query, key.transpose(0, 2, 3, 1), value.transpose(0, 2, 1, 3), bias=bias, mask=mask,
-            backend=backend, cache_layout=True)
+    for backend in ("cpu", "reference", "xla"):
+        layout = kernels.cache_layout(backend)
+        order = lambda is_key, layout=layout: [
+            cache_layouts.MODEL_AXES.index(axis) for axis in layout.axes(is_key)]
+        out = kernels.attention(
+            query, key.transpose(order(True)), value.transpose(order(False)), bias=bias,
+            mask=mask, backend=backend, cache_layout=True)
         np.testing.assert_allclose(out, expected, atol=1e-5, err_msg=backend)
     with pytest.raises(ValueError, match="with cache_layout"):
-        attention.dot_product_attention(query, key, value, cache_layout=True)
+        kernels.attention(query, key, value, backend="cpu", cache_layout=True)
 
 
 @pytest.mark.parametrize("groups", [1, 2], ids=["mha", "gqa"])
@@ -422,13 +430,13 @@ def test_16bit_backward_equals_autodiff(groups):
 def test_bf16_attention_gradients_are_close_to_float32():
     """The bf16 path (16-bit backward matmuls, causal blocks, GQA, padding, a bias) end to end
     against float32 on the same bf16-exact inputs, to bf16 rounding."""
-    length = 2 * attention.CAUSAL_BLOCK + 9
+    length = 2 * cpu_attention.CAUSAL_BLOCK + 9
     query, key, value, mask, bias = _causal_padded_gqa(length, jnp.bfloat16, seed=22)
     probe = jnp.asarray(np.random.default_rng(23).normal(size=query.shape), jnp.float32)
 
     def loss(query, key, value, bias):
-        out = attention.dot_product_attention(query, key, value, bias=bias, mask=mask,
-                                              causal=True)
+        out = kernels.attention(query, key, value, bias=bias, mask=mask, backend="cpu",
+                                causal=True)
         return jnp.sum(out.astype(jnp.float32) * probe)
 
     grad = jax.jit(jax.grad(loss, (0, 1, 2, 3)))
@@ -447,7 +455,8 @@ def test_bf16_attention_backward_matmuls_stay_bfloat16_when_compiled():
     query, key, value = (x.astype(jnp.bfloat16) for x in _qkv(2, seed=23))
 
     def loss(query, key, value):
-        return jnp.sum(attention.dot_product_attention(query, key, value).astype(jnp.float32))
+        out = kernels.attention(query, key, value, backend="cpu")
+        return jnp.sum(out.astype(jnp.float32))
 
     grad = cpu_compile.jit(jax.grad(loss, (0, 1, 2)), cpu_kernels="ynnpack_dots")
     program = grad.lower(query, key, value).compile().as_text()

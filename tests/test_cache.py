@@ -6,10 +6,12 @@ import numpy as np
 import pytest
 from tiny_model import TINY
 
-from tfm.nn import cache as cache_lib
+from tfm.kernels.cache_layouts import MODEL_AXES, REFERENCE
+from tfm.kernels.cpu_cache import CPU_LAYOUT
 from tfm.nn.cache import grow, init_cache, reorder_beams
-from tfm.nn.config import POSITION_SCHEMES, ModelConfig
+from tfm.nn.config import ModelConfig
 from tfm.nn.models import DecoderLM, EncoderDecoder, output_kernel
+from tfm.nn.positions import POSITION_SCHEMES
 
 TOKENS = jax.random.randint(jax.random.PRNGKey(0), (2, 8), 3, 13)
 PROMPT_LENGTHS = np.array([3, 5])
@@ -19,13 +21,17 @@ def config_for(scheme: str, **changes) -> ModelConfig:
     return ModelConfig(**{**TINY, "position_scheme": scheme, **changes})
 
 
-# Every scheme unrolled; the scanned cache path on two schemes, to keep the suite fast.
+# Every scheme unrolled with the CPU kernels ("auto" here); the scanned cache path and the
+# reference backend (the model-layout cache) on two schemes each, to keep the suite fast.
 @pytest.mark.parametrize(
-    "scheme,scan",
-    [(scheme, False) for scheme in POSITION_SCHEMES] + [("rope", True), ("t5_bias", True)],
+    "scheme,scan,backend",
+    [(scheme, False, "auto") for scheme in POSITION_SCHEMES]
+    + [("rope", True, "auto"), ("t5_bias", True, "auto")]
+    + [("relative", False, "reference"), ("alibi", True, "reference")],
 )
-def test_lm_prefill_then_steps_equal_full_forward(scheme, scan):
-    config = config_for(scheme, scan_layers=scan, local_window=4 if scheme == "alibi" else None)
+def test_lm_prefill_then_steps_equal_full_forward(scheme, scan, backend):
+    config = config_for(scheme, scan_layers=scan, local_window=4 if scheme == "alibi" else None,
+                        attention_backend=backend)
     model = DecoderLM(config)
     params = model.init(jax.random.PRNGKey(1), TOKENS)["params"]
     full = model.apply({"params": params}, TOKENS)  # [batch, 8, vocab]
@@ -45,9 +51,13 @@ def test_lm_prefill_then_steps_equal_full_forward(scheme, scan):
     np.testing.assert_array_equal(cache.lengths, PROMPT_LENGTHS + 3)
 
 
-@pytest.mark.parametrize("scheme", POSITION_SCHEMES)
-def test_encoder_decoder_cached_decoding_equals_full_forward(scheme):
-    config = config_for(scheme, share_embeddings=False, source_vocab_size=11)
+@pytest.mark.parametrize(
+    "scheme,backend",
+    [(scheme, "auto") for scheme in POSITION_SCHEMES] + [("t5_bias", "reference")],
+)
+def test_encoder_decoder_cached_decoding_equals_full_forward(scheme, backend):
+    config = config_for(scheme, share_embeddings=False, source_vocab_size=11,
+                        attention_backend=backend)
     model = EncoderDecoder(config)
     source = jnp.array([[3, 4, 5, 6, 7, 0], [8, 9, 10, 4, 5, 6]])  # row 0 padded
     params = model.init(jax.random.PRNGKey(2), source, TOKENS)["params"]
@@ -86,6 +96,9 @@ def test_cache_from_another_config_is_rejected():
     wrong = init_cache(config.replace(num_kv_heads=4), batch_size=2, max_len=10)
     with pytest.raises(ValueError, match="another model config"):
         model.apply({"params": params}, TOKENS[:, :2], cache=wrong)
+    other_layout = init_cache(config.replace(attention_backend="reference"), 2, 10)
+    with pytest.raises(ValueError, match="'reference' layout but attention_backend='auto'"):
+        model.apply({"params": params}, TOKENS[:, :2], cache=other_layout)
 
 
 def test_prompt_longer_than_cache_is_rejected():
@@ -237,31 +250,29 @@ def test_reorder_beams_moves_self_attention_rows_and_keeps_cross_attention(scan)
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("stacked", [False, True])
-@pytest.mark.parametrize("transposed", [False, True])
-def test_write_layer_puts_each_rows_new_slots_at_its_own_start(dtype, stacked, transposed):
-    """Per-row starts, every cache dtype (bf16 goes through a uint16 view of the same bits):
-    the written slots equal the new values bit for bit, and every other slot is untouched."""
+@pytest.mark.parametrize("layout", [REFERENCE, CPU_LAYOUT], ids=["reference", "cpu"])
+@pytest.mark.parametrize("is_key", [True, False], ids=["keys", "values"])
+def test_layout_write_puts_each_rows_new_slots_at_its_own_start(dtype, stacked, layout, is_key):
+    """Per-row starts, every cache dtype (the CPU layout writes bf16 through a uint16 view of
+    the same bits), every layout: the written slots equal the new values bit for bit, read back
+    in the model's layout, and every other slot is untouched."""
     batch, heads, max_len, head_dim, new_len, layers = 3, 2, 8, 4, 2, 2
     rng = np.random.default_rng(0)
-    slot_shape = (batch, heads, head_dim, max_len) if transposed else (batch, heads, max_len,
-                                                                          head_dim)
-    old = rng.normal(size=(layers, *slot_shape)).astype(np.float32)
-    new = jnp.asarray(rng.normal(size=(batch, heads, new_len, head_dim)), dtype)
+    old_model = rng.normal(size=(layers, batch, max_len, heads, head_dim)).astype(np.float32)
+    to_layout = [MODEL_AXES.index(axis) for axis in layout.axes(is_key)]
+    from_layout = [layout.axes(is_key).index(axis) for axis in MODEL_AXES]
+    old = np.stack([layer.transpose(to_layout) for layer in old_model])
+    new = jnp.asarray(rng.normal(size=(batch, new_len, heads, head_dim)), dtype)
     start = jnp.asarray([0, 3, 6], jnp.int32)
     slots = (jnp.asarray(np.moveaxis(old, 0, 1), dtype) if stacked
              else tuple(jnp.asarray(layer_old, dtype) for layer_old in old))
-    written = cache_lib.write_layer(slots, new, 1, start, transposed=transposed)
-    layer_1 = np.asarray(written[:, 1] if stacked else written[1]).astype(np.float32)
-    want = np.asarray(jnp.asarray(old[1], dtype)).astype(np.float32)
+    written = layout.write(slots, new, 1, start, is_key)
+    read = lambda layer: np.asarray(layout.read(written, layer)).astype(np.float32).transpose(
+        from_layout)
+    want = np.asarray(jnp.asarray(old_model[1], dtype)).astype(np.float32)
     new_np = np.asarray(new).astype(np.float32)
     for row, row_start in enumerate(np.asarray(start)):
-        span = slice(row_start, row_start + new_len)
-        if transposed:
-            want[row, :, :, span] = new_np[row].swapaxes(-1, -2)
-        else:
-            want[row, :, span] = new_np[row]
-    np.testing.assert_array_equal(layer_1, want)
-    untouched = np.asarray(written[:, 0] if stacked else written[0]).astype(np.float32)
-    np.testing.assert_array_equal(untouched, np.asarray(jnp.asarray(old[0], dtype)).astype(
+        want[row, row_start:row_start + new_len] = new_np[row]
+    np.testing.assert_array_equal(read(1), want)
+    np.testing.assert_array_equal(read(0), np.asarray(jnp.asarray(old_model[0], dtype)).astype(
         np.float32))
-    assert (written.dtype if stacked else written[1].dtype) == dtype

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 from tiny_model import TINY
 
-from tfm.nn.config import POSITION_SCHEMES, ModelConfig, paper_base
+from tfm.nn.config import ModelConfig, paper_base
 from tfm.nn.models import DecoderLM, Encoder, EncoderDecoder, stack_layer_params
+from tfm.nn.positions import POSITION_SCHEMES
 
 
 def tiny(**changes) -> ModelConfig:

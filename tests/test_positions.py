@@ -9,7 +9,7 @@ import pytest
 
 from tfm.checks import ConfigError
 from tfm.nn import positions as P
-from tfm.nn.config import POSITION_SCHEMES
+from tfm.nn.positions import POSITION_SCHEMES
 
 RNG = np.random.default_rng(0)
 # Jitted once per shape: far fewer compilations than op-by-op eager dispatch.

@@ -1,25 +1,17 @@
-"""Query blocks against keys: the inner step of `attention.dot_product_attention`'s reference
-backend (masked softmax weights, attention dropout, and the two matmuls).
+"""Attention on CPU: the reference maths (tfm.nn.attention) computed in query blocks, in the
+layouts XLA's CPU matmuls read without copies, with a hand-written backward pass in 16 bits.
 
-Two versions of the same computation:
-- `attend_block`: one block, plain einsums that jax differentiates (float32 compute, and any
-  call that returns the weights).
-- `attend_16bit`: all the query blocks of a call, the same forward with a hand-written backward
-  pass, for bfloat16 and float16. With autodiff, the float32-accumulated logits made every
-  backward matmul of the attention core float32 x float32, so a bf16 model never used the CPU's
-  bf16 units there. Here the backward matmuls take 16-bit operands (accumulating in float32)
-  in the layouts XLA's CPU bf16 kernels (YNNPACK) take: the left operand contracted on its
-  minor axis, the right one on its major axis (`cpu_dense.swap_minor` copies); keys come transposed,
-  [..., head_dim, kv_len]. The softmax backward uses delta = rowsum(dout * out) (as flash
-  attention does) instead of a reduction over the logits, and the key and value gradients of
-  all blocks are summed in float32. In an interleaved scratch A/B on a CPU with AVX512-BF16
-  the bf16 char-GPT train step of benchmarks/vs_torch.py ran 1.33x faster with it than with
-  autodiff (median of 7; benchmarks/README.md has the benchmark). float32 keeps autodiff: its
-  compiled train step is the same program as before.
-
-Layouts: queries [batch, kv_heads, groups, q_len, head_dim] (grouped-query heads; groups = 1 for
-plain multi-head), values [batch, kv_heads, kv_len, head_dim]; bias (float) and mask (bool,
-True = attend) broadcastable to [batch, num_heads, q_len, kv_len]. Outputs are float32.
+- Causal self-attention skips the key blocks after each block of CAUSAL_BLOCK queries (about
+  half the work of the core at long lengths).
+- Keys and values are head-major, [batch, kv_heads, len, head_dim] (keys [.., head_dim, len] in
+  16 bits and in the KV cache, tfm/kernels/cpu_cache.py), so each matmul is a plain batched one.
+- `attend_16bit`: all the query blocks of a bfloat16/float16 call under one custom VJP. With
+  autodiff the float32-accumulated logits made every backward matmul float32 x float32, so a
+  bf16 model never used the CPU's bf16 units. Here they take 16-bit operands in the layouts
+  XLA's CPU bf16 kernels (YNNPACK) take (`cpu_dense.swap_minor` copies); the softmax backward
+  uses delta = rowsum(dout * out) (as flash attention does), and the key and value gradients of
+  all blocks are summed in float32. float32 keeps autodiff (`attend_block`).
+benchmarks/README.md has what each of these bought.
 """
 
 from __future__ import annotations
@@ -28,46 +20,108 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from tfm.kernels import cpu_dense
+from tfm.nn.attention import (
+    apply_keep,
+    check_inputs,
+    default_scale,
+    dropout_keep,
+    group_heads,
+    masked_softmax,
+)
 
-# Finite, so a fully masked row never produces NaN; its weights are then set to zero, so it
-# reads no key at all (not a uniform average over masked, possibly future, keys).
-MASKED_LOGIT = -0.7 * float(np.finfo(np.float32).max)
+# Causal attention skips the key blocks after each block of this many queries once q_len
+# reaches twice this (64 beat 128 and 32 for the forward + backward pass at lengths 128-512).
+CAUSAL_BLOCK = 64
+# Longer queries use fewer, longer blocks: each block is its own matmuls in the compiled program,
+# so this bounds compile time.
+MAX_CAUSAL_BLOCKS = 8
 
 
-def _grouped(array: jax.Array, num_kv_heads: int, groups: int) -> jax.Array:
-    """[b|1, num_heads|1, q, k] -> [b|1, kv_heads|1, groups|1, q, k]."""
-    if array.shape[1] == 1:
-        return array[:, :, None]
-    return array.reshape(array.shape[0], num_kv_heads, groups, *array.shape[2:])
-
-
-def _softmax_weights(
-    logits: jax.Array,  # [batch, kv_heads, groups, q_len, kv_len] float32, scaled
-    bias: jax.Array | None,  # grouped, broadcastable to logits
-    mask: jax.Array | None,  # grouped bool, likewise
-) -> jax.Array:
-    """softmax(logits + bias) over kv_len with masked keys left out; a query with no visible
-    key gets all-zero weights (it reads nothing)."""
-    if bias is not None:
-        logits = logits + bias.astype(jnp.float32)
-    weights = jax.nn.softmax(
-        logits if mask is None else jnp.where(mask, logits, MASKED_LOGIT), axis=-1
+def attention(
+    query: jax.Array,  # [batch, q_len, num_heads, head_dim]
+    key: jax.Array,  # [batch, kv_len, kv_heads, head_dim]; cache_layout: [b, kv, hd, kv_len]
+    value: jax.Array,  # [batch, kv_len, kv_heads, head_dim]; cache_layout: [b, kv, kv_len, hd]
+    *,
+    bias: jax.Array | None = None,  # float, broadcastable to [batch, num_heads, q_len, kv_len]
+    mask: jax.Array | None = None,  # bool, likewise
+    scale: float | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: jax.Array | None = None,
+    return_weights: bool = False,
+    causal: bool = False,
+    cache_layout: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """`tfm.nn.attention.dot_product_attention` on CPU, the same values and arguments, plus:
+    causal=True promises that query i never attends to key j > i (self-attention without a
+    cache; the mask must still say so), so key blocks past each query block are skipped;
+    cache_layout=True takes keys and values in the KV cache's layout (tfm/kernels/cpu_cache.py).
+    """
+    batch, q_len, num_heads, head_dim = jnp.shape(query)
+    kv_len = None
+    if cache_layout:
+        num_kv_heads, kv_len = key.shape[1], key.shape[3]
+        heads = (batch, num_kv_heads)
+        expected_kv = (*heads, head_dim, kv_len), (*heads, kv_len, head_dim)
+        if (tuple(key.shape), tuple(value.shape)) != expected_kv:
+            raise ValueError(f"with cache_layout, query {tuple(query.shape)} needs key and value "
+                             f"shaped {expected_kv}; got {tuple(key.shape)}, {tuple(value.shape)}")
+    query, key, value, bias, mask = check_inputs(
+        query, key, value, bias, mask, dropout_rate, dropout_rng, kv_len
     )
-    if mask is not None:
-        weights = jnp.where(jnp.any(mask, axis=-1, keepdims=True), weights, 0.0)
-    return weights
+    if not cache_layout:
+        kv_len, num_kv_heads = key.shape[1:3]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+    scale = default_scale(head_dim) if scale is None else scale
+    # Head-major layout for the two batched matmuls: [batch, kv_heads, groups, len, head_dim].
+    groups = num_heads // num_kv_heads
+    grouped_query = query.reshape(batch, q_len, num_kv_heads, groups, head_dim).transpose(
+        0, 2, 3, 1, 4
+    )
+    # 16-bit compute: hand-written backward with 16-bit matmuls, keys [b, kv, head_dim, kv_len].
+    sixteen_bit = jnp.dtype(query.dtype).itemsize < 4 and not return_weights
+    key_axes = (0, 2, 3, 1) if sixteen_bit else (0, 2, 1, 3)
+    key_major = key if cache_layout else key.transpose(key_axes)
+    value_major = value if cache_layout else value.transpose(0, 2, 1, 3)
+    blocks = causal_blocks(q_len, kv_len) if causal and not return_weights else [(0, q_len)]
+    # Causal: queries [start, stop) see no key at or past `stop`.
+    blocks = tuple((start, stop, stop if len(blocks) > 1 else kv_len) for start, stop in blocks)
+    if sixteen_bit:
+        out = attend_16bit(grouped_query, key_major, value_major, bias, mask, scale,
+                           dropout_rate, dropout_rng, blocks)
+    else:
+        outs, all_weights = [], []
+        for start, stop, kv_stop in blocks:
+            out_block, weights = attend_block(
+                grouped_query[:, :, :, start:stop],
+                key_major[..., :kv_stop] if cache_layout else key_major[:, :, :kv_stop],
+                value_major[:, :, :kv_stop],
+                None if bias is None else rows_cols(bias, start, stop, kv_stop),
+                None if mask is None else rows_cols(mask, start, stop, kv_stop),
+                scale,
+                dropout_rate,
+                block_rng(dropout_rng, start),
+                cache_layout,
+            )
+            outs.append(out_block)
+            all_weights.append(weights)
+        out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=3)
+    # [batch, kv_heads, groups, q_len, head_dim] -> [batch, q_len, num_heads, head_dim]
+    out = out.transpose(0, 3, 1, 2, 4).reshape(query.shape).astype(query.dtype)
+    if return_weights:
+        return out, all_weights[0].reshape(batch, num_heads, q_len, kv_len)
+    return out
 
 
-def _dropout_keep(rng: jax.Array, rate: float, shape: tuple[int, ...]) -> jax.Array:
-    """bool [*shape]: which attention weights survive inverted dropout at `rate`."""
-    return jax.random.bernoulli(rng, 1.0 - rate, shape)
-
-
-def _dropped(weights: jax.Array, keep: jax.Array | None, rate: float) -> jax.Array:
-    return weights if keep is None else jnp.where(keep, weights / (1.0 - rate), 0.0)
+def causal_blocks(q_len: int, kv_len: int) -> list[tuple[int, int]]:
+    """Query blocks [start, stop) for causal self-attention without a cache (q_len == kv_len)."""
+    if q_len != kv_len or q_len < 2 * CAUSAL_BLOCK:
+        return [(0, q_len)]
+    size = max(CAUSAL_BLOCK, -(-q_len // MAX_CAUSAL_BLOCKS))
+    size = -(-size // CAUSAL_BLOCK) * CAUSAL_BLOCK  # a multiple of CAUSAL_BLOCK
+    return [(start, min(start + size, q_len)) for start in range(0, q_len, size)]
 
 
 def attend_block(
@@ -87,7 +141,7 @@ def attend_block(
     out, weights, keep = _block_forward(
         grouped_query, key, value, bias, mask, dropout_rng, scale, dropout_rate, keys_transposed
     )
-    return out, _dropped(weights, keep, dropout_rate)
+    return out, apply_keep(weights, keep, dropout_rate)
 
 
 def rows_cols(array: jax.Array, start: int, stop: int, kv_stop: int) -> jax.Array:
@@ -134,17 +188,17 @@ def attend_16bit(
 
 def _block_forward(query, key, value, bias, mask, rng, scale, rate, keys_transposed=True):
     """One block: -> (out float32, weights before dropout float32, dropout keep mask | None)."""
-    num_kv_heads, groups = query.shape[1:3]
+    num_kv_heads = query.shape[1]
     spec = "bkgth,bkhs->bkgts" if keys_transposed else "bkgth,bksh->bkgts"
     logits = jnp.einsum(spec, query, key, preferred_element_type=jnp.float32)
-    weights = _softmax_weights(
+    weights = masked_softmax(
         logits * jnp.float32(scale),
-        None if bias is None else _grouped(bias, num_kv_heads, groups),
-        None if mask is None else _grouped(mask, num_kv_heads, groups),
+        group_heads(bias, num_kv_heads),
+        group_heads(mask, num_kv_heads),
     )
-    keep = None if rate == 0 else _dropout_keep(rng, rate, weights.shape)
+    keep = None if rate == 0 else dropout_keep(rng, rate, weights.shape)
     out = jnp.einsum(
-        "bkgts,bksh->bkgth", _dropped(weights, keep, rate).astype(value.dtype), value,
+        "bkgts,bksh->bkgth", apply_keep(weights, keep, rate).astype(value.dtype), value,
         preferred_element_type=jnp.float32,
     )
     return out, weights, keep
@@ -191,8 +245,8 @@ def _attend_16bit_bwd(scale, rate, blocks, residuals, grad_out):
             "bkgth,bkhs->bkgts", block_grad_out, values_t[..., :kv_stop],
             preferred_element_type=jnp.float32,
         )
-        keep = None if rate == 0 else _dropout_keep(block_rng(rng, start), rate, weights.shape)
-        grad_logits = weights * (_dropped(grad_dropped, keep, rate) - delta[:, :, :, start:stop])
+        keep = None if rate == 0 else dropout_keep(block_rng(rng, start), rate, weights.shape)
+        grad_logits = weights * (apply_keep(grad_dropped, keep, rate) - delta[:, :, :, start:stop])
         grad_scores = (grad_logits * jnp.float32(scale)).astype(dtype)
         grad_query.append(jnp.einsum(
             "bkgts,bksh->bkgth", grad_scores, keys[:, :, :kv_stop],
@@ -205,11 +259,11 @@ def _attend_16bit_bwd(scale, rate, blocks, residuals, grad_out):
         ), padding)
         grad_values_t = grad_values_t + jnp.pad(jnp.einsum(
             "bkhx,bkxs->bkhs", cpu_dense.swap_minor(rows_first(block_grad_out)),
-            rows_first(_dropped(weights, keep, rate).astype(dtype)),
+            rows_first(apply_keep(weights, keep, rate).astype(dtype)),
             preferred_element_type=jnp.float32,
         ), padding)
         if bias is not None:
-            block_bias = _grouped(rows_cols(bias, start, stop, kv_stop), num_kv_heads, groups)
+            block_bias = group_heads(rows_cols(bias, start, stop, kv_stop), num_kv_heads)
             sizes = zip(block_bias.shape, grad_logits.shape, strict=True)
             summed = tuple(axis for axis, (size, full) in enumerate(sizes) if size == 1 < full)
             block_grad = jnp.sum(grad_logits, axis=summed, keepdims=True)

@@ -1,7 +1,8 @@
-"""Matmuls with a hand-written backward pass, so the compiled training step stays lean.
+"""The dense projection on CPU: `tfm.nn.dense.linear` with a hand-written backward pass, so
+the compiled CPU training step stays lean.
 
-`linear(x, kernel)` is `x . kernel` over the last axes of x, with two things autodiff does not
-give on CPU:
+`linear(x, kernel)` is `x . kernel` over the last axes of x, with what autodiff does not give on
+CPU:
 - Both passes feed compute-dtype operands to the matmul and accumulate in float32. With autodiff,
   a float32-accumulated forward turns every incoming gradient into float32, so in bfloat16 all
   backward matmuls ran float32 x float32 and never used the CPU's bf16 units.
@@ -24,6 +25,8 @@ import math
 
 import jax
 import jax.numpy as jnp
+
+from tfm.nn.dense import linear_dtypes
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
@@ -107,23 +110,10 @@ def linear(
     (default compute_dtype), accumulated in float32. compute_dtype (default x.dtype) is the
     matmul operand dtype in both passes; gradients come back in x's and kernel's own dtypes.
     """
-    in_dims = kernel.shape[:num_contracted]
-    out_dims = kernel.shape[num_contracted:]
-    if tuple(x.shape[x.ndim - num_contracted :]) != tuple(in_dims):
-        raise ValueError(
-            f"linear: x {tuple(x.shape)} must end in the kernel's input dims {tuple(in_dims)}"
-        )
-    compute_dtype = jnp.dtype(compute_dtype or x.dtype)
-    out_dtype = jnp.dtype(out_dtype or compute_dtype)
+    compute_dtype, out_dtype = linear_dtypes(x, kernel, num_contracted, compute_dtype, out_dtype)
+    in_dims, out_dims = kernel.shape[:num_contracted], kernel.shape[num_contracted:]
     batch_dims = x.shape[: x.ndim - num_contracted]
     x2 = x.reshape(math.prod(batch_dims), math.prod(in_dims))
     kernel2 = kernel.reshape(math.prod(in_dims), math.prod(out_dims))
     y = _linear_2d(x2, kernel2, compute_dtype, out_dtype)
     return y.reshape(*batch_dims, *out_dims)
-
-
-def gelu(x: jax.Array) -> jax.Array:
-    """Exact GELU, x * Phi(x) = 0.5 x (1 + erf(x / sqrt(2))) (Hendrycks & Gimpel 2016), in
-    x's dtype. Written with erf: XLA's CPU erf is one rational approximation, about twice as
-    fast as the erfc that jax.nn.gelu uses (which branches); the two agree to ~1e-6."""
-    return 0.5 * x * (1.0 + jax.lax.erf(x * jnp.asarray(2.0**-0.5, x.dtype)))

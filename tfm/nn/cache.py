@@ -1,20 +1,15 @@
 """The KV cache: an explicit pytree passed into a model and returned updated, never hidden state.
 
-Layout (every leaf has batch on axis 0, so decoding algorithms can reorder beams with
-`jax.tree.map(lambda x: x[indices], cache)` without knowing the model):
+Every leaf has batch on axis 0, so decoding algorithms can reorder beams with
+`jax.tree.map(lambda x: x[indices], cache)` without knowing the model.
 
-- `keys`: per layer a [batch, num_kv_heads, head_dim, max_len] array, and `values`: per layer a
-  [batch, num_kv_heads, max_len, head_dim] array, as tuples with one entry per layer. Slot i of
-  row b holds the key/value of that row's token at position i (RoPE keys are stored already
-  rotated). These are the layouts the decode step's two attention matmuls (q . K and weights . V)
-  read as they are, and one buffer per layer means a layer reads its slots without a copy and
-  writes its new tokens in place (`write_layer`): no step copies or transposes the cache.
-  Two cases instead stack the layers into one array on axis 1, [batch, num_layers, ...], where
-  a layer reads a copy of its slots (XLA materialises the slice) and writes in place:
-  `scan_layers` (nn.scan indexes layers with a traced index) and batch size 1 (there XLA
-  drops the unit batch axis before the attention matmul and then duplicates each per-layer
-  write into that reader and the loop carry: four whole-layer copies per layer and step in
-  the compiled decode loop, against one slice copy when stacked).
+- `keys`, `values`: per layer one array of slots, as a tuple with one entry per layer (or all
+  layers stacked on axis 1: under `scan_layers`, where nn.scan indexes layers with a traced
+  index, and where the layout asks for it). Slot i of row b holds the key/value of that row's
+  token at position i (RoPE keys are stored already rotated). `layout` (static) says how a
+  layer's slots are ordered: the model's own [batch, slots, kv_heads, head_dim] by default, or
+  the one the platform's attention kernel reads without copies (tfm/kernels/cpu_cache.py), as
+  `tfm.kernels.cache_layout(config.attention_backend)` chooses.
   `grow` appends empty slots: decoding starts from a cache with room for the prompt and grows
   it before each segment of its loop (tfm.decode.search, `cache_segments`).
 - `lengths`: [batch] int32, how many slots of each row are filled = where the next token is written.
@@ -33,25 +28,25 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from tfm import kernels
+from tfm.kernels.cache_layouts import REFERENCE, CacheLayout, LayerSlots
 from tfm.nn.config import ModelConfig
-
-# One layer's slots per entry (a tuple), or all layers stacked on axis 1 (scan_layers).
-LayerSlots = tuple[jax.Array, ...] | jax.Array
 
 
 @struct.dataclass
 class DecoderCache:
-    keys: LayerSlots  # per layer [batch, num_kv_heads, head_dim, max_len]
-    values: LayerSlots  # per layer [batch, num_kv_heads, max_len, head_dim]
+    keys: LayerSlots  # per layer [batch, ...] in `layout`'s key order, max_len slots
+    values: LayerSlots  # per layer, in `layout`'s value order
     lengths: jax.Array  # [batch] int32
     valid: jax.Array | None = None  # [batch, max_len] bool; None = every filled slot is real
-    cross_keys: LayerSlots | None = None  # per layer [batch, num_kv_heads, head_dim, source_len]
-    cross_values: LayerSlots | None = None  # per layer [batch, num_kv_heads, source_len, head_dim]
+    cross_keys: LayerSlots | None = None  # like keys, source_len slots
+    cross_values: LayerSlots | None = None  # like values, source_len slots
     source_valid: jax.Array | None = None  # [batch, source_len] bool
+    layout: CacheLayout = struct.field(pytree_node=False, default=REFERENCE)
 
     @property
     def max_len(self) -> int:
-        return read_layer(self.keys, 0).shape[-1]
+        return self.layout.read(self.keys, 0).shape[self.layout.slot_axis(True)]
 
     @property
     def batch_size(self) -> int:
@@ -75,40 +70,56 @@ def init_cache(
     dtype = jnp.dtype(dtype or config.dtype)
     layers = config.num_decoder_layers
     heads, head_dim = config.resolved_num_kv_heads, config.resolved_head_dim
+    layout = kernels.cache_layout(config.attention_backend)
+    stacked = layout.stacked(config.scan_layers, batch_size)
 
-    def empty(shape: tuple[int, ...]) -> LayerSlots:  # shape of one layer's slots
-        if config.scan_layers or batch_size == 1:  # stacked: see the module docstring
+    def empty(is_key: bool, slots: int) -> LayerSlots:
+        shape = layout.layer_shape(is_key, batch_size, slots, heads, head_dim)
+        if stacked:
             return jnp.zeros((shape[0], layers, *shape[1:]), dtype)
         return tuple(jnp.zeros(shape, dtype) for _ in range(layers))
 
     cross = {}
     if source_len is not None:
         cross = dict(
-            cross_keys=empty((batch_size, heads, head_dim, source_len)),
-            cross_values=empty((batch_size, heads, source_len, head_dim)),
+            cross_keys=empty(True, source_len),
+            cross_values=empty(False, source_len),
             source_valid=jnp.zeros((batch_size, source_len), bool),
         )
     return DecoderCache(
-        keys=empty((batch_size, heads, head_dim, max_len)),
-        values=empty((batch_size, heads, max_len, head_dim)),
+        keys=empty(True, max_len),
+        values=empty(False, max_len),
         lengths=jnp.zeros((batch_size,), jnp.int32),
         valid=jnp.ones((batch_size, max_len), bool),
+        layout=layout,
         **cross,
     )
 
 
 def check_cache(cache: DecoderCache, config: ModelConfig, has_cross: bool) -> None:
     """Raises a readable error when `cache` was built for another model config."""
+    layout = kernels.cache_layout(config.attention_backend)
+    if cache.layout != layout:
+        raise ValueError(
+            f"cache has the {cache.layout.name!r} layout but attention_backend="
+            f"{config.attention_backend!r} reads the {layout.name!r} one here; build it with "
+            "tfm.nn.cache.init_cache(config, ...)"
+        )
     expected = (
         config.num_decoder_layers,
         config.resolved_num_kv_heads,
         config.resolved_head_dim,
     )
     stacked = not isinstance(cache.keys, tuple | list)
-    if stacked:
-        got = tuple(cache.keys.shape[1:4]) if cache.keys.ndim == 5 else cache.keys.shape
+    if stacked and cache.keys.ndim == 5:
+        layer_shape = (cache.keys.shape[0], *cache.keys.shape[2:])
+        sizes = dict(zip(layout.key_axes, layer_shape, strict=True))
+        got = (cache.keys.shape[1], sizes["n"], sizes["h"])
+    elif stacked:
+        got = cache.keys.shape
     else:
-        got = (len(cache.keys), *cache.keys[0].shape[1:3]) if cache.keys else (0,)
+        sizes = dict(zip(layout.key_axes, cache.keys[0].shape, strict=True)) if cache.keys else {}
+        got = (len(cache.keys), sizes["n"], sizes["h"]) if cache.keys else (0,)
     if got != expected or (config.scan_layers and not stacked):
         form = "stacked" if stacked else "per-layer"
         raise ValueError(
@@ -149,7 +160,7 @@ def grow(cache: DecoderCache, extra_slots: int) -> DecoderCache:
     def pad(slots: LayerSlots, slot_axis: int) -> LayerSlots:
         def pad_one(array: jax.Array) -> jax.Array:
             widths = [(0, 0)] * array.ndim
-            widths[slot_axis % array.ndim] = (0, extra_slots)
+            widths[slot_axis] = (0, extra_slots)
             return jnp.pad(array, widths)
 
         if isinstance(slots, tuple | list):
@@ -161,7 +172,13 @@ def grow(cache: DecoderCache, extra_slots: int) -> DecoderCache:
     valid = cache.valid
     if valid is not None:
         valid = jnp.pad(valid, ((0, 0), (0, extra_slots)), constant_values=True)
-    return cache.replace(keys=pad(cache.keys, -1), values=pad(cache.values, -2), valid=valid)
+    key_axis, value_axis = cache.layout.slot_axis(True), cache.layout.slot_axis(False)
+    stacked = not isinstance(cache.keys, tuple | list)
+    return cache.replace(  # stacked arrays have the layer axis at 1
+        keys=pad(cache.keys, key_axis + (stacked and key_axis > 0)),
+        values=pad(cache.values, value_axis + (stacked and value_axis > 0)),
+        valid=valid,
+    )
 
 
 def reorder_beams(cache: DecoderCache, index: jax.Array) -> DecoderCache:
@@ -178,49 +195,6 @@ def reorder_beams(cache: DecoderCache, index: jax.Array) -> DecoderCache:
     )
 
 
-def write_layer(
-    slots: LayerSlots,  # keys: per layer [batch, kv_heads, head_dim, slots]; values [.., slots, hd]
-    new: jax.Array,  # [batch, kv_heads, new_len, head_dim]
-    layer: jax.Array | int,  # a Python int for per-layer slots; may be traced for stacked ones
-    start: jax.Array,  # [batch] int32
-    *,
-    transposed: bool,  # slots hold keys (slot axis last)
-) -> LayerSlots:
-    """Writes `new` into layer `layer`, slots [start, start + new_len) of each row, in place
-    (under jit, when `slots` is not used afterwards). The caller checks bounds: inside jit an
-    out-of-range start would be clamped by dynamic_update_slice."""
-    if transposed:
-        new = new.swapaxes(-1, -2)
-    stacked = not isinstance(slots, tuple | list)
-    target = slots if stacked else slots[layer]
-
-    def write_row(row_slots: jax.Array, row_new: jax.Array, row_start: jax.Array) -> jax.Array:
-        zero = jnp.int32(0)
-        index = (zero, row_start) if transposed else (row_start, zero)
-        if stacked:
-            index = (jnp.asarray(layer, jnp.int32), zero, *index)
-            row_new = row_new[None]
-        else:
-            index = (zero, *index)
-        return jax.lax.dynamic_update_slice(row_slots, row_new.astype(row_slots.dtype), index)
-
-    if jnp.dtype(target.dtype).itemsize == 2 and jnp.issubdtype(target.dtype, jnp.floating):
-        # Per-row starts make this a scatter, and XLA's CPU backend computes a bf16/f16 scatter
-        # in float32: it converted each layer's whole cache to float32 and back every decoding
-        # step. The same bits written as uint16 move no more data than they must.
-        bits = jax.lax.bitcast_convert_type
-        written = jax.vmap(write_row)(
-            bits(target, jnp.uint16), bits(new.astype(target.dtype), jnp.uint16),
-            start.astype(jnp.int32),
-        )
-        written = bits(written, target.dtype)
-    else:
-        written = jax.vmap(write_row)(target, new, start.astype(jnp.int32))
-    if stacked:
-        return written
-    return (*slots[:layer], written, *slots[layer + 1 :])
-
-
 def write_valid(
     valid: jax.Array,  # [batch, max_len] bool
     new: jax.Array,  # [batch, new_len] bool
@@ -231,10 +205,3 @@ def write_valid(
         row, row_new, (row_start,)
     )
     return jax.vmap(write_row)(valid, new.astype(bool), start.astype(jnp.int32))
-
-
-def read_layer(slots: LayerSlots, layer: jax.Array | int) -> jax.Array:  # [batch, ...]
-    """One layer's slots: its own buffer, or (stacked) a slice of the stacked array."""
-    if isinstance(slots, tuple | list):
-        return slots[layer]
-    return jax.lax.dynamic_index_in_dim(slots, layer, axis=1, keepdims=False)

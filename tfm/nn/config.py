@@ -13,6 +13,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from tfm import kernels
 from tfm.checks import ConfigError, check_bool, check_choice, check_positive, check_rate
 from tfm.nn.positions import ROPE_SCALINGS, get_scheme, rope_frequencies
 
@@ -26,7 +27,6 @@ NORM_PLACEMENTS = ("post", "pre")
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "swiglu", "geglu")
 GATED_ACTIVATIONS = ("swiglu", "geglu")
 BIAS_GROUPS = ("qkv", "attention_out", "mlp", "lm_head")
-ATTENTION_BACKENDS = ("reference", "xla", "cudnn")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -114,7 +114,9 @@ class ModelConfig:
     local_window: int | None = None  # restricted self-attention radius r (paper Table 1)
 
     # Implementation.
-    attention_backend: str = "reference"
+    # Which implementation computes attention, the dense layers and the KV cache layout
+    # (tfm.kernels.BACKENDS): "auto" = the platform's fast path (CPU) or the reference maths.
+    attention_backend: str = "auto"
     dtype: str = "float32"  # compute dtype
     param_dtype: str = "float32"
     scan_layers: bool = False  # nn.scan over layers: compile time flat in depth
@@ -204,15 +206,12 @@ class ModelConfig:
         check_choice("activation", self.activation, ACTIVATIONS)
         if self.local_window is not None:
             check_positive("local_window", self.local_window)
-        check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
-        if self.attention_backend != "reference":
-            # Fused kernels return no attention weights and apply no dropout to them.
-            if self.attention_dropout_rate > 0:
-                raise ConfigError(
-                    f"attention_dropout_rate={self.attention_dropout_rate} needs "
-                    f"attention_backend='reference' (got {self.attention_backend!r}): fused "
-                    "kernels do not apply dropout to attention weights"
-                )
+        check_choice("attention_backend", self.attention_backend, kernels.CHOICES)
+        kernels.check_config(
+            self.attention_backend,
+            needs_weights=scheme.needs_attention_weights(self),
+            needs_dropout=self.attention_dropout_rate > 0,
+        )
         check_choice("dtype", self.dtype, DTYPES)
         check_choice("param_dtype", self.param_dtype, DTYPES)
         scheme.check(self)  # the scheme's own constraints, on fields checked above

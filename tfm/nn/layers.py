@@ -14,8 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tfm.kernels import cpu_dense
-from tfm.nn import attention, cache, positions
+from tfm import kernels
+from tfm.nn import positions
+from tfm.nn.cache import DecoderCache
 from tfm.nn.config import ModelConfig
 
 Array = jax.Array
@@ -33,7 +34,7 @@ class Projection(nn.Module):
     """y = x . kernel (+ bias), contracting the last len(in_features) axes of x.
 
     kernel: [*in_features, *features] with logical axis `names`; Glorot-uniform over those
-    fans. The matmul is `tfm.kernels.cpu_dense.linear`: compute-dtype operands in both passes,
+    fans. The matmul is `tfm.kernels.linear`: compute-dtype operands in both passes,
     float32
     accumulation. `kernel` and `bias` are attributes, so a layer can fuse several projections
     of one input into one matmul (`project_together`).
@@ -75,14 +76,15 @@ def project_together(
     out_dtype = config.compute_dtype if out_dtype is None else out_dtype
     num_in = len(projections[0].in_features)
     widths = [math.prod(p.features) for p in projections]
-    kernels = [p.kernel.reshape(*p.in_features, math.prod(p.features)) for p in projections]
-    kernel = kernels[0] if len(kernels) == 1 else jnp.concatenate(kernels, axis=-1)
+    flat = [p.kernel.reshape(*p.in_features, math.prod(p.features)) for p in projections]
+    kernel = flat[0] if len(flat) == 1 else jnp.concatenate(flat, axis=-1)
     has_bias = projections[0].bias is not None
     if any((p.bias is not None) != has_bias for p in projections):
         raise ValueError("project_together needs projections that all have a bias or all none")
-    y = cpu_dense.linear(
+    y = kernels.linear(
         x,
         kernel,
+        backend=config.attention_backend,
         num_contracted=num_in,
         compute_dtype=config.compute_dtype,
         out_dtype=jnp.float32 if has_bias else out_dtype,
@@ -177,8 +179,8 @@ class TokenEmbedding(nn.Module):
         elif tuple(kernel.shape) != (config.d_model, self.vocab_size):
             raise ValueError(f"the tied output kernel must be [d_model, vocab] = "
                              f"{(config.d_model, self.vocab_size)}; got {tuple(kernel.shape)}")
-        return cpu_dense.linear(x, kernel, compute_dtype=config.compute_dtype,
-        out_dtype=jnp.float32)
+        return kernels.linear(x, kernel, backend=config.attention_backend,
+                              compute_dtype=config.compute_dtype, out_dtype=jnp.float32)
 
 
 def _param_fn(module: nn.Module, config: ModelConfig) -> positions.ParamFn:
@@ -230,12 +232,12 @@ class MultiHeadAttention(nn.Module):
 
     Self-attention applies RoPE or Shaw relative embeddings when configured; cross-attention uses
     no position information (queries from the decoder, keys/values from the encoder output).
-    Query, key and value projections of one input run as one matmul (`project_together`).
+    Query, key and value projections of one input run as one matmul (`project_together`). The
+    attention core is `tfm.kernels.attention` with the config's backend.
 
-    With a KV cache (`cache_slots`, every layer's slots, see tfm/nn/cache.py) the new keys and
-    values
-    are written into this layer's slots in place, and attention reads the slots in their
-    head-major layout; the updated slots are returned.
+    With a KV cache (tfm/nn/cache.py) the new keys and values are written into this layer's
+    slots in place, attention reads the slots in the cache's layout, and the updated cache is
+    returned.
     """
 
     config: ModelConfig
@@ -251,94 +253,107 @@ class MultiHeadAttention(nn.Module):
         bias: Array | None,  # [batch | 1, heads, q_len, kv_len]
         query_positions: Array,  # [batch, q_len]
         key_positions: Array,  # [batch, kv_len] positions of every key attended to
-        cache_slots: tuple[Array, Array] | None = None,  # keys, values of every layer (cache.py)
+        cache: DecoderCache | None = None,  # every layer's slots
         layer: Array | int = 0,  # which layer's slots are this module's
         write_index: Array | None = None,  # [batch] slot where new self-attention keys go
         causal: bool = False,  # self-attention without a cache: query i sees no key after i
         deterministic: bool = True,
-    ) -> tuple[Array, tuple[Array, Array] | None]:
+    ) -> tuple[Array, DecoderCache | None]:
+        config = self.config
+        query, key, value = self._project(inputs_q, inputs_kv)
+        rotate = config.scheme.rotate
+        if rotate is not None and not self.is_cross:
+            query = rotate(config, query, query_positions)
+            key = rotate(config, key, query_positions)
+        reads_cache = cache is not None and (not self.is_cross or inputs_kv is None)
+        if cache is not None and inputs_kv is not None:  # new keys/values into this layer's slots
+            start = jnp.zeros_like(query_positions[:, 0]) if self.is_cross else write_index
+            cache = _write_cache(cache, self.is_cross, key, value, layer, start)
+        if reads_cache:
+            key, value = _read_cache(cache, self.is_cross, layer)
+        out = self._attend(
+            query, key, value, mask, bias, query_positions, key_positions,
+            causal=causal, cache_layout=reads_cache, deterministic=deterministic,
+        )
+        num_heads, head_dim = config.num_heads, config.resolved_head_dim
+        names = ("heads", "head_dim", "embed")
+        out_proj = _dense(config, (num_heads, head_dim), config.d_model, names, "out",
+                          "attention_out")
+        return out_proj(out), cache
+
+    def _project(self, inputs_q: Array, inputs_kv: Array | None) -> tuple[Array, ...]:
+        """query [batch, q_len, heads, head_dim]; key, value [batch, kv_len, kv_heads, head_dim]
+        (None without inputs_kv)."""
         config = self.config
         num_heads, num_kv_heads = config.num_heads, config.resolved_num_kv_heads
         head_dim, d_model = config.resolved_head_dim, config.d_model
         kv_names = ("embed", "kv_heads", "head_dim")
-        query_proj = _dense(
-            config,
-            d_model,
-            (num_heads, head_dim),
-            kv_names[:1] + ("heads", "head_dim"),
-            "query",
-            "qkv",
-        )
+        query_proj = _dense(config, d_model, (num_heads, head_dim),
+                            ("embed", "heads", "head_dim"), "query", "qkv")
         key_proj = _dense(config, d_model, (num_kv_heads, head_dim), kv_names, "key", "qkv")
         value_proj = _dense(config, d_model, (num_kv_heads, head_dim), kv_names, "value", "qkv")
         if inputs_kv is inputs_q:
-            query, key, value = project_together(
-                config, inputs_q, [query_proj, key_proj, value_proj]
-            )
-        else:
-            query = query_proj(inputs_q)
-            if inputs_kv is not None:
-                key, value = project_together(config, inputs_kv, [key_proj, value_proj])
-        scheme = config.scheme
-        if scheme.rotate is not None and not self.is_cross:
-            query = scheme.rotate(config, query, query_positions)
-            key = scheme.rotate(config, key, query_positions)
+            return tuple(project_together(config, inputs_q, [query_proj, key_proj, value_proj]))
+        if inputs_kv is None:
+            return query_proj(inputs_q), None, None
+        return query_proj(inputs_q), *project_together(config, inputs_kv, [key_proj, value_proj])
 
-        cache_layout, new_slots = False, None
-        if cache_slots is not None:
-            if inputs_kv is not None:  # new keys/values into this layer's slots
-                start = write_index if not self.is_cross else jnp.zeros_like(query_positions[:, 0])
-                new_slots = tuple(
-                    cache.write_layer(slots, new.swapaxes(1, 2), layer, start, transposed=is_key)
-                    for slots, new, is_key in zip(
-                        cache_slots, (key, value), (True, False), strict=True
-                    )
-                )
-            else:
-                new_slots = cache_slots
-            if not self.is_cross or inputs_kv is None:
-                key, value = (cache.read_layer(slots, layer) for slots in new_slots)
-                cache_layout = True
-
+    def _attend(
+        self, query: Array, key: Array, value: Array, mask: Array | None, bias: Array | None,
+        query_positions: Array, key_positions: Array, *, causal: bool, cache_layout: bool,
+        deterministic: bool,
+    ) -> Array:  # [batch, q_len, heads, head_dim]
+        """The attention core, with a Shaw relative scheme's logit bias and value term."""
+        config = self.config
         scale = config.resolved_attention_scale
         value_term = None
-        if scheme.relative is not None and not self.is_cross:
-            relative_bias, value_term = scheme.relative(
+        if config.scheme.relative is not None and not self.is_cross:
+            relative_bias, value_term = config.scheme.relative(
                 config, query, query_positions, key_positions, scale, _param_fn(self, config)
             )
             bias = relative_bias if bias is None else bias + relative_bias
-
         dropout_rate = 0.0 if deterministic else config.attention_dropout_rate
-        dropout_rng = self.make_rng("dropout") if dropout_rate > 0 else None
-        want_weights = value_term is not None
-        result = attention.dot_product_attention(
+        result = kernels.attention(
             query,
             key.astype(query.dtype),
             value.astype(query.dtype),
+            backend=config.attention_backend,
             bias=bias,
             mask=mask,
             scale=scale,
-            backend=config.attention_backend,
-            return_weights=want_weights,
             dropout_rate=dropout_rate,
-            dropout_rng=dropout_rng,
+            dropout_rng=self.make_rng("dropout") if dropout_rate > 0 else None,
+            return_weights=value_term is not None,
             causal=causal,
             cache_layout=cache_layout,
         )
-        if want_weights:
-            out, weights = result
-            out = out + value_term(weights).astype(out.dtype)
-        else:
-            out = result
-        out_proj = _dense(
-            config,
-            (num_heads, head_dim),
-            d_model,
-            ("heads", "head_dim", "embed"),
-            "out",
-            "attention_out",
-        )
-        return out_proj(out), new_slots
+        if value_term is None:
+            return result
+        out, weights = result
+        return out + value_term(weights).astype(out.dtype)
+
+
+def _write_cache(
+    cache: DecoderCache, is_cross: bool, key: Array, value: Array, layer: Array | int,
+    start: Array,  # [batch] int32
+) -> DecoderCache:
+    """`cache` with key, value [batch, new_len, kv_heads, head_dim] in layer `layer`'s self- or
+    cross-attention slots from `start` on."""
+    names = ("cross_keys", "cross_values") if is_cross else ("keys", "values")
+    written = {
+        name: cache.layout.write(getattr(cache, name), new, layer, start, is_key)
+        for name, new, is_key in zip(names, (key, value), (True, False), strict=True)
+    }
+    return cache.replace(**written)
+
+
+def _read_cache(cache: DecoderCache, is_cross: bool, layer: Array | int) -> tuple[Array, Array]:
+    """Layer `layer`'s self- or cross-attention keys and values, in the cache's layout."""
+    if is_cross:
+        keys, values = cache.cross_keys, cache.cross_values
+    else:
+        keys, values = cache.keys, cache.values
+    return cache.layout.read(keys, layer), cache.layout.read(values, layer)
 
 
 class FeedForward(nn.Module):
@@ -366,7 +381,14 @@ class FeedForward(nn.Module):
             if config.activation == "relu":
                 hidden = nn.relu(hidden)
             elif config.activation == "gelu":
-                hidden = cpu_dense.gelu(hidden)
+                hidden = gelu(hidden)
             else:  # gelu_tanh (GPT-2's "gelu_new")
                 hidden = nn.gelu(hidden, approximate=True)
         return _dense(config, config.d_ff, config.d_model, ("mlp", "embed"), "wo")(hidden)
+
+
+def gelu(x: jax.Array) -> jax.Array:
+    """Exact GELU, x * Phi(x) = 0.5 x (1 + erf(x / sqrt(2))) (Hendrycks & Gimpel 2016), in
+    x's dtype. Written with erf, which XLA computes as one rational approximation (jax.nn.gelu's
+    erfc branches); the two agree to ~1e-6."""
+    return 0.5 * x * (1.0 + jax.lax.erf(x * jnp.asarray(2.0**-0.5, x.dtype)))

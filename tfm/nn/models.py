@@ -93,9 +93,8 @@ class Block(nn.Module):
             self_bias = PositionBias(config, self.bidirectional, name="position_bias")(
                 ctx.query_positions, ctx.key_positions
             )
-        self_slots = None if cache is None else (cache.keys, cache.values)
         self_attention = MultiHeadAttention(config, name="self_attention")
-        x, new_self = residual(
+        x, cache = residual(
             x,
             lambda h: self_attention(
                 h,
@@ -104,7 +103,7 @@ class Block(nn.Module):
                 bias=self_bias,
                 query_positions=ctx.query_positions,
                 key_positions=ctx.key_positions,
-                cache_slots=self_slots,
+                cache=cache,
                 layer=layer,
                 write_index=ctx.write_index,
                 causal=ctx.causal,
@@ -112,13 +111,9 @@ class Block(nn.Module):
             ),
             "self_attention",
         )
-        if cache is not None:
-            cache = cache.replace(keys=new_self[0], values=new_self[1])
-
         if self.has_cross:
-            cross_slots = None if cache is None else (cache.cross_keys, cache.cross_values)
             cross_attention = MultiHeadAttention(config, is_cross=True, name="cross_attention")
-            x, new_cross = residual(
+            x, cache = residual(
                 x,
                 lambda h: cross_attention(
                     h,
@@ -127,14 +122,12 @@ class Block(nn.Module):
                     bias=None,
                     query_positions=ctx.query_positions,
                     key_positions=ctx.source_positions,
-                    cache_slots=cross_slots,
+                    cache=cache,
                     layer=layer,
                     deterministic=deterministic,
                 ),
                 "cross_attention",
             )
-            if cache is not None:
-                cache = cache.replace(cross_keys=new_cross[0], cross_values=new_cross[1])
 
         feed_forward = FeedForward(config, name="feed_forward")
         x, _ = residual(x, lambda h: (feed_forward(h), None), "feed_forward")

@@ -319,7 +319,7 @@ def _no_params(config: Any, num_layers: int) -> int:
     return 0
 
 
-def _not_per_layer(config: Any) -> bool:
+def _never(config: Any) -> bool:
     return False
 
 
@@ -350,10 +350,12 @@ class PositionScheme:
     logit_bias: Callable[..., Array] | None = None
     rotate: Callable[..., Array] | None = None
     relative: Callable[..., RelativeTerm] | None = None
-    bias_per_layer: Callable[[Any], bool] = _not_per_layer
+    bias_per_layer: Callable[[Any], bool] = _never
     # True: positions must be < config.max_len (a table); others run at any position.
     bounded_by_max_len: bool = False
     check: Callable[[Any], None] = _no_check  # raises ConfigError for invalid settings
+    # Whether the layers need the attention weights (Shaw's value term): fused kernels lack them.
+    needs_attention_weights: Callable[[Any], bool] = _never
     num_params: Callable[[Any, int], int] = _no_params  # per stack of num_layers layers
 
 
@@ -414,15 +416,6 @@ def _shaw_relative(
     return bias, value_term
 
 
-def _check_relative(config: Any) -> None:
-    if config.attention_backend != "reference" and config.relative_values:
-        raise ConfigError(
-            "position_scheme='relative' with relative_values=True needs "
-            f"attention_backend='reference' (got {config.attention_backend!r}): the value "
-            "term needs the attention weights; set relative_values=False to use a kernel"
-        )
-
-
 def _t5_logit_bias(
     config: Any, query_positions: Array, key_positions: Array, bidirectional: bool,
     param: ParamFn,
@@ -467,7 +460,8 @@ SCHEMES: dict[str, PositionScheme] = {
         ),
         PositionScheme(
             "relative", "relative", "Shaw et al. clipped relative keys/values",
-            relative=_shaw_relative, check=_check_relative,
+            relative=_shaw_relative,
+            needs_attention_weights=lambda config: config.relative_values,
             # Tables shared by heads, one or two per self-attention layer.
             num_params=lambda config, layers: layers * (1 + config.relative_values) * (
                 2 * config.relative_max_distance + 1) * config.resolved_head_dim,
