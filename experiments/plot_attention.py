@@ -11,7 +11,7 @@
 
 Overrides of the training run go after the config as for ./launch.sh (--config.x=y). Weights come
 from the reference attention backend (the only one that returns them): every call of
-tfm.nn.attention.dot_product_attention is recorded with the path of the module that made it.
+every tfm.kernels.attention call is recorded with the path of the module that made it.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ import jax  # noqa: E402
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from tfm.nn import attention, positions  # noqa: E402
+from tfm import kernels  # noqa: E402
+from tfm.nn import positions  # noqa: E402
 from tfm.training.evaluate import decode_texts  # noqa: E402
 from tfm.training.experiment import model_for, restore_params, setup  # noqa: E402
 
@@ -47,7 +48,7 @@ def recorded_attention() -> Iterator[list[tuple[str, Any]]]:
     (model.scan_layers=False)."""
     from flax.linen.module import _context
 
-    original = attention.dot_product_attention
+    original = kernels.attention
     records: list[tuple[str, Any]] = []
 
     def recording(*args, **kwargs):
@@ -59,11 +60,11 @@ def recorded_attention() -> Iterator[list[tuple[str, Any]]]:
         records.append((path, weights))
         return (out, weights) if wanted else out
 
-    attention.dot_product_attention = recording
+    kernels.attention = recording
     try:
         yield records
     finally:
-        attention.dot_product_attention = original
+        kernels.attention = original
 
 
 def attention_weights(model, variables, *inputs) -> list[tuple[str, np.ndarray]]:

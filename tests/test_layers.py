@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from tiny_model import TINY
 
-from tfm.nn import positions
+from tfm.nn import layers, positions
 from tfm.nn.config import ModelConfig
 from tfm.nn.layers import FeedForward, MultiHeadAttention, Norm, PositionBias, PositionEmbedding
 from tfm.nn.models import DecoderLM
@@ -141,3 +141,12 @@ def test_position_layers_add_what_the_registry_entry_says(scheme):
         )
     else:
         assert bias is None
+
+
+def test_gelu_is_the_exact_gelu():
+    x = np.linspace(-8.0, 8.0, 2001)
+    expected = 0.5 * x * (1.0 + np.vectorize(__import__("math").erf)(x / np.sqrt(2.0)))
+    np.testing.assert_allclose(layers.gelu(jnp.asarray(x, jnp.float32)), expected, atol=2e-6)
+    np.testing.assert_allclose(layers.gelu(jnp.asarray(x, jnp.float32)),
+                               jax.nn.gelu(jnp.asarray(x, jnp.float32), approximate=False),
+                               atol=2e-6)

@@ -114,18 +114,21 @@ def resolve(
 
 
 def check_config(name: str, *, needs_weights: bool, needs_dropout: bool) -> None:
-    """ConfigError when a model config asks backend `name` for what it cannot do."""
-    backend = resolve(name, needs_weights=needs_weights, needs_dropout=needs_dropout)
+    """ConfigError when a model config asks backend `name` for what it cannot do ("auto" always
+    finds one). Starts no jax backend: configs are checked before jax.distributed starts."""
+    if name == "auto":
+        return
+    backend = resolve(name)
     if needs_dropout and not backend.dropout:
         raise ConfigError(
-            f"attention_dropout_rate > 0 needs an attention_backend that drops attention "
-            f"weights ('auto', 'reference' or 'cpu'); {name!r} fuses them away"
+            f"attention_dropout_rate > 0 needs attention_backend='auto', 'reference' or 'cpu' "
+            f"(attention_backend={name!r} fuses the weights away: no dropout on them)"
         )
     if needs_weights and not backend.weights:
         raise ConfigError(
-            f"this position scheme needs the attention weights (Shaw et al. relative values); "
-            f"attention_backend={name!r} never materialises them: use 'auto', 'reference' or "
-            "'cpu', or set relative_values=False"
+            f"position_scheme='relative' with relative_values=True needs the attention weights "
+            f"(Shaw et al.'s value term), which attention_backend={name!r} never materialises: "
+            "use 'auto', 'reference' or 'cpu', or set relative_values=False"
         )
 
 

@@ -271,6 +271,19 @@ class ModelConfig:
     def params_dtype(self) -> jnp.dtype:
         return jnp.dtype(self.param_dtype)
 
+    def for_platform(self, platform: str) -> ModelConfig:
+        """This config with attention_backend="auto" resolved for `platform` ("cpu", "gpu" or
+        "tpu"), e.g. to compile for an accelerator on a CPU host; a named backend stays."""
+        if self.attention_backend != "auto":
+            return self
+        backend = kernels.resolve(
+            "auto",
+            platform,
+            needs_weights=self.scheme.needs_attention_weights(self),
+            needs_dropout=self.attention_dropout_rate > 0,
+        )
+        return self.replace(attention_backend=backend.name)
+
     def replace(self, **changes: Any) -> ModelConfig:
         return from_dict({**dataclasses.asdict(self), **changes})
 

@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 Overrides = dict[str, Any]
 SEED_FIELD = "train.seed"
 RUN_FILE = "sweep_run.json"

@@ -1,0 +1,153 @@
+"""CPU tricks stay on CPU: the train step and the decoding loops of an LM and an
+encoder-decoder, lowered for TPU and GPU on this machine (jax lowers for any platform without
+its hardware), hold no optimization barrier and no CPU cache layout; lowered for CPU they do (so
+the check can fail)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from tiny_model import TINY
+
+from tfm import kernels
+from tfm.decode import generate
+from tfm.decode.search import DecodeConfig
+from tfm.nn.cache import init_cache
+from tfm.nn.config import ModelConfig
+from tfm.training import train
+from tfm.training.experiment import TrainState, model_for
+
+BATCH, LENGTH = 2, 8
+# jax's platform names for lowering; kernels.PLATFORMS' names for resolving "auto".
+TARGETS = {"tpu": "tpu", "cuda": "gpu", "cpu": "cpu"}
+
+
+def _config(mode: str, platform: str, **changes) -> ModelConfig:
+    layers = dict(num_encoder_layers=0) if mode == "lm" else {}
+    config = ModelConfig(**{**TINY, **layers, "dtype": "bfloat16", **changes})
+    return config.for_platform(TARGETS[platform])
+
+
+def _batch(mode: str) -> dict[str, jax.ShapeDtypeStruct]:
+    ints = jax.ShapeDtypeStruct((BATCH, LENGTH), jnp.int32)
+    keys = ["inputs", "targets", "positions", "segment_ids"]
+    if mode == "seq2seq":
+        keys += ["source", "source_positions", "source_segment_ids"]
+    return {**{key: ints for key in keys}, "weights": jax.ShapeDtypeStruct((BATCH, LENGTH),
+                                                                           jnp.float32)}
+
+
+def _lowered_train_step(mode: str, platform: str, **changes) -> str:
+    config = _config(mode, platform, **changes)
+    model, optimizer = model_for(config, mode), optax.adamw(1e-3)
+    batch = _batch(mode)
+
+    def init(rng):
+        dummy = {key: jnp.ones(value.shape, value.dtype) for key, value in batch.items()}
+        args = (dummy["source"], dummy["inputs"]) if mode == "seq2seq" else (dummy["inputs"],)
+        params = model.init(rng, *args)["params"]
+        return TrainState(step=jnp.int32(0), params=params, opt_state=optimizer.init(params),
+                          rng=jax.random.key_data(rng))
+
+    state = jax.eval_shape(init, jax.random.key(0))
+    step = functools.partial(train.train_step, model=model, mode=mode, optimizer=optimizer,
+                             schedule=optax.constant_schedule(1e-3), label_smoothing=0.1)
+    traced = jax.jit(step).trace(state, batch)
+    return traced.lower(lowering_platforms=(platform,)).as_text()
+
+
+def _lowered_decode_loop(mode: str, platform: str, method: str) -> str:
+    config = _config(mode, platform)
+    decode = DecodeConfig(method=method, max_new_tokens=6, beam_size=2)
+    model = model_for(config, mode)
+    ids = jnp.ones((BATCH, LENGTH), jnp.int32)
+    args = (ids, ids) if mode == "seq2seq" else (ids,)
+    params = jax.eval_shape(lambda: model.init(jax.random.key(0), *args)["params"])
+    lengths = jax.ShapeDtypeStruct((BATCH,), jnp.int32)
+    tokens = jax.ShapeDtypeStruct((BATCH, LENGTH), jnp.int32)
+    rng = jax.random.key(0)
+    if mode == "lm":
+        loop = jax.jit(generate._lm_generate_jit.__wrapped__, static_argnums=(4, 5, 6))
+        traced = loop.trace(params, tokens, lengths, rng, config, decode, 2)
+    else:
+        loop = jax.jit(generate._translate_jit.__wrapped__, static_argnums=(4, 5, 6, 7))
+        traced = loop.trace(params, tokens, lengths, rng, config, decode, 1, 2)
+    return traced.lower(lowering_platforms=(platform,)).as_text()
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+@pytest.mark.parametrize("mode", ["lm", "seq2seq"])
+def test_train_step_for_accelerators_has_no_cpu_tricks(mode, platform):
+    text = _lowered_train_step(mode, platform)
+    assert "optimization_barrier" not in text
+    assert "dot_general" in text  # it did lower the model
+
+
+def test_cpu_train_step_does_have_them():
+    """The same bf16 step lowered for CPU keeps its barriers (custom-VJP dense backward)."""
+    assert "optimization_barrier" in _lowered_train_step("lm", "cpu")
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+@pytest.mark.parametrize("mode,method", [("lm", "greedy"), ("seq2seq", "beam")])
+def test_decode_loops_for_accelerators_have_no_cpu_tricks(mode, method, platform):
+    text = _lowered_decode_loop(mode, platform, method)
+    assert "stablehlo.while" in text
+    assert "optimization_barrier" not in text
+    assert "ui16" not in text  # the CPU cache writes 16-bit slots as uint16
+
+
+def test_cpu_decode_loop_writes_its_cache_as_uint16():
+    assert "ui16" in _lowered_decode_loop("lm", "cpu", "greedy")
+
+
+def test_auto_resolves_per_platform_and_the_cache_follows():
+    assert [kernels.resolve("auto", platform).name for platform in ("cpu", "gpu", "tpu")] == [
+        "cpu", "reference", "reference"]
+    for platform, layout in (("cpu", "cpu"), ("tpu", "reference"), ("cuda", "reference")):
+        config = _config("lm", platform)
+        assert init_cache(config, 1, 4).layout.name == layout
+    assert ModelConfig(attention_backend="xla").for_platform("tpu").attention_backend == "xla"
+
+
+@pytest.mark.parametrize("backend", ["cpu", "xla"])
+def test_every_kernel_equals_the_reference_forward_and_backward(backend):
+    """Each registered attention and dense implementation against the reference maths, values
+    and gradients, with GQA, a bias and a causal-padded mask (float32)."""
+    rng = np.random.default_rng(0)
+    length = 150  # the CPU kernel's causal blocks: 3 of them
+    query = jnp.asarray(rng.normal(size=(2, length, 4, 8)), jnp.float32)
+    key, value = (jnp.asarray(rng.normal(size=(2, length, 2, 8)), jnp.float32) for _ in "kv")
+    bias = jnp.asarray(rng.normal(size=(1, 4, length, length)), jnp.float32)
+    positions = jnp.broadcast_to(jnp.arange(length), (2, length))
+    mask = (positions[:, None, None, :] <= positions[:, None, :, None]) & (
+        jnp.arange(length) < jnp.array([[length], [length - 30]]))[:, None, None, :]
+    probe = jnp.asarray(rng.normal(size=query.shape), jnp.float32)
+
+    def attention_loss(backend, query, key, value, bias):
+        out = kernels.attention(query, key, value, bias=bias, mask=mask, backend=backend,
+                                causal=True)
+        return jnp.sum(jnp.sin(out) * probe)
+
+    grad = jax.jit(jax.value_and_grad(attention_loss, (1, 2, 3, 4)), static_argnums=0)
+    want, want_grads = grad("reference", query, key, value, bias)
+    got, got_grads = grad(backend, query, key, value, bias)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for name, g, w in zip("qkvb", got_grads, want_grads, strict=True):
+        np.testing.assert_allclose(g, w, atol=2e-5, err_msg=name)
+
+    x = jnp.asarray(rng.normal(size=(3, 5, 4, 8)), jnp.float32)
+    kernel = jnp.asarray(rng.normal(size=(4, 8, 6)), jnp.float32)
+    dense_loss = lambda backend, x, kernel: jnp.sum(jnp.cos(kernels.linear(
+        x, kernel, backend=backend, num_contracted=2)))
+    dense_grad = jax.jit(jax.value_and_grad(dense_loss, (1, 2)), static_argnums=0)
+    want, want_grads = dense_grad("reference", x, kernel)
+    got, got_grads = dense_grad(backend, x, kernel)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        np.testing.assert_allclose(g, w, atol=1e-4)
