@@ -38,9 +38,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from tfm.kernels import cpu_compile, cpu_memory  # noqa: E402
+from tfm.kernels import cpu_compile, cpu_memory, hardware  # noqa: E402
 from tfm.nn import attention  # noqa: E402
-from tfm.training import flops  # noqa: E402
 
 try:
     import torch
@@ -142,7 +141,7 @@ def report(info: dict, rows: list[dict], command: str) -> str:
     lines = [
         "# Causal attention core: tfm vs torch's fused CPU attention",
         "",
-        f"{flops.cpu_line(info)} (this benchmark is float32); jax {info['jax']}, "
+        f"{hardware.cpu_line(info)} (this benchmark is float32); jax {info['jax']}, "
         f"torch {info['torch']}; tfm's XLA options: "
         f"{info['tfm_compiler_options'] or 'XLA defaults'}.",
         "Speed ratio = torch time / tfm time (above 1: tfm faster). GFLOP/s of the causal matmuls.",

@@ -36,10 +36,10 @@ import optax  # noqa: E402
 from tfm.data.tokenizers import EOS_ID  # noqa: E402
 from tfm.decode import generate  # noqa: E402
 from tfm.decode.search import DecodeConfig  # noqa: E402
-from tfm.kernels import cpu_compile  # noqa: E402
+from tfm.kernels import cpu_compile, hardware  # noqa: E402
 from tfm.nn.config import ModelConfig  # noqa: E402
 from tfm.nn.models import DecoderLM  # noqa: E402
-from tfm.training import flops, train  # noqa: E402
+from tfm.training import train  # noqa: E402
 from tfm.training.experiment import TrainState  # noqa: E402
 
 
@@ -111,7 +111,7 @@ def main() -> None:
                    "decode_one_loop_compile_s": decode_compile_seconds(config, cache_segments=1)}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    cpu = flops.cpu_features()
+    cpu = hardware.cpu_features()
     title = f"# Compile time vs depth ({cpu['model']}, {cpu['cores']} cores, jax {jax.__version__})"
     lines = [title, "", cache_note, "",
              "| stack | layers | train step compile (s) | decode loops compile (s) | "

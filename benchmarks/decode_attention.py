@@ -28,7 +28,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from tfm.training import flops  # noqa: E402
+from tfm.kernels import hardware  # noqa: E402
 
 
 def attend_full(query, keys, values, filled):
@@ -74,7 +74,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.max_len % args.block:
         args.max_len += args.block - args.max_len % args.block  # whole blocks only
-    print(flops.cpu_features())
+    print(hardware.cpu_features())
     rng = jax.random.PRNGKey(0)
     shape = (args.batch, args.heads)
     keys = [jax.random.normal(jax.random.fold_in(rng, i), (*shape, args.head_dim, args.max_len))
@@ -111,7 +111,7 @@ def main() -> None:
     mean = statistics.mean(r["blockwise_over_full"] for r in rows)
     print(f"mean ratio over the fill levels (a generation sweeps them all): {mean:.2f}")
     out = ROOT / "benchmarks/results/decode_attention.json"
-    out.write_text(json.dumps({"cpu": flops.cpu_features(), "args": vars(args), "rows": rows,
+    out.write_text(json.dumps({"cpu": hardware.cpu_features(), "args": vars(args), "rows": rows,
                                "mean_blockwise_over_full": mean}, indent=1))
     print("wrote", out.relative_to(ROOT))
 

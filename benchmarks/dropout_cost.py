@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import char_gpt  # noqa: E402
 
-from tfm.training import flops  # noqa: E402
+from tfm.kernels import hardware  # noqa: E402
 
 NO_DROPOUT = "no dropout"
 
@@ -39,7 +39,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--variants", default=f"threefry,threefry2x32,rbg,{NO_DROPOUT}")
     args = parser.parse_args()
-    info = flops.cpu_features()
+    info = hardware.cpu_features()
     print(json.dumps(info))
     shape = types.SimpleNamespace(layers=6, heads=6, d_model=384, block=256, batch=args.batch,
                                   dropout=0.2)

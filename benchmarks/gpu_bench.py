@@ -29,6 +29,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 from tfm.decode.generate import lm_generate  # noqa: E402
+from tfm.kernels import hardware  # noqa: E402
 from tfm.nn import attention  # noqa: E402
 from tfm.nn.config import ModelConfig  # noqa: E402
 from tfm.nn.models import DecoderLM  # noqa: E402
@@ -113,7 +114,7 @@ def train_mfu(batch: int = 16, seq_len: int = 1024, steps: int = 10) -> dict:
     step_s = (time.perf_counter() - start) / steps
     tokens_per_s = batch * seq_len / step_s
     per_token = flops.flops_per_token(config, seq_len, "lm")
-    peak = flops.device_peak_flops(jax.devices()[0])
+    peak = hardware.device_peak_flops(jax.devices()[0])
     return {"batch": batch, "seq_len": seq_len, "step_s": step_s, "tokens_per_s": tokens_per_s,
             "flops_per_token": per_token, "peak_flops": peak, "loss": float(loss),
             "mfu": tokens_per_s * per_token / peak if peak else None}

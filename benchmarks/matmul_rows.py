@@ -30,7 +30,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from tfm.training import flops  # noqa: E402
+from tfm.kernels import hardware  # noqa: E402
 
 SIZE, KERNELS, STEPS = 1536, 5, 20
 
@@ -104,7 +104,7 @@ def main() -> None:
         has_torch = True
     except ImportError:
         has_torch = False
-    info = flops.cpu_features()
+    info = hardware.cpu_features()
     print(json.dumps(info))
     bandwidth = bandwidths()
     print(json.dumps(bandwidth))
@@ -133,7 +133,7 @@ def main() -> None:
         print(json.dumps(row), flush=True)
     lines = [
         "# Weight-read rate of 1- and 8-row matmuls (a decode step's matmuls)", "",
-        f"{flops.cpu_line(info)}; jax {jax.__version__}.",
+        f"{hardware.cpu_line(info)}; jax {jax.__version__}.",
         f"Memory bandwidth (512 MiB sum): {bandwidth['jax_sum_all_cores']:.1f} GB/s jax (all "
         f"cores), {bandwidth['numpy_sum_one_core']:.1f} GB/s numpy (one core).",
         f"Chain: {KERNELS} float32 kernels of {SIZE} x {SIZE} ({weight_bytes / 1e6:.0f} MB), "

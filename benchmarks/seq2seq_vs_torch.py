@@ -41,7 +41,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax.linen import meta as nn_meta  # noqa: E402
 
-from tfm.kernels import cpu_compile, cpu_memory  # noqa: E402
+from tfm.kernels import cpu_compile, cpu_memory, hardware  # noqa: E402
 from tfm.nn.config import paper_base  # noqa: E402
 from tfm.nn.models import EncoderDecoder  # noqa: E402
 from tfm.training import flops, train  # noqa: E402
@@ -210,7 +210,7 @@ def main() -> None:
     command = "python benchmarks/seq2seq_vs_torch.py " + " ".join(sys.argv[1:])
     lines = [
         "# Encoder-decoder training: tfm vs torch nn.Transformer", "",
-        f"{flops.cpu_line(info)} (this benchmark is float32); jax {info['jax']}, torch "
+        f"{hardware.cpu_line(info)} (this benchmark is float32); jax {info['jax']}, torch "
         f"{info['torch']}; tfm's XLA options: {info.get('tfm_compiler_options') or 'defaults'}. "
         f"Matmul peak (2048^3, float32, best of jax and torch): {peak / 1e9:.0f} GFLOP/s.",
         f"{args.layers} + {args.layers} post-LN layers, d_model {args.d_model}, {args.heads} "

@@ -68,7 +68,7 @@ import json, sys, tempfile, time
 sys.path.insert(0, ROOT)
 import jax
 from flax import linen as nn
-from tfm.kernels import cpu_compile
+from tfm.kernels import hardware, cpu_compile
 from tfm.training import experiment
 from tfm.parallel import sharding
 from configs import CONFIG_MODULE as module
@@ -115,7 +115,6 @@ def main() -> None:
     args = parser.parse_args()
 
     sys.path.insert(0, str(ROOT))
-    from tfm.training import flops
 
     path, _, arg = args.config.partition(":")
 
@@ -138,13 +137,16 @@ def main() -> None:
     init_compile = {name: statistics.median([run["seconds"][name] for run in init_compiles])
                     for name in ("run_once", "steps")}
     plain_seconds = statistics.median([p["seconds"] for p in plain])
-    cpu = flops.cpu_features()
     import jax
+
+    from tfm.kernels import hardware
+
+    cpu = hardware.cpu_features()
 
     lines = [
         f"# Time to the first training step, {args.config}",
         "",
-        f"{flops.cpu_line(cpu)}; jax {jax.__version__}. Medians of {args.repeats} "
+        f"{hardware.cpu_line(cpu)}; jax {jax.__version__}. Medians of {args.repeats} "
         "fresh processes.",
         "",
         "| phase | seconds |",

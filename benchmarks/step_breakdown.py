@@ -12,7 +12,7 @@ freed host memory is kept, as in training (tfm/cpu_memory.py).
 The core's share is the difference; the rest's MFU counts the step's model FLOPs less the
 core's (tfm.training.flops.attention_core_flops: 12 * layers * block * d_attn per token) against
 this
-host's measured matmul peak (tfm.training.flops.measure_matmul_flops, 2048^3, best of 10, in that
+host's measured matmul peak (tfm.training.hardware.measure_matmul_flops, 2048^3, best of 10, in that
 dtype). Writes benchmarks/results/step_breakdown.{json,md}.
 """
 
@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import char_gpt  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from tfm.kernels import cpu_memory  # noqa: E402
+from tfm.kernels import cpu_memory, hardware  # noqa: E402
 from tfm.nn import attention, layers  # noqa: E402
 from tfm.training import flops  # noqa: E402
 
@@ -70,7 +70,7 @@ def measure(dtype: str, args) -> dict:
     tokens = args.batch * shape.block
     per_token = flops.flops_per_token(config, shape.block)
     core_per_token = flops.attention_core_flops(config, shape.block, shape.layers)
-    peak = flops.measure_matmul_flops(jnp.dtype(dtype), repeats=10)
+    peak = hardware.measure_matmul_flops(jnp.dtype(dtype), repeats=10)
     return {
         "dtype": dtype, "batch": args.batch, "block": shape.block, "seconds": seconds,
         "median_s": median, "matmul_peak": peak,
@@ -86,7 +86,7 @@ def report(info: dict, rows: list[dict], command: str) -> str:
     lines = [
         "# The char-GPT train step: the attention core against the rest",
         "",
-        f"{flops.cpu_line(info)}. Batch {rows[0]['batch']} x "
+        f"{hardware.cpu_line(info)}. Batch {rows[0]['batch']} x "
         f"{rows[0]['block']}; medians of interleaved repeats.",
         "",
         "| dtype | whole step s | without the core s | core's share of the time | core's share "
@@ -110,7 +110,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args()
-    info = flops.cpu_features()
+    info = hardware.cpu_features()
     print(json.dumps(info))
     cpu_memory.keep_freed_memory()  # as training on CPU does (tfm/cpu_memory.py)
     rows = [measure(dtype, args) for dtype in args.dtypes.split(",")]

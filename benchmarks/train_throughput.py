@@ -25,7 +25,7 @@ import jax.numpy as jnp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tfm.kernels import cpu_memory  # noqa: E402
+from tfm.kernels import cpu_memory, hardware  # noqa: E402
 from tfm.parallel import sharding  # noqa: E402
 from tfm.training import flops, train  # noqa: E402
 from tfm.training.experiment import init_state, setup, state_shardings  # noqa: E402
@@ -67,7 +67,7 @@ def measure(config, dtype: str, steps: int, repeats: int, workdir: Path) -> dict
     tokens = data_config.batch_size * data_config.seq_len
     per_token = flops.flops_per_token(experiment.model_config, data_config.seq_len,
                                       experiment.mode)
-    peak = flops.device_peak_flops(jax.devices()[0], jnp.dtype(dtype))
+    peak = hardware.device_peak_flops(jax.devices()[0], jnp.dtype(dtype))
     result = {
         "dtype": dtype,
         "step_time_s": step_time,

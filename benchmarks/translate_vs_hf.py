@@ -45,8 +45,7 @@ import numpy as np  # noqa: E402
 
 from tfm.decode.generate import best_sequences, translate  # noqa: E402
 from tfm.interop import hf as interop  # noqa: E402
-from tfm.kernels import cpu_compile, cpu_memory  # noqa: E402
-from tfm.training import flops  # noqa: E402
+from tfm.kernels import cpu_compile, cpu_memory, hardware  # noqa: E402
 
 try:
     import torch
@@ -175,7 +174,7 @@ def output_layer_report(rows: list[dict]) -> list[str]:
 def report(info: dict, args, bandwidth: float, rows: list[dict], command: str) -> str:
     lines = [
         "# Encoder-decoder decoding: tfm vs Hugging Face T5 on the same weights", "",
-        f"{flops.cpu_line(info)} (this benchmark is float32); jax {info['jax']}, torch "
+        f"{hardware.cpu_line(info)} (this benchmark is float32); jax {info['jax']}, torch "
         f"{info['torch']}; tfm's XLA options: {info.get('tfm_compiler_options') or 'defaults'}. "
         f"Memory bandwidth (512 MiB sum): {bandwidth / 1e9:.1f} GB/s.",
         f"T5 of the paper's base shape: {args.layers} + {args.layers} layers, d_model "

@@ -63,7 +63,7 @@ from char_gpt import VOCAB, init_params, model_config, random_batch, tfm_train_r
 from tfm.decode import search  # noqa: E402
 from tfm.decode.generate import lm_generate  # noqa: E402
 from tfm.decode.search import DecodeConfig  # noqa: E402
-from tfm.kernels import cpu_compile, cpu_memory  # noqa: E402
+from tfm.kernels import cpu_compile, cpu_memory, hardware  # noqa: E402
 from tfm.training import flops  # noqa: E402
 
 KERNEL_LABELS = {"xla": "XLA's kernels", "ynnpack": "XLA's defaults (YNNPACK)",
@@ -86,7 +86,7 @@ except ImportError:  # pragma: no cover - the benchmark says what to install
 
 
 def cpu_info() -> dict:
-    return {**flops.cpu_features(), "jax": jax.__version__, "torch": torch.__version__,
+    return {**hardware.cpu_features(), "jax": jax.__version__, "torch": torch.__version__,
             "tfm_compiler_options": cpu_compile.compiler_options(),
             "keeps_freed_memory": cpu_memory.keep_freed_memory()}
 
@@ -371,7 +371,7 @@ def report(info: dict, peaks: dict, bandwidth: float, rows: list[dict], command:
     lines = [
         "# tfm vs PyTorch, side by side",
         "",
-        f"{flops.cpu_line(info)}; jax {info['jax']}, torch {info['torch']}.",
+        f"{hardware.cpu_line(info)}; jax {info['jax']}, torch {info['torch']}.",
         ("Matmul peak (2048^3, GFLOP/s): "
          + "; ".join(f"{d} jax {p['jax'] / 1e9:.0f}, torch {p['torch'] / 1e9:.0f}"
                      for d, p in peaks.items()) + ". " if peaks else "")

@@ -45,9 +45,9 @@ from char_gpt import SHAPE, init_params, model_config, random_batch, tfm_train_r
 from train_throughput import load_config  # noqa: E402
 
 from tfm.decode.generate import lm_generate  # noqa: E402
-from tfm.kernels import cpu_compile, cpu_memory  # noqa: E402
+from tfm.kernels import cpu_compile, cpu_memory, hardware  # noqa: E402
 from tfm.parallel import sharding  # noqa: E402
-from tfm.training import flops, train  # noqa: E402
+from tfm.training import train  # noqa: E402
 from tfm.training.experiment import init_state, setup, state_shardings  # noqa: E402
 
 YNN = cpu_compile.YNN_FUSION
@@ -217,7 +217,7 @@ def main() -> None:
         sys.exit("xla_options.py compares CPU compile options; this backend is "
                  f"{jax.default_backend()}")
     cpu_memory.keep_freed_memory()  # as the training loop does
-    info = flops.cpu_features()
+    info = hardware.cpu_features()
     print(json.dumps(info), flush=True)
     rows = recipe_steps(args)
     for row in rows:

@@ -12,7 +12,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tfm.training import flops  # noqa: E402
+from tfm.kernels import hardware  # noqa: E402
 
 root, name, sweep_command, report_command = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
 out = ROOT / "experiments/results" / name
@@ -24,7 +24,7 @@ for f in root.glob("curves_*.png"):
 runs = [json.loads(p.read_text()) for p in sorted(root.glob("*/sweep_run.json"))]
 runs.sort(key=lambda r: r["index"])
 lines = [f"# {name}", "", "Made by (from the repository root):", "", "```bash", sweep_command,
-         report_command, "```", "", f"Machine: {flops.cpu_features()}", "",
+         report_command, "```", "", f"Machine: {hardware.cpu_features()}", "",
          "| run | status | wall s (train + evals) |", "|---|---|---:|"]
 lines += [f"| {r['name']} | {r['status']} | {r.get('wall_s', '')} |" for r in runs]
 total = sum(r.get("wall_s") or 0 for r in runs)

@@ -10,8 +10,8 @@
     python experiments/plot_attention.py positions --out_dir experiments/results
 
 Overrides of the training run go after the config as for ./launch.sh (--config.x=y). Weights come
-from the reference attention backend (the only one that returns them): every call of
-every tfm.kernels.attention call is recorded with the path of the module that made it.
+from the reference attention backend (it returns them): every tfm.kernels.attention call is
+recorded with the path of the module that made it.
 """
 
 from __future__ import annotations

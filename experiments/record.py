@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tfm.training import flops  # noqa: E402
+from tfm.kernels import hardware  # noqa: E402
 
 
 def last_json_object(text: str) -> dict | None:
@@ -69,7 +69,7 @@ def main(argv: list[str]) -> int:
                          f"nothing written to {target}\n")
         return process.returncode
     record = {"file": str(target), "command": shlex.join(command), "wall_s": round(wall_s, 1),
-              "machine": flops.cpu_features(), "result": last_json_object(process.stdout)}
+              "machine": hardware.cpu_features(), "result": last_json_object(process.stdout)}
     target.parent.mkdir(parents=True, exist_ok=True)
     target.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
     target.with_suffix(".md").write_text(markdown(record))

@@ -197,7 +197,7 @@ def test_auto_cpu_kernels_take_ynnpack_dots_for_bfloat16_on_cpus_with_bf16_units
 ):
     """train.cpu_kernels="auto": YNNPACK's bf16 matmuls where the CPU computes bf16, XLA's own
     kernels otherwise; explicit choices pass through, unknown ones are named."""
-    monkeypatch.setattr(cpu_compile.flops, "cpu_features",
+    monkeypatch.setattr(cpu_compile.hardware, "cpu_features",
                         lambda: {"bf16_native": bf16_native})
     resolve = cpu_compile.resolve_cpu_kernels
     assert resolve("auto", jnp.bfloat16) == ("ynnpack_dots" if bf16_native else "xla")

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from tfm.checks import ConfigError
+from tfm.kernels import hardware
 from tfm.nn.config import ModelConfig
 from tfm.training import flops
 
@@ -104,16 +105,16 @@ def test_peak_table_lookup():
     def device(kind):
         return types.SimpleNamespace(platform="gpu", device_kind=kind)
 
-    assert flops.device_peak_flops(device("NVIDIA H100 80GB HBM3")) == 989e12
-    assert flops.device_peak_flops(device("NVIDIA H100 PCIe")) == 756e12
-    assert flops.device_peak_flops(device("NVIDIA H200")) == 989e12
-    assert flops.device_peak_flops(device("NVIDIA A100-SXM4-40GB")) == 312e12
-    assert flops.device_peak_flops(device("NVIDIA L4")) == 121e12
-    assert flops.device_peak_flops(device("NVIDIA L40S")) == 362e12
-    assert flops.device_peak_flops(device("TPU v5 lite")) == 197e12
-    assert flops.device_peak_flops(device("TPU v5")) == 459e12
-    assert flops.device_peak_flops(device("TPU v6 lite")) == 918e12
-    assert flops.device_peak_flops(device("Mystery chip")) is None
+    assert hardware.device_peak_flops(device("NVIDIA H100 80GB HBM3")) == 989e12
+    assert hardware.device_peak_flops(device("NVIDIA H100 PCIe")) == 756e12
+    assert hardware.device_peak_flops(device("NVIDIA H200")) == 989e12
+    assert hardware.device_peak_flops(device("NVIDIA A100-SXM4-40GB")) == 312e12
+    assert hardware.device_peak_flops(device("NVIDIA L4")) == 121e12
+    assert hardware.device_peak_flops(device("NVIDIA L40S")) == 362e12
+    assert hardware.device_peak_flops(device("TPU v5 lite")) == 197e12
+    assert hardware.device_peak_flops(device("TPU v5")) == 459e12
+    assert hardware.device_peak_flops(device("TPU v6 lite")) == 918e12
+    assert hardware.device_peak_flops(device("Mystery chip")) is None
 
 
 def test_cpu_peak_measured_once_and_cached(tmp_path, monkeypatch):
@@ -124,14 +125,14 @@ def test_cpu_peak_measured_once_and_cached(tmp_path, monkeypatch):
         return 8e9 if jnp.dtype(dtype) == jnp.float32 else 16e9
 
     monkeypatch.setenv("TFM_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(flops, "measure_matmul_flops", fake_measure)
+    monkeypatch.setattr(hardware, "measure_matmul_flops", fake_measure)
     cpu = jax.devices("cpu")[0]
     per_device = 8e9 / len(jax.local_devices(backend="cpu"))
-    assert flops.device_peak_flops(cpu, jnp.float32) == per_device
-    assert flops.device_peak_flops(cpu, jnp.float32) == per_device
+    assert hardware.device_peak_flops(cpu, jnp.float32) == per_device
+    assert hardware.device_peak_flops(cpu, jnp.float32) == per_device
     assert calls == ["float32"]
-    flops.device_peak_flops(cpu, jnp.bfloat16)
-    flops.device_peak_flops(cpu, jnp.bfloat16)
+    hardware.device_peak_flops(cpu, jnp.bfloat16)
+    hardware.device_peak_flops(cpu, jnp.bfloat16)
     assert calls == ["float32", "bfloat16"]
     cached = json.loads((tmp_path / "peak_flops.json").read_text())
     assert sorted(cached.values()) == [8e9, 16e9]
@@ -139,7 +140,7 @@ def test_cpu_peak_measured_once_and_cached(tmp_path, monkeypatch):
 
 
 def test_real_micro_benchmark_and_mfu():
-    measured = flops.measure_matmul_flops(jnp.float32, size=64, repeats=2)
+    measured = hardware.measure_matmul_flops(jnp.float32, size=64, repeats=2)
     assert np.isfinite(measured) and measured > 0
     # 1000 tokens/s * 1e9 FLOPs/token on 2 devices of 1e12 peak = 0.5.
     assert flops.mfu(1000.0, 1e9, 2, 1e12) == pytest.approx(0.5)
@@ -147,18 +148,18 @@ def test_real_micro_benchmark_and_mfu():
 
 def test_bf16_warning_only_for_bfloat16_on_a_cpu_without_bf16_units(tmp_path, monkeypatch):
     cpuinfo = tmp_path / "cpuinfo"
-    original_path = flops.Path
+    original_path = hardware.Path
 
     def fake_path(path, *rest):
         return cpuinfo if str(path) == "/proc/cpuinfo" else original_path(path, *rest)
 
-    monkeypatch.setattr(flops, "Path", fake_path)
+    monkeypatch.setattr(hardware, "Path", fake_path)
     cpuinfo.write_text("model name\t: Emulating CPU\nflags\t\t: fpu avx2 fma\n")
-    features = flops.cpu_features()
+    features = hardware.cpu_features()
     assert features["model"] == "Emulating CPU" and not features["bf16_native"]
-    assert flops.bf16_warning(ModelConfig()) is None  # float32
-    warning = flops.bf16_warning(ModelConfig(dtype="bfloat16"))
+    assert hardware.bf16_warning(ModelConfig().dtype) is None  # float32
+    warning = hardware.bf16_warning("bfloat16")
     assert "Emulating CPU" in warning and "slower than float32" in warning
     cpuinfo.write_text("model name\t: AMX CPU\nflags\t\t: avx512f avx512_bf16 amx_bf16 amx_tile\n")
-    assert flops.cpu_features()["bf16_units"] == ["amx_bf16", "avx512_bf16"]
-    assert flops.bf16_warning(ModelConfig(dtype="bfloat16")) is None
+    assert hardware.cpu_features()["bf16_units"] == ["amx_bf16", "avx512_bf16"]
+    assert hardware.bf16_warning("bfloat16") is None

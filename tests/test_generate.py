@@ -176,11 +176,11 @@ def test_lm_greedy_with_cache_equals_recomputation(scheme):
 def test_decoding_eight_rows_or_more_uses_library_dots_and_equals_recomputation(
     monkeypatch, avx512, library, fusion
 ):
-    """Loops over >= generate.ONEDNN_MIN_ROWS rows (batch x beams) compile their dots to oneDNN
+    """Loops over >= cpu_compile.ONEDNN_MIN_ROWS rows (batch x beams) compile their dots to oneDNN
     (CPUs without AVX-512) or YNNPACK (with it); greedy over 8 rows still equals recomputation,
     and loops over fewer rows keep tfm's own kernels."""
-    monkeypatch.setattr(generate, "_has_avx512", lambda: avx512)
-    assert [generate.decode_cpu_kernels(rows) for rows in (1, 7, 8, 32)] == [
+    monkeypatch.setattr(cpu_compile, "_has_avx512", lambda: avx512)
+    assert [cpu_compile.decode_kernels(rows) for rows in (1, 7, 8, 32)] == [
         "xla", "xla", library, library]
     if cpu_compile.kernel_options(library) in (None, cpu_compile.compiler_options()):
         pytest.skip(f"not an x86-64 CPU, or this jaxlib lacks the {library} options")

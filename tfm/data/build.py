@@ -81,7 +81,7 @@ from tfm.data.tokenizers import (
     Tokenizer,
     train_sentencepiece,
 )
-from tfm.nn.config import MODES
+from tfm.nn.families import MODES
 
 KINDS = ("synthetic", "text", "parallel", "tfds")
 # Fields only one kind uses: they must keep their default for the other kinds.
@@ -265,7 +265,7 @@ class DataConfig:
 
     @property
     def resolved_mode(self) -> str:
-        """The model this data trains (tfm.nn.config.MODES): "lm" for text or mode="lm" pairs."""
+        """The model this data trains (tfm.nn.families.MODES): "lm" for text or mode="lm" pairs."""
         if self.is_text:
             return "lm"
         return self.mode or "seq2seq"
@@ -429,7 +429,7 @@ class Data:
 
     @property
     def mode(self) -> str:
-        """The model this data trains, one of tfm.nn.config.MODES."""
+        """The model this data trains, one of tfm.nn.families.MODES."""
         return self.encoder.model_mode
 
     @property

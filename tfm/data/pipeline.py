@@ -42,7 +42,7 @@ import numpy as np
 from tfm.data.tokenizers import BOS_ID, EOS_ID, Tokenizer
 
 # How a record becomes an example: an LM on text, an LM on (prompt, answer) pairs, or an
-# encoder-decoder on (source, target) pairs. "lm" and "seq2seq" are tfm.nn.config.MODES.
+# encoder-decoder on (source, target) pairs. "lm" and "seq2seq" are tfm.nn.families.MODES.
 ENCODER_MODES = ("lm", "prompt_lm", "seq2seq")
 LENGTH_POLICIES = ("filter", "truncate", "split")
 Example = dict[str, np.ndarray]
@@ -74,7 +74,7 @@ class RecordEncoder:
 
     @property
     def model_mode(self) -> str:
-        """The tfm.nn.config.MODES entry of the model these examples train."""
+        """The tfm.nn.families.MODES entry of the model these examples train."""
         return "seq2seq" if self.mode == "seq2seq" else "lm"
 
     def texts(self, record: Mapping[str, Any]) -> dict[str, str]:

@@ -21,9 +21,9 @@ from tfm.decode import search
 from tfm.decode.search import DecodeConfig
 from tfm.kernels import cpu_compile
 from tfm.nn.cache import grow, init_cache, reorder_beams
-from tfm.nn.config import MODES, ModelConfig
+from tfm.nn.config import ModelConfig
+from tfm.nn.families import MODES
 from tfm.nn.models import DecoderLM, EncoderDecoder, output_kernel
-from tfm.training import flops
 
 
 def fill_id(config: ModelConfig) -> int:
@@ -47,33 +47,10 @@ def _check_length(config: ModelConfig, total_len: int) -> None:
         )
 
 
-# lm_generate's loops over at least this many rows (batch x beams) compile their dots with a
-# library (x86-64 CPUs): oneDNN (cpu_compile.ONEDNN_OPTIONS) on CPUs without AVX-512, where
-# on the char GPT of benchmarks/vs_torch.py (6 x 384, 256 new tokens, greedy) it ran 1.13x
-# faster than XLA's kernels at batch 8 and 1.30x at batch 32 in paired scratch A/Bs (AMD EPYC,
-# AVX2), and YNNPACK (cpu_kernels="ynnpack_dots") on CPUs with AVX-512, where oneDNN ran at
-# 0.59x / 0.85x of XLA's kernels and YNNPACK at 1.10x / 1.04x (AMD EPYC with AVX-512 and
-# AVX512-BF16, interleaved scratch runs). Fewer rows keep XLA's kernels (oneDNN 0.82x at batch
-# 1). translate keeps XLA's kernels at every size (T5-base: 0.97-1.08x; benchmarks/README.md).
-ONEDNN_MIN_ROWS = 8
-
-
-@functools.cache
-def _has_avx512() -> bool:  # /proc/cpuinfo, read once
-    return "avx512f" in flops.cpu_features()["isa"]
-
-
-def decode_cpu_kernels(rows: int) -> str:
-    """What a decoding loop over `rows` rows compiles its dots to on CPU (compile_options)."""
-    if rows < ONEDNN_MIN_ROWS:
-        return "xla"
-    return "ynnpack_dots" if _has_avx512() else "onednn"
-
-
 def _lm_kernels(arguments: dict[str, Any]) -> str:
     decode = arguments["decode"]
     beams = decode.beam_size if decode.method == "beam" else 1
-    return decode_cpu_kernels(arguments["prompts"].shape[0] * beams)
+    return cpu_compile.decode_kernels(arguments["prompts"].shape[0] * beams)
 
 
 @functools.partial(
@@ -242,16 +219,27 @@ def generate_text(
     `options`: DecodeConfig fields, or decode=, eos_id=, rng= (see lm_generate, translate)."""
     pad_id = fill_id(config)
     check_choice("mode", mode, MODES)
-    if mode == "lm":
-        prompts, lengths = pad_batch([[BOS_ID, *tokenizer.encode(t)] for t in texts], pad_id)
-        output = lm_generate(params, config, prompts, lengths, **options)
-    else:
-        encode = (source_tokenizer or tokenizer).encode
-        source, source_lengths = pad_batch([[*encode(t), EOS_ID] for t in texts], pad_id)
-        output = translate(params, config, source, source_lengths, **options)
-    tokens, scores = best_sequences(output)
+    generator, to_ids = GENERATORS[mode]
+    inputs, lengths = pad_batch(to_ids(texts, source_tokenizer or tokenizer), pad_id)
+    tokens, scores = best_sequences(generator(params, config, inputs, lengths, **options))
     eos_id = options.get("eos_id", EOS_ID)
     return [
         (tokenizer.decode(content_ids(row, eos_id, pad_id)), float(s))
         for row, s in zip(tokens, scores, strict=True)
     ]
+
+
+def _prompt_ids(texts: list[str], tokenizer: Any) -> list[list[int]]:
+    return [[BOS_ID, *tokenizer.encode(text)] for text in texts]
+
+
+def _source_ids(texts: list[str], tokenizer: Any) -> list[list[int]]:
+    return [[*tokenizer.encode(text), EOS_ID] for text in texts]
+
+
+# Per model family (tfm.nn.families.MODES): its generator, called as (params, config, inputs
+# [batch, len], lengths [batch], decode options), and how texts become its input ids.
+GENERATORS: dict[str, tuple[Any, Any]] = {
+    "lm": (lm_generate, _prompt_ids),
+    "seq2seq": (translate, _source_ids),
+}

@@ -29,7 +29,7 @@ but batch-1 decoding ~18% slower and the translate config's train steps no faste
 YNNPACK, all measured on an AVX2 CPU. On a CPU with AVX-512 the same decoding loops ran at
 0.59-0.85x XLA's kernels with oneDNN and 1.04-1.10x with YNNPACK dots. So
 `generate.lm_generate` takes oneDNN for loops over >= 8 rows on CPUs without AVX-512 and
-YNNPACK dots on those with it (`generate.decode_cpu_kernels`), and train steps take oneDNN only
+YNNPACK dots on those with it (`cpu_compile.decode_kernels`), and train steps take oneDNN only
 when asked. x86-64 only (oneDNN is built for it there); elsewhere, or on a jaxlib without the
 option, it compiles as "xla".
 
@@ -60,7 +60,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from tfm.training import flops
+from tfm.kernels import hardware
 
 YNN_FUSION = "xla_cpu_experimental_ynn_fusion_type"
 LLVM_LEVEL = "xla_backend_optimization_level"
@@ -149,7 +149,7 @@ def resolve_cpu_kernels(cpu_kernels: str, compute_dtype: Any) -> str:
         raise ValueError(f"cpu_kernels={cpu_kernels!r} must be one of {CPU_KERNEL_CHOICES}")
     if cpu_kernels != "auto":
         return cpu_kernels
-    if jnp.dtype(compute_dtype) == jnp.bfloat16 and flops.cpu_features()["bf16_native"]:
+    if jnp.dtype(compute_dtype) == jnp.bfloat16 and hardware.cpu_features()["bf16_native"]:
         return "ynnpack_dots"
     return "xla"
 
@@ -241,3 +241,22 @@ def use_compilation_cache(directory: str | Path, min_compile_seconds: float = 1.
     jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_seconds)
     compilation_cache.reset_cache()  # a process that compiled before this reads the new setting
     return path
+
+
+# tfm.decode.generate.lm_generate's loops over at least this many rows (batch x beams) compile
+# their dots with a library: oneDNN on x86-64 CPUs without AVX-512, YNNPACK on those with it;
+# fewer rows keep XLA's kernels, and translate keeps them at every size. benchmarks/README.md
+# ("Decoding") has the side-by-side runs behind each choice.
+ONEDNN_MIN_ROWS = 8
+
+
+@functools.cache
+def _has_avx512() -> bool:  # /proc/cpuinfo, read once
+    return "avx512f" in hardware.cpu_features()["isa"]
+
+
+def decode_kernels(rows: int) -> str:
+    """What a decoding loop over `rows` rows compiles its dots to on CPU (one of CPU_KERNELS)."""
+    if rows < ONEDNN_MIN_ROWS:
+        return "xla"
+    return "ynnpack_dots" if _has_avx512() else "onednn"

@@ -17,9 +17,6 @@ from tfm import kernels
 from tfm.checks import ConfigError, check_bool, check_choice, check_positive, check_rate
 from tfm.nn.positions import ROPE_SCALINGS, get_scheme, rope_frequencies
 
-# What a model is, in one vocabulary used by data, training and generation: a decoder-only
-# language model or an encoder-decoder.
-MODES = ("lm", "seq2seq")
 SINUSOIDAL_LAYOUTS = ("paper", "concat")
 ROPE_LAYOUTS = ("interleaved", "rotate_half")
 NORM_TYPES = ("layernorm", "rmsnorm")

@@ -71,8 +71,12 @@ FAMILIES: dict[str, Family] = {
 }
 
 
+# What a model is, in one vocabulary used by data, training and generation.
+MODES = tuple(FAMILIES)
+
+
 def get_family(mode: str) -> Family:
-    """The family called `mode` (one of tfm.nn.config.MODES)."""
+    """The family called `mode` (one of MODES)."""
     if mode not in FAMILIES:
         raise ConfigError(f"mode={mode!r} is unknown; choose one of: {', '.join(FAMILIES)}")
     return FAMILIES[mode]

@@ -106,7 +106,7 @@ def decode_texts(
     encoded = [experiment.data.encode_prompt(text) for text in sources]
     batch_size = experiment.data.config.eval_batch_size or experiment.data.config.batch_size
     width = max(len(ids) for ids in encoded)
-    run = generate.translate if experiment.mode == "seq2seq" else generate.lm_generate
+    run, _ = generate.GENERATORS[experiment.mode]
     outputs: list[str] = []
     bar = metrics.progress_bar(
         -(-len(encoded) // batch_size), desc=progress or "", unit="batch", leave=False,

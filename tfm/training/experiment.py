@@ -39,12 +39,12 @@ from tfm.checks import (
 )
 from tfm.data.build import Data, DataConfig, build_data
 from tfm.decode.search import DecodeConfig
-from tfm.kernels import cpu_compile
+from tfm.kernels import cpu_compile, hardware
 from tfm.nn import positions
-from tfm.nn.config import MODES, ModelConfig, from_dict
-from tfm.nn.models import DecoderLM, EncoderDecoder
+from tfm.nn.config import ModelConfig, from_dict
+from tfm.nn.families import get_family
 from tfm.parallel import distributed, sharding
-from tfm.training import checkpoint, flops, optim
+from tfm.training import checkpoint, optim
 from tfm.training.optim import OptimizerConfig
 
 TOP_LEVEL_SECTIONS = (
@@ -117,7 +117,7 @@ class TrainConfig:
     # float32 char-LM train steps 1.02-1.09x faster in paired scratch A/Bs on an AVX2 CPU,
     # 1.10x in benchmarks/results/vs_torch_avx512bf16; x86-64 only, "xla"
     # elsewhere). See tfm/cpu_compile.py. The eval step takes "auto"'s choice;
-    # lm_generate's loops take library dots from 8 rows (tfm.decode.generate.decode_cpu_kernels).
+    # lm_generate's loops take library dots from 8 rows (tfm.decode.cpu_compile.decode_kernels).
     # No effect off CPU.
     cpu_kernels: str = "auto"
 
@@ -288,8 +288,8 @@ class TrainState:
 
 
 def model_for(config: ModelConfig, mode: str) -> nn.Module:
-    check_choice("mode", mode, MODES)
-    return EncoderDecoder(config) if mode == "seq2seq" else DecoderLM(config)
+    """The model of family `mode` (tfm.nn.families) built from `config`."""
+    return get_family(mode).model(config)
 
 
 def compute_logits(
@@ -302,26 +302,8 @@ def compute_logits(
     dropout_rng: jax.Array | None = None,
 ) -> jax.Array:  # [batch, len, vocab] float32
     """The model's logits for a batch of the data pipeline (see tfm/data/pipeline.py)."""
-    rngs = None if dropout_rng is None else {"dropout": dropout_rng}
-    if mode == "seq2seq":
-        return model.apply(
-            {"params": params},
-            batch["source"],
-            batch["inputs"],
-            source_positions=batch["source_positions"],
-            source_segment_ids=batch["source_segment_ids"],
-            positions=batch["positions"],
-            segment_ids=batch["segment_ids"],
-            deterministic=deterministic,
-            rngs=rngs,
-        )
-    return model.apply(
-        {"params": params},
-        batch["inputs"],
-        positions=batch["positions"],
-        segment_ids=batch["segment_ids"],
-        deterministic=deterministic,
-        rngs=rngs,
+    return get_family(mode).logits(
+        model, params, batch, deterministic=deterministic, dropout_rng=dropout_rng
     )
 
 
@@ -332,7 +314,7 @@ class Experiment:
     config: ml_collections.ConfigDict
     workdir: Path
     model_config: ModelConfig  # with the data's vocabulary sizes
-    mode: str  # one of tfm.nn.config.MODES: "lm" or "seq2seq"
+    mode: str  # one of tfm.nn.families.MODES: "lm" or "seq2seq"
     data: Data
     train: TrainConfig
     eval: EvalConfig
@@ -422,7 +404,7 @@ def setup(
     if several and jax.process_index() == 0:
         multihost_utils.sync_global_devices("tfm.training.train.setup: data prepared")
     model_config = _model_for_data(sections, data)
-    if (warning := flops.bf16_warning(model_config)) and jax.process_index() == 0:
+    if (warning := hardware.bf16_warning(model_config.dtype)) and jax.process_index() == 0:
         logger.warning(warning)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     hint = sharding.cpu_devices_hint(data.config.batch_size, sections.train.microbatches,
@@ -611,10 +593,7 @@ def _init_fn(experiment: Experiment) -> Callable[[jax.Array], TrainState]:
 
     def init(rng: jax.Array) -> TrainState:
         params_rng, dropout_rng = jax.random.split(rng)
-        if mode == "seq2seq":
-            params = model.init(params_rng, dummy["source"], dummy["inputs"])["params"]
-        else:
-            params = model.init(params_rng, dummy["inputs"])["params"]
+        params = get_family(mode).init(model, params_rng, dummy)
         opt_state = experiment.optimizer.init(params)
         return TrainState(jnp.zeros((), jnp.int32), params, opt_state, dropout_rng)
 

@@ -25,7 +25,7 @@ import ml_collections
 import numpy as np
 import optax
 
-from tfm.kernels import cpu_compile, cpu_memory
+from tfm.kernels import cpu_compile, cpu_memory, hardware
 from tfm.parallel import sharding
 from tfm.training import checkpoint, flops, losses, metrics, prng
 from tfm.training.evaluate import evaluate, jit_eval_step
@@ -294,7 +294,7 @@ class _Log:
             experiment.model_config, data_config.seq_len, experiment.mode,
             experiment.data.train_lengths.get("source"),
         )
-        self.peak = flops.device_peak_flops(
+        self.peak = hardware.device_peak_flops(
             jax.devices()[0], experiment.model_config.compute_dtype
         )
         self.writer = metrics.MetricWriter(
