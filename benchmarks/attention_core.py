@@ -15,7 +15,7 @@ already head-major (what nanoGPT's model hands it). Repeats interleave the two; 
 reported, with the GFLOP/s of the causal matmuls (half of the full ones) and the largest
 difference between the two frameworks' outputs and gradients.
 
---onednn adds tfm compiled with `cpu_kernels="onednn"` (tfm/cpu_compile.py: XLA hands every
+--onednn adds tfm compiled with `cpu_kernels="onednn"` (tfm/kernels/cpu_compile.py: XLA hands every
 dot to the oneDNN library; what `train.cpu_kernels="onednn"` asks for, see benchmarks/README.md).
 One training step of the 6-layer model runs this 6 times, so 6 x the forward + backward column
 is the attention core's share of vs_torch.py's step. Writes benchmarks/results/attention_core.

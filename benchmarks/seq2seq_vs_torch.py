@@ -17,7 +17,7 @@ mode. Repeats interleave the two; medians are reported as target tokens/s, with 
 measured float32 matmul peak (tfm.training.flops' per-target-token count). A third row times tfm's
 step
 compiled with XLA's own CPU options (YNNPACK dots and reductions; what TFM_XLA_DEFAULTS=0 gives,
-see tfm/cpu_compile.py), which --no-xla_defaults leaves out. Writes
+see tfm/kernels/cpu_compile.py), which --no-xla_defaults leaves out. Writes
 benchmarks/results/seq2seq_vs_torch.{json,md}.
 """
 

@@ -8,7 +8,7 @@ block 256, batch 64, dropout 0.2, `train.cpu_kernels="auto"`), tfm only, next to
 with the attention core (`attention.dot_product_attention`: softmax(q k^T) v with its mask and
 dropout, forward and backward) replaced by `q + k + v`, which keeps the shapes and every other
 op (projections, FFN, norms, dropout, loss, optimizer). Repeats interleave the two; medians;
-freed host memory is kept, as in training (tfm/cpu_memory.py).
+freed host memory is kept, as in training (tfm/kernels/cpu_memory.py).
 The core's share is the difference; the rest's MFU counts the step's model FLOPs less the
 core's (tfm.training.flops.attention_core_flops: 12 * layers * block * d_attn per token) against
 this
@@ -112,7 +112,7 @@ def main() -> None:
     args = parser.parse_args()
     info = hardware.cpu_features()
     print(json.dumps(info))
-    cpu_memory.keep_freed_memory()  # as training on CPU does (tfm/cpu_memory.py)
+    cpu_memory.keep_freed_memory()  # as training on CPU does (tfm/kernels/cpu_memory.py)
     rows = [measure(dtype, args) for dtype in args.dtypes.split(",")]
     command = "python " + " ".join(
         [Path(sys.argv[0]).as_posix()] + [f"'{a}'" if " " in a else a for a in sys.argv[1:]]

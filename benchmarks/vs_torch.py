@@ -8,8 +8,8 @@
     python benchmarks/vs_torch.py --only train --dtypes float32 --microbatches 1,8,32
     python benchmarks/vs_torch.py --only train --dtypes float32 --microbatches 32 --cpu_devices 1,2
     python benchmarks/vs_torch.py --only train --cpu_kernels auto,xla,onednn
-    python benchmarks/vs_torch.py --xla_defaults off      # tfm without tfm/cpu_compile.py
-    python benchmarks/vs_torch.py --malloc_defaults off   # glibc's, not tfm/cpu_memory.py's
+    python benchmarks/vs_torch.py --xla_defaults off      # tfm without tfm/kernels/cpu_compile.py
+    python benchmarks/vs_torch.py --malloc_defaults off   # glibc's, not tfm/kernels/cpu_memory.py's
 
 Training: a char GPT (6 layers, 6 heads, d_model 384, block 256, batch 64, dropout 0.2, learned
 positions, pre-LN, GELU, no biases, tied output, AdamW), as tfm's real `train.train_step` and as
@@ -23,15 +23,16 @@ beside it one loop over a full-size cache, `cache_segments=1`) against Hugging F
 token over the measured memory bandwidth.
 
 --cpu_kernels auto,xla,onednn times tfm's train step with each `train.cpu_kernels` (see
-tfm/cpu_compile.py): auto is tfm's default (YNNPACK dots for bfloat16 on a CPU with bf16
+tfm/kernels/cpu_compile.py): auto is tfm's default (YNNPACK dots for bfloat16 on a CPU with bf16
 units, else xla), onednn oneDNN dots, ynnpack XLA's CPU defaults, ynnpack_dots YNNPACK dots.
 
 --cpu_devices 1,2 also times tfm training data-parallel over 2 CPU devices of this host (what
 `./launch.sh train ... --devices_per_process 2` runs): each device runs its half of the batch on
 its own thread, so small ops on the two halves overlap instead of leaving a core idle.
 
-The run keeps freed host memory as tfm's training loop does (`tfm/cpu_memory.py`; the setting
-is the process's, so torch runs under it too); `--malloc_defaults off` leaves glibc's defaults.
+The run keeps freed host memory as tfm's training loop does (`tfm/kernels/cpu_memory.py`; the
+setting is the process's, so torch runs under it too); `--malloc_defaults off` leaves glibc's
+defaults.
 
 Repeats interleave the two frameworks, and medians are reported, because the machine is shared.
 MFU is against the best measured matmul peak of either framework in that dtype. Writes
@@ -377,8 +378,9 @@ def report(info: dict, peaks: dict, bandwidth: float, rows: list[dict], command:
                      for d, p in peaks.items()) + ". " if peaks else "")
         + f"Memory bandwidth (512 MiB sum): {bandwidth / 1e9:.1f} GB/s. "
         f"tfm's XLA options: {info.get('tfm_compiler_options') or 'XLA defaults'}. "
-        "Freed host memory: " + ("kept (tfm/cpu_memory.py)." if info.get("keeps_freed_memory")
-                                 else "glibc's defaults."),
+        "Freed host memory: "
+        + ("kept (tfm/kernels/cpu_memory.py)." if info.get("keeps_freed_memory")
+           else "glibc's defaults."),
         "",
     ]
     train_rows = [r for r in rows if r["work"] == "train"]
@@ -457,9 +459,9 @@ def main() -> None:
                              "ynnpack_dots, onednn")
     parser.add_argument("--xla_defaults", choices=("on", "off"), default="on",
                         help="off: tfm compiles with XLA's defaults, not "
-                             "tfm/cpu_compile.py's (TFM_XLA_DEFAULTS=0)")
+                             "tfm/kernels/cpu_compile.py's (TFM_XLA_DEFAULTS=0)")
     parser.add_argument("--malloc_defaults", choices=("on", "off"), default="on",
-                        help="off: glibc's malloc defaults, not tfm/cpu_memory.py's "
+                        help="off: glibc's malloc defaults, not tfm/kernels/cpu_memory.py's "
                              "(TFM_MALLOC_DEFAULTS=0); the setting is the process's, so torch "
                              "runs under it too")
     parser.add_argument("--steps", type=int, default=2, help="train steps per timing")

@@ -1,4 +1,4 @@
-"""tfm's CPU compile options (tfm/cpu_compile.py) against the alternatives, side by side.
+"""tfm's CPU compile options (tfm/kernels/cpu_compile.py) against the alternatives, side by side.
 
     python benchmarks/xla_options.py                    # about 8 minutes on 2 cores
     python benchmarks/xla_options.py --gpt_microbatches ""  --repeats 5   # without the 6-layer step

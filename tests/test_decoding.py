@@ -1,4 +1,4 @@
-"""Tests for tfm/search.py with hand-built toy models (pure functions, tiny vocabularies).
+"""Tests for tfm/decode/search.py with hand-built toy models (pure functions, tiny vocabularies).
 
 Token ids: pad 0, bos 1, eos 2; the rest are ordinary tokens.
 """

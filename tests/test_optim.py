@@ -133,7 +133,7 @@ def test_multisteps_equals_one_step_on_the_mean_gradient():
     "config, fragment",
     [
         ({"name": "sgd"}, "optimizer.name='sgd'"),
-        ({"lr": 1.0}, "optimizer.lr: unknown field"),
+        ({"lr": 1.0}, "optimizer.lr is unknown; known optimizer fields"),
         ({"schedule": "linear"}, "optimizer.schedule='linear'"),
         ({"name": "adamw", "schedule": "cosine", "learning_rate": 1e-3}, "optimizer.total_steps"),
         ({"name": "adamw"}, "optimizer.learning_rate"),

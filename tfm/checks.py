@@ -66,8 +66,8 @@ def section_dict(values: Any, section: str, known: Sequence[str]) -> dict[str, A
     unknown = sorted(set(given) - set(known))
     if unknown:
         raise ConfigError(
-            f"{', '.join(f'{section}.{key}' for key in unknown)}: unknown field(s); known "
-            f"fields: {', '.join(known)}"
+            f"{', '.join(f'{section}.{key}' for key in unknown)} is unknown; known "
+            f"{section} fields: {', '.join(known)}"
         )
     return given
 

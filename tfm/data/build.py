@@ -69,7 +69,7 @@ import grain
 import numpy as np
 import tensorflow_datasets as tfds
 
-from tfm.checks import ConfigError, check_choice, check_positive
+from tfm.checks import ConfigError, check_choice, check_positive, section_dict
 from tfm.data import builders, pipeline, synthetic
 from tfm.data.tokenizers import (
     EOS_ID,
@@ -154,15 +154,7 @@ class DataConfig:
     @classmethod
     def from_dict(cls, values: Mapping[str, Any] | Any) -> DataConfig:
         """Validates a dict / ConfigDict; ConfigError naming `data.<field>` on a bad value."""
-        if hasattr(values, "to_dict"):  # ml_collections.ConfigDict
-            values = values.to_dict()
-        known = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(values) - set(known))
-        if unknown:
-            raise ConfigError(
-                f"data.{unknown[0]} is unknown; known data fields: {', '.join(known)}"
-            )
-        values = dict(values)
+        values = section_dict(values, "data", [f.name for f in dataclasses.fields(cls)])
         for key in ("train_lengths", "eval_lengths", "long_eval_lengths", "eval_splits"):
             if isinstance(values.get(key), list):
                 values[key] = tuple(values[key])
@@ -179,44 +171,10 @@ class DataConfig:
                         f"data.{field}={getattr(self, field)!r} is only used by "
                         f"data.kind='{kind}', not data.kind='{self.kind}'"
                     )
-        if self.kind == "synthetic":
-            check_choice("data.task", self.task, synthetic.TASKS)
-            if not (isinstance(self.num_symbols, int) and 2 <= self.num_symbols <= 36):
-                raise ConfigError(f"data.num_symbols={self.num_symbols!r} must be in [2, 36]")
-            for field in ("train_lengths", "eval_lengths", "long_eval_lengths"):
-                value = getattr(self, field)
-                if value is None and field == "long_eval_lengths":
-                    continue
-                ok = isinstance(value, tuple) and len(value) == 2
-                ok = ok and all(isinstance(v, int) for v in value) and 1 <= value[0] <= value[1]
-                if not ok:
-                    raise ConfigError(
-                        f"data.{field}={value!r} must be (low, high) with 1 <= low <= high"
-                    )
-            check_positive("data.num_train_examples", self.num_train_examples)
-            check_positive("data.num_eval_examples", self.num_eval_examples)
-        if self.kind == "text":
-            _required(self, "path")
-            check_choice("data.text_unit", self.text_unit, builders.TEXT_UNITS)
-            if self.mode == "seq2seq":
-                raise ConfigError("data.mode='seq2seq' needs pairs; data.kind='text' is lm only")
-        if self.kind == "parallel":
-            _required(self, "source_path")
-            _required(self, "target_path")
-            if (self.eval_source_path is None) != (self.eval_target_path is None):
-                raise ConfigError(
-                    "data.eval_source_path and data.eval_target_path must be given together"
-                )
-        if self.kind == "tfds":
-            _required(self, "name")
-            _required(self, "features")
-            if not isinstance(self.features, Mapping):
-                raise ConfigError(
-                    f"data.features={self.features!r} must map our fields to feature keys, e.g. "
-                    "{'source': 'de', 'target': 'en'} or {'text': 'text'}"
-                )
-            if set(self.features) == {"text"} and self.mode == "seq2seq":
-                raise ConfigError("data.mode='seq2seq' needs data.features 'source' and 'target'")
+        _KIND_CHECKS[self.kind](self)
+        self._check_common_fields()
+
+    def _check_common_fields(self) -> None:
         if not (isinstance(self.validation_fraction, float) and 0 < self.validation_fraction < 1):
             raise ConfigError(
                 f"data.validation_fraction={self.validation_fraction!r} must be a float in (0, 1)"
@@ -300,6 +258,61 @@ class DataConfig:
     @property
     def resolved_data_dir(self) -> Path:
         return Path(self.data_dir or tfds.core.constants.DATA_DIR).expanduser()
+
+
+# The checks of each data.kind's own fields.
+def _check_synthetic(config: DataConfig) -> None:
+        check_choice("data.task", config.task, synthetic.TASKS)
+        if not (isinstance(config.num_symbols, int) and 2 <= config.num_symbols <= 36):
+            raise ConfigError(f"data.num_symbols={config.num_symbols!r} must be in [2, 36]")
+        for field in ("train_lengths", "eval_lengths", "long_eval_lengths"):
+            value = getattr(config, field)
+            if value is None and field == "long_eval_lengths":
+                continue
+            ok = isinstance(value, tuple) and len(value) == 2
+            ok = ok and all(isinstance(v, int) for v in value) and 1 <= value[0] <= value[1]
+            if not ok:
+                raise ConfigError(
+                    f"data.{field}={value!r} must be (low, high) with 1 <= low <= high"
+                )
+        check_positive("data.num_train_examples", config.num_train_examples)
+        check_positive("data.num_eval_examples", config.num_eval_examples)
+
+
+def _check_text(config: DataConfig) -> None:
+        _required(config, "path")
+        check_choice("data.text_unit", config.text_unit, builders.TEXT_UNITS)
+        if config.mode == "seq2seq":
+            raise ConfigError("data.mode='seq2seq' needs pairs; data.kind='text' is lm only")
+
+
+def _check_parallel(config: DataConfig) -> None:
+        _required(config, "source_path")
+        _required(config, "target_path")
+        if (config.eval_source_path is None) != (config.eval_target_path is None):
+            raise ConfigError(
+                "data.eval_source_path and data.eval_target_path must be given together"
+            )
+
+
+def _check_tfds(config: DataConfig) -> None:
+        _required(config, "name")
+        _required(config, "features")
+        if not isinstance(config.features, Mapping):
+            raise ConfigError(
+                f"data.features={config.features!r} must map our fields to feature keys, e.g. "
+                "{'source': 'de', 'target': 'en'} or {'text': 'text'}"
+            )
+        if set(config.features) == {"text"} and config.mode == "seq2seq":
+            raise ConfigError("data.mode='seq2seq' needs data.features 'source' and 'target'")
+
+
+_KIND_CHECKS = {
+    "synthetic": _check_synthetic,
+    "text": _check_text,
+    "parallel": _check_parallel,
+    "tfds": _check_tfds,
+}
 
 
 def _default(field: str) -> Any:

@@ -1,46 +1,19 @@
-"""XLA compile options for tfm's jitted steps, and `jit`: jax.jit with them.
+"""XLA compile options for tfm's jitted steps on CPU, and `jit`: jax.jit with them.
 
-On CPU, XLA (jaxlib 0.10) hands dots and reductions to the YNNPACK library by default; tfm
-compiles its train, eval and decode steps without it (xla_cpu_experimental_ynn_fusion_type=""),
-with the same numbers to float32 rounding. `benchmarks/xla_options.py` times each kind of step
-both ways, and with YNNPACK taking only the dots; benchmarks/README.md has the
-figures.
-
-Parameter initialisation, a program that runs once, compiles with LLVM at -O1 too
-(`run_once_options`): 2.0 s instead of 3.8 s for the small char-LM recipe, the same parameters
-bit for bit (`benchmarks/startup.py`). The steps keep -O3: -O1 ran them as fast here
-(benchmarks/results/llvm_O1), but their compile time is a smaller part of a run and their speed
-on other CPUs was not measured.
-
+- By default XLA (jaxlib 0.10) hands a CPU program's dots and reductions to the YNNPACK
+  library; tfm compiles its train, eval and decode steps without it
+  (xla_cpu_experimental_ynn_fusion_type=""), with the same numbers to float32 rounding.
+- A step may ask for other kernels (`cpu_kernels`, the `train.cpu_kernels` field): "ynnpack"
+  (XLA's defaults), "ynnpack_dots" (YNNPACK takes only the dots: the only CPU path that runs
+  bfloat16 matmuls in bf16; XLA's own kernels and oneDNN upcast them to float32) or "onednn"
+  (every dot to the oneDNN library; x86-64 only). "auto" takes "ynnpack_dots" for a bf16
+  model on a CPU with bf16 units, else "xla"; decoding loops choose by their rows
+  (`decode_kernels`). Which is faster depends on the model and the CPU: benchmarks/README.md
+  has the side-by-side runs (benchmarks/xla_options.py, vs_torch.py, attention_core.py).
+- Parameter initialisation, a program that runs once, compiles with LLVM at -O1 too
+  (`run_once_options`): faster to compile, the same parameters bit for bit.
 Left alone when the backend is not a CPU, when $XLA_FLAGS already sets an option (yours wins),
-when TFM_XLA_DEFAULTS=0, or when this jaxlib does not know an option. Which choice is faster
-depends on the model: the char-LM steps run up to 1.32x faster without YNNPACK
-(benchmarks/xla_options.py), the encoder-decoder train steps of configs/translate.py 1.04x and
-1.11x faster with it (benchmarks/seq2seq_vs_torch.py, base and `cpu` shapes), their decoding
-1.14x slower (a scratch A/B; benchmarks/README.md). So a step can ask for XLA's own
-CPU choice: `jit(..., cpu_kernels="ynnpack")` (the `train.cpu_kernels` config field).
-
-cpu_kernels="onednn" hands every dot to the oneDNN library (XLA's experimental
-xla_cpu_use_onednn with individual-dot fusions; the rest as "xla"). It runs the attention core
-1.3-1.4x faster (benchmarks/attention_core.py --onednn), char-LM train steps 1.02-1.09x and
-char-GPT decoding loops over 8 rows or more 1.13-1.30x (paired scratch A/Bs,
-benchmarks/README.md),
-but batch-1 decoding ~18% slower and the translate config's train steps no faster than
-YNNPACK, all measured on an AVX2 CPU. On a CPU with AVX-512 the same decoding loops ran at
-0.59-0.85x XLA's kernels with oneDNN and 1.04-1.10x with YNNPACK dots. So
-`generate.lm_generate` takes oneDNN for loops over >= 8 rows on CPUs without AVX-512 and
-YNNPACK dots on those with it (`cpu_compile.decode_kernels`), and train steps take oneDNN only
-when asked. x86-64 only (oneDNN is built for it there); elsewhere, or on a jaxlib without the
-option, it compiles as "xla".
-
-bfloat16 matmuls: XLA's own kernels and its oneDNN path compute them in float32 (XLA upcasts
-the operands); only YNNPACK runs them in bf16, at about twice float32's FLOP/s on a CPU with
-AVX512-BF16 (902 vs 450 GFLOP/s, torch's bf16 876: benchmarks/results/vs_torch_avx512bf16/
-before_bf16_attention).
-So train.cpu_kernels="auto" (the default, `resolve_cpu_kernels`) takes "ynnpack_dots" for a
-bf16 model on a CPU with bf16 units, and the eval step does the same; tfm.kernels.cpu_dense.linear
-keeps its
-backward matmuls in the layout those kernels take.
+when TFM_XLA_DEFAULTS=0, or when this jaxlib does not know an option.
 
 `use_compilation_cache(directory)` turns on jax's persistent compilation cache, so later
 processes load compiled steps instead of compiling them again (`train.compilation_cache_dir`).

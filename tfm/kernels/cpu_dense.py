@@ -13,8 +13,7 @@ CPU:
   axis, so `x^T g` copies x, and `(g^T x)^T` copies g).
 - In 16-bit compute dtypes the backward matmuls get their transposed operands as row-major
   copies (`_transposed`): XLA's CPU bf16 kernels (YNNPACK) take only that layout, and upcast
-  any other matmul to float32. On a CPU with AVX512-BF16 this made a bf16 char-GPT train step
-  with YNNPACK 1.34x faster (a scratch A/B; benchmarks/README.md has the benchmark).
+  any other matmul to float32 (benchmarks/README.md has what this bought).
 The values equal `jnp.einsum` up to float32 rounding; tests check both passes against autodiff.
 """
 
@@ -70,7 +69,7 @@ def _copies_transposes(compute_dtype: jnp.dtype) -> bool:
     16-bit ones. XLA's CPU backend hands a bfloat16 matmul to its bf16 kernels (YNNPACK) only
     when the left operand is contracted on its minor axis and the right one on its major axis;
     otherwise it upcasts the whole matmul to float32. Float32 kernels read transposed operands
-    as they are, and copies there made a char-GPT train step 1.4x slower."""
+    as they are, where the copies only cost time."""
     return jnp.dtype(compute_dtype).itemsize < 4
 
 

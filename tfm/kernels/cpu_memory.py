@@ -1,22 +1,18 @@
-"""Host memory: keep freed blocks in the process, so a CPU train step does not fault its memory in
-anew each step.
+"""Host memory on CPU: keep freed blocks in the process, so a train step does not fault its
+memory in anew each step.
 
-XLA CPU takes each step's temporaries as one block (41 MB for the small char-LM recipe's train
-step). glibc serves blocks over 32 MB with a fresh mmap and unmaps them when freed, so every step
-page-faults and zeroes its whole temporary block again (10,000 faults per small-recipe step).
-`keep_freed_memory()` tells glibc to serve every block from one heap and not to give freed memory
-back to the system, so the next step reuses the same pages. benchmarks/README.md has the
-figures; `benchmarks/vs_torch.py --malloc_defaults off` measures them again.
+XLA CPU takes each step's temporaries as one block. glibc serves large blocks with a fresh
+mmap and unmaps them when freed, so every step page-faults and zeroes its temporaries again.
+`keep_freed_memory()` tells glibc to serve every block from one heap and not to give freed
+memory back, so the next step reuses the same pages (benchmarks/README.md has the figures;
+`benchmarks/vs_torch.py --malloc_defaults off` measures them again).
 
-The cost is resident memory: freed blocks stay in the process, and its resident size does not
-shrink below its high-water mark until it exits. A training loop reuses them
-(its resident size stayed flat over 400 small-recipe steps with evaluations), but a program that
-keeps large step outputs alive across calls can hold several freed copies (a loop returning
-48 MB arrays settled at 0.9 GB instead of 0.3 GB). So tfm sets it only in its training loop
-(`tfm.training.train.train_and_evaluate` on CPU); call it yourself for your own loops.
-
-Left alone when TFM_MALLOC_DEFAULTS=0, when the C library has no `mallopt` (not glibc), or when
-$GLIBC_TUNABLES already sets glibc.malloc options (yours win).
+The cost is resident memory: freed blocks stay in the process until it exits. A training loop
+reuses them, but a program that keeps large step outputs alive across calls can hold several
+freed copies, so tfm sets it only in its training loop (`tfm.training.train.train_and_evaluate`
+on CPU); call it yourself for your own loops. Left alone when TFM_MALLOC_DEFAULTS=0, when the
+C library has no `mallopt` (not glibc), or when $GLIBC_TUNABLES already sets glibc.malloc
+options (yours win).
 """
 
 from __future__ import annotations

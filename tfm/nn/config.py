@@ -14,7 +14,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from tfm import kernels
-from tfm.checks import ConfigError, check_bool, check_choice, check_positive, check_rate
+from tfm.checks import (
+    ConfigError,
+    check_bool,
+    check_choice,
+    check_positive,
+    check_rate,
+    section_dict,
+)
 from tfm.nn.positions import ROPE_SCALINGS, get_scheme, rope_frequencies
 
 SINUSOIDAL_LAYOUTS = ("paper", "concat")
@@ -120,6 +127,14 @@ class ModelConfig:
     remat: bool = False  # rematerialise each block in the backward pass
 
     def __post_init__(self) -> None:
+        self._check_vocabulary_and_switches()
+        self._check_sizes()
+        self.scheme  # noqa: B018  (ConfigError naming the registered schemes if unknown)
+        self._check_position_options()
+        self._check_blocks_and_implementation()
+        self.scheme.check(self)  # the scheme's own constraints, on fields checked above
+
+    def _check_vocabulary_and_switches(self) -> None:
         check_positive("vocab_size", self.vocab_size)
         if self.source_vocab_size is not None:
             check_positive("source_vocab_size", self.source_vocab_size)
@@ -151,6 +166,8 @@ class ModelConfig:
                 isinstance(value, bool) or not isinstance(value, int | float) or not value > 0
             ):
                 raise ConfigError(f"{field}={value!r} must be None (the default) or a number > 0")
+
+    def _check_sizes(self) -> None:
         for field in ("d_model", "num_heads", "d_ff"):
             check_positive(field, getattr(self, field))
         check_positive("num_encoder_layers", self.num_encoder_layers, allow_zero=True)
@@ -172,7 +189,8 @@ class ModelConfig:
                 )
         check_rate("dropout_rate", self.dropout_rate)
         check_rate("attention_dropout_rate", self.attention_dropout_rate)
-        scheme = self.scheme  # ConfigError naming the registered schemes if unknown
+
+    def _check_position_options(self) -> None:
         check_positive("max_len", self.max_len)
         check_choice("sinusoidal_layout", self.sinusoidal_layout, SINUSOIDAL_LAYOUTS)
         check_choice("rope_layout", self.rope_layout, ROPE_LAYOUTS)
@@ -196,6 +214,8 @@ class ModelConfig:
         check_positive("relative_max_distance", self.relative_max_distance)
         check_positive("t5_num_buckets", self.t5_num_buckets)
         check_positive("t5_max_distance", self.t5_max_distance)
+
+    def _check_blocks_and_implementation(self) -> None:
         check_choice("norm_type", self.norm_type, NORM_TYPES)
         check_choice("norm_placement", self.norm_placement, NORM_PLACEMENTS)
         if not self.norm_eps > 0:
@@ -206,12 +226,11 @@ class ModelConfig:
         check_choice("attention_backend", self.attention_backend, kernels.CHOICES)
         kernels.check_config(
             self.attention_backend,
-            needs_weights=scheme.needs_attention_weights(self),
+            needs_weights=self.scheme.needs_attention_weights(self),
             needs_dropout=self.attention_dropout_rate > 0,
         )
         check_choice("dtype", self.dtype, DTYPES)
         check_choice("param_dtype", self.param_dtype, DTYPES)
-        scheme.check(self)  # the scheme's own constraints, on fields checked above
 
     # Derived values: read these, never recompute them elsewhere.
     @property
@@ -287,14 +306,8 @@ class ModelConfig:
 
 def from_dict(values: Mapping[str, Any]) -> ModelConfig:
     """A ModelConfig from a mapping (e.g. an ml_collections ConfigDict); unknown keys raise."""
-    known = {f.name for f in dataclasses.fields(ModelConfig)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ConfigError(
-            f"model config has unknown field(s) {', '.join(unknown)}; "
-            f"known fields: {', '.join(sorted(known))}"
-        )
-    return ModelConfig(**dict(values))
+    known = sorted(field.name for field in dataclasses.fields(ModelConfig))
+    return ModelConfig(**section_dict(values, "model", known))
 
 
 def paper_base(vocab_size: int = 37000) -> ModelConfig:

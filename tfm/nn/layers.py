@@ -170,9 +170,8 @@ class TokenEmbedding(nn.Module):
     def attend(self, x: Array, kernel: Array | None = None) -> Array:
         """x: [batch, len, d_model] -> logits [batch, len, vocab] float32, x times the table's
         transpose. kernel: that transpose [d_model, vocab], made once before a decoding loop
-        (`models.output_kernel`), since XLA CPU multiplies 4-128 rows by a table read transposed
-        3-8x slower than by a [d_model, vocab] copy (benchmarks/translate_vs_hf.py); None reads
-        the table."""
+        (`models.output_kernel`), since XLA's CPU matmul reads a transposed table slowly
+        (benchmarks/translate_vs_hf.py); None reads the table."""
         config = self.config
         if kernel is None:
             kernel = self.table.T
@@ -361,9 +360,9 @@ class FeedForward(nn.Module):
     the tanh approximation of GPT-2's "gelu_new"), or the gated SwiGLU / GEGLU (Shazeer 2020;
     T5 v1.1's gated GELU uses the tanh approximation), whose gate makes it three matrices.
     The activation runs on the first matmul's float32 accumulator, whatever the compute dtype;
-    the second matmul casts its input (one rounding instead of one per elementwise op: with
+    the second matmul casts its input (one rounding instead of one per elementwise op; with
     bfloat16 activations XLA's CPU backend split GELU into several fusions, each rounding and
-    re-reading [tokens, d_ff], and a bf16 char-GPT train step ran 4% slower in a scratch A/B)."""
+    re-reading [tokens, d_ff])."""
 
     config: ModelConfig
 

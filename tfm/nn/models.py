@@ -593,9 +593,9 @@ def output_kernel(params: Any, config: ModelConfig) -> Array | None:
     """The tied output projection as its own [d_model, vocab] array in the compute dtype (the
     target embedding's transpose), or None for an untied model. Made once before a decoding loop
     and passed as `output_kernel=` to DecoderLM / EncoderDecoder.decode, it replaces the table
-    read transposed at every step: XLA CPU ran [4, 512] x [32128, 512]^T in 71 ms and the same
-    product from a [512, 32128] copy in 8.6 ms (benchmarks/translate_vs_hf.py); the logits are
-    the same up to summation order. params: the model's parameters (boxed or not)."""
+    read transposed at every step, which XLA's CPU matmul reads slowly
+    (benchmarks/translate_vs_hf.py); the logits are the same up to summation order. params: the
+    model's parameters (boxed or not)."""
     if not config.tie_output:
         return None
     table = nn.meta.unbox(params["embed"]["embedding"])  # [vocab, d_model]

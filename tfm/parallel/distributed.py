@@ -28,7 +28,7 @@ from typing import Any
 
 import jax
 
-from tfm.checks import ConfigError
+from tfm.checks import ConfigError, section_dict
 
 logger = logging.getLogger(__name__)
 
@@ -110,13 +110,7 @@ def detect_cluster(environ: Mapping[str, str] | None = None) -> str | None:
 
 def _resolve(dist_config: Any, environ: Mapping[str, str]) -> dict[str, Any] | None:
     """Validated keyword arguments for jax.distributed.initialize, or None for single-process."""
-    given = {} if dist_config is None else (
-        dist_config.to_dict() if hasattr(dist_config, "to_dict") else dict(dist_config))
-    unknown = sorted(set(given) - set(DEFAULT_DISTRIBUTED))
-    if unknown:
-        raise ConfigError(
-            f"distributed.{unknown[0]} is unknown; known keys: {', '.join(DEFAULT_DISTRIBUTED)}"
-        )
+    given = section_dict(dist_config, "distributed", list(DEFAULT_DISTRIBUTED))
     config = {**DEFAULT_DISTRIBUTED, **given}
     enabled = _enabled(config["enabled"])
     address = _address("distributed.coordinator_address", config["coordinator_address"])

@@ -40,7 +40,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from tfm.checks import ConfigError
+from tfm.checks import ConfigError, section_dict
 
 MESH_AXES = ("data", "fsdp", "tensor")
 DEFAULT_MESH = {"data": -1, "fsdp": 1, "tensor": 1}
@@ -64,11 +64,6 @@ DEFAULT_LOGICAL_RULES: Rules = (
     ("relpos", None),
     ("buckets", None),
 )
-
-
-def _to_dict(config: Any) -> dict[str, Any]:
-    """A plain dict from a dict or an ml_collections ConfigDict."""
-    return config.to_dict() if hasattr(config, "to_dict") else dict(config)
 
 
 def _axis_sizes(mesh_or_sizes: Mesh | Mapping[str, int]) -> dict[str, int]:
@@ -95,12 +90,7 @@ def validate_mesh_config(mesh_config: Any, num_devices: int) -> dict[str, int]:
     Missing axes default to DEFAULT_MESH (data=-1, fsdp=1, tensor=1). Returns the sizes in mesh
     axis order; raises ConfigError naming `mesh.<axis>`, the sizes and the device count.
     """
-    given = _to_dict(mesh_config)
-    unknown = sorted(set(given) - set(MESH_AXES))
-    if unknown:
-        raise ConfigError(
-            f"mesh.{unknown[0]} is unknown; the mesh axes are {', '.join(MESH_AXES)}"
-        )
+    given = section_dict(mesh_config, "mesh", MESH_AXES)
     sizes = {axis: given.get(axis, DEFAULT_MESH[axis]) for axis in MESH_AXES}
     for axis, size in sizes.items():
         if isinstance(size, bool) or not isinstance(size, int | np.integer):
@@ -336,8 +326,7 @@ def cpu_devices_hint(batch_size: int, microbatches: int, backend: str, num_devic
     """A hint for a run on one CPU device of a host with several cores, else None: split into
     N devices (launch.sh --devices_per_process N), each device runs its share of the batch on
     its own thread, so the many small ops of a small model overlap instead of leaving cores idle
-    (on 2 cores, benchmarks/README.md: the batch-64 char-GPT step 1,356 -> 1,465 tokens/s at
-    32 microbatches; the char_lm.py:small step 43.8 -> 39.7 and 48.0 -> 47.8 ms in two runs). N is
+    (benchmarks/README.md has the figures). N is
     the most devices, at most `cores` and 8, whose share of the batch `microbatches` divides."""
     if backend != "cpu" or num_devices != 1:
         return None

@@ -94,9 +94,8 @@ class TrainConfig:
     async_checkpoints: bool = True
     progress_bar: bool = True
     # The generator of the dropout masks: "threefry" (jax's default generator, hashed in fused
-    # elementwise code: tfm.training.prng), "threefry2x32" (the same masks through jax's own
-    # lowering,
-    # ~4x slower on CPU), or "rbg" / "unsafe_rbg" (XLA's RngBitGenerator, made for
+    # elementwise code: tfm.training.prng), "threefry2x32" (the same masks through jax's own,
+    # slower lowering), or "rbg" / "unsafe_rbg" (XLA's RngBitGenerator, made for
     # accelerators; other masks). Each is reproducible for the same config, seed and mesh; the
     # rbg ones may give other masks on another mesh or jax version.
     dropout_rng: str = "threefry"
@@ -110,14 +109,11 @@ class TrainConfig:
     compilation_cache_dir: str | None = None
     # On CPU, what the train step's dots and reductions compile to: "auto" (the default:
     # "ynnpack_dots" for a bfloat16 model on a CPU with bf16 units, else "xla"), "xla" (XLA's
-    # own loops and Eigen), "ynnpack" (XLA's defaults; the translate config's float32 train
-    # steps ran 1.04x and 1.11x faster with it in benchmarks/seq2seq_vs_torch.py),
-    # "ynnpack_dots" (YNNPACK takes only the dots: its bf16 matmuls ran at twice float32's
-    # FLOP/s on AVX512-BF16) or "onednn" (dots by the oneDNN library, XLA's experimental path;
-    # float32 char-LM train steps 1.02-1.09x faster in paired scratch A/Bs on an AVX2 CPU,
-    # 1.10x in benchmarks/results/vs_torch_avx512bf16; x86-64 only, "xla"
-    # elsewhere). See tfm/cpu_compile.py. The eval step takes "auto"'s choice;
-    # lm_generate's loops take library dots from 8 rows (tfm.decode.cpu_compile.decode_kernels).
+    # own loops and Eigen), "ynnpack" (XLA's defaults), "ynnpack_dots" (YNNPACK takes only the
+    # dots: the only CPU path that runs bf16 matmuls in bf16) or "onednn" (dots by the oneDNN
+    # library, XLA's experimental path; x86-64 only, "xla" elsewhere). See
+    # tfm/kernels/cpu_compile.py; benchmarks/README.md has which is faster where. The eval step
+    # takes "auto"'s choice; decoding loops choose by rows (kernels.cpu_compile.decode_kernels).
     # No effect off CPU.
     cpu_kernels: str = "auto"
 
@@ -252,12 +248,7 @@ def parse_config(config: ml_collections.ConfigDict) -> ExperimentConfig:
     compilation), so a typo fails at once with a ConfigError naming the field, also before a
     multi-host start. What needs the data (vocabulary, splits, keep_best_metric) and the devices
     (mesh) is checked by `setup`."""
-    unknown = sorted(set(config.keys()) - set(TOP_LEVEL_SECTIONS))
-    if unknown:
-        raise ConfigError(
-            f"unknown config section(s) {', '.join(unknown)}; "
-            f"known: {', '.join(TOP_LEVEL_SECTIONS)}"
-        )
+    section_dict({key: None for key in config.keys()}, "config", TOP_LEVEL_SECTIONS)
     model_values = dict(
         config.model.to_dict() if hasattr(config.model, "to_dict") else config.model
     )

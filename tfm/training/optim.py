@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from tfm.checks import ConfigError
+from tfm.checks import ConfigError, section_dict
 
 OPTIMIZERS = ("adam_paper", "adam", "adamw")
 SCHEDULES = ("paper", "cosine", "rsqrt", "constant")
@@ -142,11 +142,7 @@ def resolve_optimizer_config(opt_config: Mapping[str, Any]) -> dict[str, Any]:
 
     Raises ConfigError naming `optimizer.<field>` and the allowed values.
     """
-    given = opt_config.to_dict() if hasattr(opt_config, "to_dict") else dict(opt_config)
-    unknown = sorted(set(given) - set(DEFAULTS))
-    if unknown:
-        names = ", ".join(f"optimizer.{name}" for name in unknown)
-        raise ConfigError(f"{names}: unknown field(s); known fields: {', '.join(DEFAULTS)}")
+    given = section_dict(opt_config, "optimizer", list(DEFAULTS))
     values = {**DEFAULTS, **{k: v for k, v in given.items() if v is not None}}
     if values["name"] not in OPTIMIZERS:
         _fail("name", values["name"], f"choose one of: {', '.join(OPTIMIZERS)}")
