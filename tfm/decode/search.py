@@ -53,10 +53,8 @@ GrowCache = Callable[[Cache, int], Cache]  # (cache, n) -> the cache with n more
 ReorderCache = Callable[[Cache, jax.Array], Cache]
 
 # A segment of the decode loop runs at least this many steps: below it the cache saved per step
-# (at most this many slots) does not repay a segment's compile time. In benchmarks/vs_torch.py's
-# decode rows (6-layer model, 2-core AMD EPYC, two runs), 4 segments of 64 steps decoded 256 new
-# tokens 1.09-1.15x faster than one loop at batch 8 and 1.07-1.08x at batch 1; 1,024 tokens in 4
-# segments of 256, 1.20-1.21x.
+# (at most this many slots) does not repay a segment's compile time (benchmarks/README.md has
+# the decode runs with and without segments).
 MIN_SEGMENT_STEPS = 64
 
 # Top-p counts a set whose mass is within this of p as reaching p, so float32 rounding of
@@ -416,6 +414,10 @@ def length_penalty(lengths: jax.Array, alpha: float) -> jax.Array:
     return ((5.0 + jnp.asarray(lengths, jnp.float32)) / 6.0) ** alpha
 
 
+# The log-probability and score of an empty hypothesis slot (float32, like the scores).
+_NEG_INF = np.float32(-np.inf)
+
+
 class _BeamState(NamedTuple):
     step: jax.Array  # [] int32, tokens generated so far by rows still running
     live_seqs: jax.Array  # [batch, beam, max_new_tokens], never contain EOS
@@ -442,8 +444,8 @@ _BEAM_STATIC = (
 
 # Beam search picks its 2 * beam candidates among beam * vocab scores per row through the maxima of
 # blocks of this many scores when a row has at least TOP_K_BLOCKS_FROM of them: the same values and
-# indices as one lax.top_k, 4-5x faster on a 2-core CPU for 4 x 32,128 scores (XLA CPU's TopK
-# visits every score with a comparator; a block maximum is a vectorised reduction).
+# indices as one lax.top_k, and faster on CPU (XLA CPU's TopK visits every score with a
+# comparator; a block maximum is a vectorised reduction).
 TOP_K_BLOCK = 128
 TOP_K_BLOCKS_FROM = 8192
 
@@ -472,6 +474,222 @@ def _gather_rows(cache: Cache, index: jax.Array) -> Cache:
     return jax.tree.map(lambda x: x[index], cache)
 
 
+@dataclasses.dataclass(frozen=True)
+class _BeamSettings:
+    """The compile-time settings a beam step needs, passed as one value to the step functions.
+
+    reorder_cache: None = `_gather_rows`.
+    """
+
+    beams: int
+    eos_id: int
+    alpha: float
+    reorder_cache: ReorderCache | None
+
+
+class _Candidates(NamedTuple):
+    """The best 2 * beam continuations of one step, per row, best first."""
+
+    log_probs: jax.Array  # [batch, 2 * beam]
+    parent: jax.Array  # [batch, 2 * beam], the alive beam each one extends
+    seqs: jax.Array  # [batch, 2 * beam, max_new_tokens], the parent's tokens plus the new one
+    is_eos: jax.Array  # [batch, 2 * beam] bool, the new token is EOS
+
+
+def _initial_beam_state(
+    cache: Cache, limits: jax.Array, beams: int, max_new_tokens: int, pad_id: int
+) -> _BeamState:
+    """The state before the first token: no hypotheses, the cache repeated for each beam, and
+    only beam 0 alive, so the first step does not pick the same token `beams` times.
+
+    limits: [batch] int32 token budgets; a row with none left starts done.
+    """
+    batch = limits.shape[0]
+    first_live = jnp.where(jnp.arange(beams) == 0, 0.0, _NEG_INF).astype(jnp.float32)
+    return _BeamState(
+        step=jnp.zeros((), jnp.int32),
+        live_seqs=jnp.full((batch, beams, max_new_tokens), pad_id, jnp.int32),
+        live_log_probs=jnp.broadcast_to(first_live, (batch, beams)),
+        finished_seqs=jnp.full((batch, beams, max_new_tokens), pad_id, jnp.int32),
+        finished_scores=jnp.full((batch, beams), _NEG_INF),
+        finished_log_probs=jnp.full((batch, beams), _NEG_INF),
+        finished_lengths=jnp.zeros((batch, beams), jnp.int32),
+        row_steps=jnp.zeros((batch,), jnp.int32),
+        done=limits <= 0,
+        cache=jax.tree.map(lambda x: jnp.repeat(x, beams, axis=0), cache),
+    )
+
+
+def _top_candidates(state: _BeamState, log_probs: jax.Array, eos_id: int) -> _Candidates:
+    """The best 2 * beam continuations of the alive beams, written at position state.step. Each
+    parent adds at most one EOS, so at least `beam` of them stay for the alive set.
+
+    log_probs: [batch, beam, vocab] next-token log-probabilities of each alive beam.
+    """
+    batch, beams, vocab = log_probs.shape
+    num_candidates = min(2 * beams, beams * vocab)
+    totals = (state.live_log_probs[:, :, None] + log_probs).reshape(batch, -1)
+    top_log_probs, top_index = _top_k(totals, num_candidates)  # [batch, 2 * beam]
+    parent, token = top_index // vocab, (top_index % vocab).astype(jnp.int32)
+    seqs = jnp.take_along_axis(state.live_seqs, parent[:, :, None], axis=1)
+    seqs = jax.lax.dynamic_update_slice(seqs, token[:, :, None], (0, 0, state.step))
+    return _Candidates(top_log_probs, parent, seqs, token == eos_id)
+
+
+def _alive_beams(
+    candidates: _Candidates, beams: int
+) -> tuple[dict[str, jax.Array], jax.Array]:
+    """The best `beams` candidates that did not end: the state's live_* fields and the parent
+    beam of each ([batch, beam])."""
+    live_log_probs, pick = jax.lax.top_k(
+        jnp.where(candidates.is_eos, _NEG_INF, candidates.log_probs), beams
+    )
+    live_seqs = jnp.take_along_axis(candidates.seqs, pick[:, :, None], axis=1)
+    live_parent = jnp.take_along_axis(candidates.parent, pick, axis=1)
+    return dict(live_seqs=live_seqs, live_log_probs=live_log_probs), live_parent
+
+
+def _take_along_beams(pick: jax.Array, old: jax.Array, new: jax.Array) -> jax.Array:
+    """Beams `pick` ([batch, k]) of old and new joined along axis 1 (both [batch, n, ...])."""
+    both = jnp.concatenate([old, new], axis=1)
+    index = pick.reshape(pick.shape + (1,) * (both.ndim - 2))
+    return jnp.take_along_axis(both, index, axis=1)
+
+
+def _finished_beams(
+    state: _BeamState, candidates: _Candidates, settings: _BeamSettings
+) -> dict[str, jax.Array]:
+    """The state's finished_* fields after merging the candidates that ended at this step into
+    the best `beams` finished hypotheses so far (by length-penalised score)."""
+    length = state.step + 1
+    new_lengths = jnp.full(candidates.log_probs.shape, length, jnp.int32)
+    new_log_probs = jnp.where(candidates.is_eos, candidates.log_probs, _NEG_INF)
+    new_scores = new_log_probs / length_penalty(length, settings.alpha)
+    all_scores = jnp.concatenate([state.finished_scores, new_scores], axis=1)
+    finished_scores, pick = jax.lax.top_k(all_scores, settings.beams)
+    merge = functools.partial(_take_along_beams, pick)
+    return dict(
+        finished_seqs=merge(state.finished_seqs, candidates.seqs),
+        finished_scores=finished_scores,
+        finished_log_probs=merge(state.finished_log_probs, new_log_probs),
+        finished_lengths=merge(state.finished_lengths, new_lengths),
+    )
+
+
+def _unless_stopped(
+    stopped: jax.Array, fields: dict[str, jax.Array], state: _BeamState
+) -> dict[str, jax.Array]:
+    """`fields` of the state, except that rows that had stopped keep their old values.
+
+    stopped: [batch] bool; each field has batch on axis 0.
+    """
+    return {
+        name: jnp.where(_rows(stopped, new), getattr(state, name), new)
+        for name, new in fields.items()
+    }
+
+
+def _rows_done(
+    was_done: jax.Array,
+    live_log_probs: jax.Array,
+    finished_scores: jax.Array,
+    row_steps: jax.Array,
+    limits: jax.Array,
+    alpha: float,
+) -> jax.Array:
+    """Which rows are done ([batch] bool): done before, out of budget, or no alive beam can beat
+    the worst finished one. Log-probs only fall, so the best an alive beam can reach is its
+    current log-prob over the largest penalty of a length it could still end at (row_steps + 1 ..
+    limit; the penalty is monotonic).
+
+    was_done, row_steps, limits: [batch]; live_log_probs, finished_scores: [batch, beam], sorted
+    descending.
+    """
+    best_penalty = jnp.maximum(
+        length_penalty(row_steps + 1, alpha), length_penalty(limits, alpha)
+    )
+    best_alive = live_log_probs[:, 0] / best_penalty
+    worst_finished = finished_scores[:, -1]  # -inf until `beam` hypotheses finished
+    return was_done | (row_steps >= limits) | (worst_finished >= best_alive)
+
+
+def _parent_rows(stopped: jax.Array, live_parent: jax.Array) -> jax.Array:
+    """The cache row each row takes so row b * beam + j holds the history of alive beam j; rows
+    that stopped keep theirs.
+
+    stopped: [batch] bool; live_parent: [batch, beam]. Returns [batch * beam] int.
+    """
+    batch, beams = live_parent.shape
+    source = jnp.where(stopped[:, None], jnp.arange(beams)[None, :], live_parent)
+    return (jnp.arange(batch)[:, None] * beams + source).reshape(-1)
+
+
+def _advance_beams(
+    state: _BeamState, log_probs: jax.Array, limits: jax.Array, settings: _BeamSettings
+) -> _BeamState:
+    """One beam step: extends the alive beams by one token, keeps the best alive and finished
+    hypotheses, and reorders the cache to match.
+
+    log_probs: [batch, beam, vocab] next-token log-probabilities; limits: [batch] budgets.
+    """
+    candidates = _top_candidates(state, log_probs, settings.eos_id)
+    live, live_parent = _alive_beams(candidates, settings.beams)
+    finished = _finished_beams(state, candidates, settings)
+    stopped = state.done  # rows that stopped keep their state
+    kept = _unless_stopped(stopped, {**live, **finished}, state)
+    row_steps = state.row_steps + (~stopped).astype(jnp.int32)
+    done = _rows_done(
+        state.done, kept["live_log_probs"], kept["finished_scores"], row_steps, limits,
+        settings.alpha,
+    )
+    reorder = settings.reorder_cache or _gather_rows
+    return state._replace(
+        step=state.step + 1,
+        **kept,
+        row_steps=row_steps,
+        done=done,
+        cache=reorder(state.cache, _parent_rows(stopped, live_parent)),
+    )
+
+
+def _beam_loop_step(
+    tokens_to_logits: TokensToLogits,
+    limits: jax.Array,
+    settings: _BeamSettings,
+    state: _BeamState,
+) -> _BeamState:
+    """The while loop's body: runs the model on the alive beams' last tokens, then advances.
+
+    limits: [batch] budgets.
+    """
+    batch, beams = state.live_log_probs.shape
+    last = jax.lax.dynamic_index_in_dim(state.live_seqs, state.step - 1, axis=2, keepdims=False)
+    logits, cache = tokens_to_logits(last.reshape(batch * beams, 1), state.cache)
+    log_probs = jax.nn.log_softmax(logits[:, -1].astype(jnp.float32), axis=-1)
+    return _advance_beams(
+        state._replace(cache=cache), log_probs.reshape(batch, beams, -1), limits, settings
+    )
+
+
+def _beam_output(state: _BeamState, pad_id: int, alpha: float) -> BeamOutput:
+    """The finished hypotheses of each row; a row with none returns its alive beams, scored at
+    their length. Empty slots get pad tokens, length 0 and score -inf."""
+    live_real = state.live_log_probs > _NEG_INF
+    live_lengths = jnp.where(live_real, state.row_steps[:, None], 0)
+    live_scores = state.live_log_probs / length_penalty(state.row_steps, alpha)[:, None]
+    use_live = state.finished_scores[:, 0] == _NEG_INF
+    pick = lambda live, finished: jnp.where(_rows(use_live, live), live, finished)
+    scores = pick(live_scores, state.finished_scores)
+    real = scores > _NEG_INF
+    tokens = pick(state.live_seqs, state.finished_seqs)
+    return BeamOutput(
+        tokens=jnp.where(real[:, :, None], tokens, pad_id),
+        lengths=jnp.where(real, pick(live_lengths, state.finished_lengths), 0),
+        scores=scores,
+        log_probs=pick(state.live_log_probs, state.finished_log_probs),
+    )
+
+
 @functools.partial(cpu_compile.jit, static_argnames=_BEAM_STATIC)
 def _beam_search(
     tokens_to_logits: TokensToLogits,
@@ -490,117 +708,19 @@ def _beam_search(
 ) -> BeamOutput:
     """The beam-search loop; arguments as in `beam_search`, validated there."""
     batch, vocab = initial_logits.shape
-    beams = beam_size
     limits = _row_limits(max_new_per_row, batch, max_new_tokens)
-    num_candidates = min(2 * beams, beams * vocab)
-    neg_inf = jnp.float32(-jnp.inf)
-
-    def advance(state: _BeamState, log_probs: jax.Array) -> _BeamState:
-        """One beam step from next-token log_probs: [batch, beam, vocab]."""
-        step = state.step
-        # Top 2 * beam continuations: each parent adds at most one EOS, so at least `beam`
-        # non-EOS candidates stay for the alive set.
-        candidates = (state.live_log_probs[:, :, None] + log_probs).reshape(batch, -1)
-        top_log_probs, top_index = _top_k(candidates, num_candidates)  # [batch, 2k]
-        parent, token = top_index // vocab, (top_index % vocab).astype(jnp.int32)
-        top_seqs = jnp.take_along_axis(state.live_seqs, parent[:, :, None], axis=1)
-        top_seqs = jax.lax.dynamic_update_slice(top_seqs, token[:, :, None], (0, 0, step))
-        is_eos = token == eos_id
-
-        # Alive: the best `beam` candidates that did not end.
-        live_log_probs, pick = jax.lax.top_k(jnp.where(is_eos, neg_inf, top_log_probs), beams)
-        live_seqs = jnp.take_along_axis(top_seqs, pick[:, :, None], axis=1)
-        live_parent = jnp.take_along_axis(parent, pick, axis=1)
-
-        # Finished: merge the candidates that ended here into the best `beam` so far.
-        new_lengths = jnp.full(top_log_probs.shape, step + 1, jnp.int32)
-        new_log_probs = jnp.where(is_eos, top_log_probs, neg_inf)
-        new_scores = new_log_probs / length_penalty(step + 1, alpha)
-        all_scores = jnp.concatenate([state.finished_scores, new_scores], axis=1)
-        finished_scores, pick = jax.lax.top_k(all_scores, beams)
-
-        def merge(old, new):
-            both = jnp.concatenate([old, new], axis=1)
-            index = pick.reshape(pick.shape + (1,) * (both.ndim - 2))
-            return jnp.take_along_axis(both, index, axis=1)
-
-        frozen = state.done  # rows that stopped keep their state
-        keep = lambda new, old: jnp.where(_rows(frozen, new), old, new)
-        row_steps = state.row_steps + (~frozen).astype(jnp.int32)
-        live_log_probs = keep(live_log_probs, state.live_log_probs)
-        finished_scores = keep(finished_scores, state.finished_scores)
-
-        # Early stop: no alive beam can beat the worst finished one. Log-probs only fall, so the
-        # best an alive beam can reach is its current log-prob over the largest penalty of a
-        # length it could still end at (row_steps + 1 .. limit; the penalty is monotonic).
-        best_penalty = jnp.maximum(
-            length_penalty(row_steps + 1, alpha), length_penalty(limits, alpha)
-        )
-        best_alive = live_log_probs[:, 0] / best_penalty
-        worst_finished = finished_scores[:, -1]  # -inf until `beam` hypotheses finished
-        done = state.done | (row_steps >= limits) | (worst_finished >= best_alive)
-
-        # Reorder the cache so row b * beam + j holds the history of alive beam j.
-        source = jnp.where(frozen[:, None], jnp.arange(beams)[None, :], live_parent)
-        flat_index = (jnp.arange(batch)[:, None] * beams + source).reshape(-1)
-        return state._replace(
-            step=step + 1,
-            live_seqs=keep(live_seqs, state.live_seqs),
-            live_log_probs=live_log_probs,
-            finished_seqs=keep(merge(state.finished_seqs, top_seqs), state.finished_seqs),
-            finished_scores=finished_scores,
-            finished_log_probs=keep(
-                merge(state.finished_log_probs, new_log_probs), state.finished_log_probs
-            ),
-            finished_lengths=keep(
-                merge(state.finished_lengths, new_lengths), state.finished_lengths
-            ),
-            row_steps=row_steps,
-            done=done,
-            cache=(reorder_cache or _gather_rows)(state.cache, flat_index),
-        )
-
-    def body(state: _BeamState) -> _BeamState:
-        last = jax.lax.dynamic_index_in_dim(state.live_seqs, state.step - 1, axis=2, keepdims=False)
-        logits, cache = tokens_to_logits(last.reshape(batch * beams, 1), state.cache)
-        log_probs = jax.nn.log_softmax(logits[:, -1].astype(jnp.float32), axis=-1)
-        return advance(state._replace(cache=cache), log_probs.reshape(batch, beams, vocab))
-
-    # Only beam 0 starts alive, so the first step does not pick the same token `beam` times.
-    first_live = jnp.where(jnp.arange(beams) == 0, 0.0, neg_inf).astype(jnp.float32)
-    state = _BeamState(
-        step=jnp.zeros((), jnp.int32),
-        live_seqs=jnp.full((batch, beams, max_new_tokens), pad_id, jnp.int32),
-        live_log_probs=jnp.broadcast_to(first_live, (batch, beams)),
-        finished_seqs=jnp.full((batch, beams, max_new_tokens), pad_id, jnp.int32),
-        finished_scores=jnp.full((batch, beams), neg_inf),
-        finished_log_probs=jnp.full((batch, beams), neg_inf),
-        finished_lengths=jnp.zeros((batch, beams), jnp.int32),
-        row_steps=jnp.zeros((batch,), jnp.int32),
-        done=limits <= 0,
-        cache=jax.tree.map(lambda x: jnp.repeat(x, beams, axis=0), cache),
-    )
+    settings = _BeamSettings(beam_size, eos_id, alpha, reorder_cache)
+    state = _initial_beam_state(cache, limits, beam_size, max_new_tokens, pad_id)
     # The first step expands the initial logits; each loop step runs the model on the alive
     # beams' last tokens, then advances (no per-step branch).
     initial_log_probs = jax.nn.log_softmax(initial_logits.astype(jnp.float32), axis=-1)
-    state = advance(state, jnp.broadcast_to(initial_log_probs[:, None], (batch, beams, vocab)))
-    state = _loop_segments(body, state, ends, grow_cache)
-
-    # A row with no finished hypothesis returns its alive beams, scored at their length.
-    live_real = state.live_log_probs > neg_inf
-    live_lengths = jnp.where(live_real, state.row_steps[:, None], 0)
-    live_scores = state.live_log_probs / length_penalty(state.row_steps, alpha)[:, None]
-    use_live = state.finished_scores[:, 0] == neg_inf
-    pick = lambda live, finished: jnp.where(_rows(use_live, live), live, finished)
-    scores = pick(live_scores, state.finished_scores)
-    real = scores > neg_inf
-    tokens = pick(state.live_seqs, state.finished_seqs)
-    return BeamOutput(
-        tokens=jnp.where(real[:, :, None], tokens, pad_id),
-        lengths=jnp.where(real, pick(live_lengths, state.finished_lengths), 0),
-        scores=scores,
-        log_probs=pick(state.live_log_probs, state.finished_log_probs),
+    state = _advance_beams(
+        state, jnp.broadcast_to(initial_log_probs[:, None], (batch, beam_size, vocab)), limits,
+        settings,
     )
+    body = functools.partial(_beam_loop_step, tokens_to_logits, limits, settings)
+    state = _loop_segments(body, state, ends, grow_cache)
+    return _beam_output(state, pad_id, alpha)
 
 
 def beam_search(

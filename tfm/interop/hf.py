@@ -637,96 +637,146 @@ def _rope_scaling_for_save(config: ModelConfig) -> dict[str, Any] | None:
     return scaling
 
 
+def _gpt2_hf_config(config: ModelConfig) -> dict[str, Any]:
+    """GPT-2's config.json fields for `config`; fails on what GPT-2 cannot express (grouped or
+    resized heads, missing biases)."""
+    d, heads = config.d_model, config.num_heads
+    if config.num_kv_heads not in (None, heads) or config.head_dim not in (None, d // heads):
+        raise _unsupported("num_kv_heads/head_dim", (config.num_kv_heads, config.head_dim),
+                           "GPT-2 has plain multi-head attention")
+    if not all(config.has_bias(g) for g in ("qkv", "attention_out", "mlp")):
+        raise UnsupportedCheckpoint("GPT-2 has biases everywhere: set use_bias=True")
+    return dict(
+        model_type="gpt2", architectures=["GPT2LMHeadModel"], vocab_size=config.vocab_size,
+        n_embd=d, n_head=heads, n_layer=config.num_decoder_layers, n_positions=config.max_len,
+        n_inner=config.d_ff, layer_norm_epsilon=config.norm_eps,
+        activation_function="gelu_new", tie_word_embeddings=True,
+        resid_pdrop=config.dropout_rate, embd_pdrop=config.dropout_rate,
+        attn_pdrop=config.attention_dropout_rate, pad_token_id=config.pad_id,
+    )
+
+
+def _gpt2_layer_tensors(layer: Params, prefix: str, d_model: int) -> dict[str, np.ndarray]:
+    """One decoder layer's tensors under GPT-2's names (its Conv1D weights are [in, out], like
+    tfm kernels, so only the head axes are merged)."""
+    attention, qkv = layer["self_attention"], ("query", "key", "value")
+    tensors = {
+        prefix + "attn.c_attn.weight": np.concatenate(
+            [attention[n]["kernel"].reshape(d_model, -1) for n in qkv], axis=1),
+        prefix + "attn.c_attn.bias": np.concatenate(
+            [attention[n]["bias"].reshape(-1) for n in qkv]),
+        prefix + "attn.c_proj.weight": attention["out"]["kernel"].reshape(-1, d_model),
+        prefix + "attn.c_proj.bias": attention["out"]["bias"],
+    }
+    for hf_name, name in (("ln_1", "self_attention_norm"), ("ln_2", "feed_forward_norm")):
+        tensors[f"{prefix}{hf_name}.weight"] = layer[name]["layer_norm"]["scale"]
+        tensors[f"{prefix}{hf_name}.bias"] = layer[name]["layer_norm"]["bias"]
+    for hf_name, name in (("c_fc", "wi"), ("c_proj", "wo")):
+        tensors[f"{prefix}mlp.{hf_name}.weight"] = layer["feed_forward"][name]["kernel"]
+        tensors[f"{prefix}mlp.{hf_name}.bias"] = layer["feed_forward"][name]["bias"]
+    return tensors
+
+
+def _gpt2_hf_tensors(config: ModelConfig, params: Params) -> dict[str, np.ndarray]:
+    """Every tensor of a GPT2LMHeadModel from unrolled float32 `params`, by Hugging Face name."""
+    stack = params["decoder"]["stack"]
+    tensors = {
+        "transformer.wte.weight": params["embed"]["embedding"],
+        "transformer.wpe.weight": params["decoder"]["position_embedding"]["position_embedding"],
+    }
+    for i in range(config.num_decoder_layers):
+        tensors.update(
+            _gpt2_layer_tensors(stack[f"layer_{i}"], f"transformer.h.{i}.", config.d_model)
+        )
+    tensors["transformer.ln_f.weight"] = stack["final_norm"]["layer_norm"]["scale"]
+    tensors["transformer.ln_f.bias"] = stack["final_norm"]["layer_norm"]["bias"]
+    return tensors
+
+
+def _llama_hf_config(config: ModelConfig, family: str) -> dict[str, Any]:
+    """The config.json fields of a Llama or Qwen2 (`family`) model for `config`."""
+    return dict(
+        model_type=family, vocab_size=config.vocab_size,
+        architectures=["Qwen2ForCausalLM" if family == "qwen2" else "LlamaForCausalLM"],
+        hidden_size=config.d_model, intermediate_size=config.d_ff,
+        num_attention_heads=config.num_heads, num_key_value_heads=config.resolved_num_kv_heads,
+        head_dim=config.resolved_head_dim, num_hidden_layers=config.num_decoder_layers,
+        max_position_embeddings=config.max_len, rms_norm_eps=config.norm_eps,
+        rope_theta=config.rope_base, hidden_act="silu",
+        rope_scaling=_rope_scaling_for_save(config),
+        tie_word_embeddings=config.tie_output, attention_bias=config.has_bias("qkv"),
+        mlp_bias=config.has_bias("mlp"), pad_token_id=config.pad_id,
+        attention_dropout=config.attention_dropout_rate,
+    )
+
+
+def _llama_layer_tensors(layer: Params, prefix: str, d_model: int) -> dict[str, np.ndarray]:
+    """One decoder layer's tensors under Llama's names: Linear weights are [out, in], so the
+    kernels are transposed; biases only where the layer has them."""
+    attention, tensors = layer["self_attention"], {}
+    for name, hf_name in (("query", "q"), ("key", "k"), ("value", "v")):
+        kernel = attention[name]["kernel"].reshape(d_model, -1)
+        tensors[f"{prefix}self_attn.{hf_name}_proj.weight"] = kernel.T
+        if "bias" in attention[name]:
+            tensors[f"{prefix}self_attn.{hf_name}_proj.bias"] = attention[name]["bias"].reshape(-1)
+    tensors[prefix + "self_attn.o_proj.weight"] = attention["out"]["kernel"].reshape(-1, d_model).T
+    if "bias" in attention["out"]:
+        tensors[prefix + "self_attn.o_proj.bias"] = attention["out"]["bias"]
+    for name, hf_name in (("wi", "up_proj"), ("wi_gate", "gate_proj"), ("wo", "down_proj")):
+        dense = layer["feed_forward"][name]
+        tensors[f"{prefix}mlp.{hf_name}.weight"] = dense["kernel"].T
+        if "bias" in dense:
+            tensors[f"{prefix}mlp.{hf_name}.bias"] = dense["bias"]
+    for hf_name, name in (("input_layernorm", "self_attention_norm"),
+                          ("post_attention_layernorm", "feed_forward_norm")):
+        tensors[f"{prefix}{hf_name}.weight"] = layer[name]["rms_norm"]["scale"]
+    return tensors
+
+
+def _llama_hf_tensors(config: ModelConfig, params: Params) -> dict[str, np.ndarray]:
+    """Every tensor of a Llama-family causal LM from unrolled float32 `params`, by Hugging Face
+    name (lm_head only when the output is not tied to the embedding)."""
+    stack = params["decoder"]["stack"]
+    tensors = {"model.embed_tokens.weight": params["embed"]["embedding"]}
+    for i in range(config.num_decoder_layers):
+        tensors.update(
+            _llama_layer_tensors(stack[f"layer_{i}"], f"model.layers.{i}.", config.d_model)
+        )
+    tensors["model.norm.weight"] = stack["final_norm"]["rms_norm"]["scale"]
+    if not config.tie_output:
+        tensors["lm_head.weight"] = params["decoder"]["output_projection"]["kernel"].T
+    return tensors
+
+
+def _write_hf_folder(
+    directory: str | Path, hf_config: dict[str, Any], tensors: dict[str, np.ndarray]
+) -> None:
+    """Writes config.json and model.safetensors (PyTorch-format metadata) into `directory`,
+    creating it if needed."""
+    from safetensors.numpy import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()},
+              str(directory / "model.safetensors"), metadata={"format": "pt"})
+
+
 def save_pretrained(config: ModelConfig, params: Params, directory: str | Path) -> str:
     """Writes config.json and model.safetensors of a GPT-2 or Llama-family tfm model into
     `directory`; returns the Hugging Face model_type."""
     import jax
-    from safetensors.numpy import save_file
 
     family = _family_for_save(config)
     params = jax.tree.map(lambda x: np.asarray(x, np.float32), params)
     params = _unstack(params, config.num_decoder_layers)
-    stack = params["decoder"]["stack"]
-    d, heads = config.d_model, config.num_heads
-    tensors: dict[str, np.ndarray] = {}
     if family == "gpt2":
-        hf = dict(
-            model_type="gpt2", architectures=["GPT2LMHeadModel"], vocab_size=config.vocab_size,
-            n_embd=d, n_head=heads, n_layer=config.num_decoder_layers, n_positions=config.max_len,
-            n_inner=config.d_ff, layer_norm_epsilon=config.norm_eps,
-            activation_function="gelu_new", tie_word_embeddings=True,
-            resid_pdrop=config.dropout_rate, embd_pdrop=config.dropout_rate,
-            attn_pdrop=config.attention_dropout_rate, pad_token_id=config.pad_id,
-        )
-        if config.num_kv_heads not in (None, heads) or config.head_dim not in (None, d // heads):
-            raise _unsupported("num_kv_heads/head_dim", (config.num_kv_heads, config.head_dim),
-                               "GPT-2 has plain multi-head attention")
-        if not all(config.has_bias(g) for g in ("qkv", "attention_out", "mlp")):
-            raise UnsupportedCheckpoint("GPT-2 has biases everywhere: set use_bias=True")
-        tensors["transformer.wte.weight"] = params["embed"]["embedding"]
-        tensors["transformer.wpe.weight"] = params["decoder"]["position_embedding"][
-            "position_embedding"]
-        for i in range(config.num_decoder_layers):
-            layer, p = stack[f"layer_{i}"], f"transformer.h.{i}."
-            att = layer["self_attention"]
-            tensors[p + "attn.c_attn.weight"] = np.concatenate(
-                [att[n]["kernel"].reshape(d, -1) for n in ("query", "key", "value")], axis=1)
-            tensors[p + "attn.c_attn.bias"] = np.concatenate(
-                [att[n]["bias"].reshape(-1) for n in ("query", "key", "value")])
-            tensors[p + "attn.c_proj.weight"] = att["out"]["kernel"].reshape(-1, d)
-            tensors[p + "attn.c_proj.bias"] = att["out"]["bias"]
-            for hf_name, name in (("ln_1", "self_attention_norm"), ("ln_2", "feed_forward_norm")):
-                tensors[f"{p}{hf_name}.weight"] = layer[name]["layer_norm"]["scale"]
-                tensors[f"{p}{hf_name}.bias"] = layer[name]["layer_norm"]["bias"]
-            ff = layer["feed_forward"]
-            tensors[p + "mlp.c_fc.weight"], tensors[p + "mlp.c_fc.bias"] = (
-                ff["wi"]["kernel"], ff["wi"]["bias"])
-            tensors[p + "mlp.c_proj.weight"], tensors[p + "mlp.c_proj.bias"] = (
-                ff["wo"]["kernel"], ff["wo"]["bias"])
-        tensors["transformer.ln_f.weight"] = stack["final_norm"]["layer_norm"]["scale"]
-        tensors["transformer.ln_f.bias"] = stack["final_norm"]["layer_norm"]["bias"]
+        hf_config = _gpt2_hf_config(config)
+        tensors = _gpt2_hf_tensors(config, params)
     else:
-        hf = dict(
-            model_type=family, vocab_size=config.vocab_size,
-            architectures=["Qwen2ForCausalLM" if family == "qwen2" else "LlamaForCausalLM"],
-            hidden_size=d, intermediate_size=config.d_ff, num_attention_heads=heads,
-            num_key_value_heads=config.resolved_num_kv_heads, head_dim=config.resolved_head_dim,
-            num_hidden_layers=config.num_decoder_layers, max_position_embeddings=config.max_len,
-            rms_norm_eps=config.norm_eps, rope_theta=config.rope_base, hidden_act="silu",
-            rope_scaling=_rope_scaling_for_save(config),
-            tie_word_embeddings=config.tie_output, attention_bias=config.has_bias("qkv"),
-            mlp_bias=config.has_bias("mlp"), pad_token_id=config.pad_id,
-            attention_dropout=config.attention_dropout_rate,
-        )
-        tensors["model.embed_tokens.weight"] = params["embed"]["embedding"]
-        for i in range(config.num_decoder_layers):
-            layer, p = stack[f"layer_{i}"], f"model.layers.{i}."
-            att = layer["self_attention"]
-            for name, hf_name in (("query", "q"), ("key", "k"), ("value", "v")):
-                kernel = att[name]["kernel"].reshape(d, -1)
-                tensors[f"{p}self_attn.{hf_name}_proj.weight"] = kernel.T
-                if "bias" in att[name]:
-                    tensors[f"{p}self_attn.{hf_name}_proj.bias"] = att[name]["bias"].reshape(-1)
-            tensors[p + "self_attn.o_proj.weight"] = att["out"]["kernel"].reshape(-1, d).T
-            if "bias" in att["out"]:
-                tensors[p + "self_attn.o_proj.bias"] = att["out"]["bias"]
-            for name, hf_name in (("wi", "up_proj"), ("wi_gate", "gate_proj"),
-                                  ("wo", "down_proj")):
-                tensors[f"{p}mlp.{hf_name}.weight"] = layer["feed_forward"][name]["kernel"].T
-                if "bias" in layer["feed_forward"][name]:
-                    tensors[f"{p}mlp.{hf_name}.bias"] = layer["feed_forward"][name]["bias"]
-            tensors[p + "input_layernorm.weight"] = layer["self_attention_norm"]["rms_norm"][
-                "scale"]
-            tensors[p + "post_attention_layernorm.weight"] = layer["feed_forward_norm"][
-                "rms_norm"]["scale"]
-        tensors["model.norm.weight"] = stack["final_norm"]["rms_norm"]["scale"]
-        if not config.tie_output:
-            tensors["lm_head.weight"] = params["decoder"]["output_projection"]["kernel"].T
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
-    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()},
-              str(directory / "model.safetensors"), metadata={"format": "pt"})
+        hf_config = _llama_hf_config(config, family)
+        tensors = _llama_hf_tensors(config, params)
+    _write_hf_folder(directory, hf_config, tensors)
     return family
 
 

@@ -102,6 +102,12 @@ def ynnpack_dots_options() -> dict[str, Any] | None:
     return _usable(YNNPACK_DOTS_OPTIONS)
 
 
+def jit_once(fun: Callable, **jit_kwargs: Any) -> Callable:
+    """jax.jit for a program that runs once per process (e.g. parameter initialisation), with
+    `run_once_options` on CPU."""
+    return jax.jit(fun, compiler_options=run_once_options(), **jit_kwargs)
+
+
 def kernel_options(cpu_kernels: str) -> dict[str, Any] | None:
     """The compile options a step asking for `cpu_kernels` (one of CPU_KERNELS) gets here."""
     if cpu_kernels not in CPU_KERNELS:

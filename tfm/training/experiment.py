@@ -609,8 +609,8 @@ def init_state(experiment: Experiment, shardings: Any) -> TrainState:
     init = _init_fn(experiment)
     rng = jax.random.PRNGKey(experiment.train.seed)
     with sharding.sharding_context(experiment.mesh, experiment.rules):
-        state = jax.jit(lambda r: nn.meta.unbox(init(r)), out_shardings=shardings,
-                        compiler_options=cpu_compile.run_once_options())(rng)
+        state = cpu_compile.jit_once(lambda r: nn.meta.unbox(init(r)),
+                                     out_shardings=shardings)(rng)
     if experiment.pretrained is not None:
         state = _with_pretrained_params(experiment, state, shardings)
     return state
