@@ -22,6 +22,7 @@ import jax
 from tfm.checks import ConfigError
 from tfm.kernels import cpu_attention, cpu_dense, jax_attention
 from tfm.kernels.cache_layouts import REFERENCE, CacheLayout
+from tfm.kernels.call import AttentionCall
 from tfm.kernels.cpu_cache import CPU_LAYOUT
 from tfm.nn import attention as reference_attention
 from tfm.nn import dense
@@ -37,8 +38,8 @@ def _no_check(query: jax.Array, bias: jax.Array | None, kv_len: int, platform: s
 class Backend:
     """One attention backend and the implementations it brings.
 
-    attention(query, key, value, *, bias, mask, scale, dropout_rate, dropout_rng, return_weights,
-      causal, cache_layout) -> out (| (out, weights)), the reference's values; None = reference.
+    attention(query, key, value, call: AttentionCall) -> out (| (out, weights)), the
+      reference's values; None = the reference.
     linear: like tfm.nn.dense.linear; None = the reference.
     cache: the KV cache layout its attention reads with cache_layout=True.
     platforms: where it runs (None: everywhere). weights / dropout: whether its attention can
@@ -58,10 +59,9 @@ class Backend:
 
 
 def _jax_nn(implementation: str) -> Callable[..., jax.Array]:
-    def attention(query, key, value, *, bias, mask, scale, **_: Any) -> jax.Array:
-        return jax_attention.attention(
-            query, key, value, bias=bias, mask=mask, scale=scale, implementation=implementation
-        )
+    def attention(query, key, value, call: AttentionCall) -> jax.Array:
+        return jax_attention.attention(query, key, value, bias=call.bias, mask=call.mask,
+                                       scale=call.scale, implementation=implementation)
 
     return attention
 
@@ -138,36 +138,29 @@ def attention(
     value: jax.Array,  # likewise
     *,
     backend: str = "reference",
-    bias: jax.Array | None = None,  # float, broadcastable to [batch, num_heads, q_len, kv_len]
-    mask: jax.Array | None = None,  # bool, True = attend, likewise
-    scale: float | None = None,
-    dropout_rate: float = 0.0,
-    dropout_rng: jax.Array | None = None,
-    return_weights: bool = False,
-    causal: bool = False,
-    cache_layout: bool = False,
+    **options: Any,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """`tfm.nn.attention.dot_product_attention` by `backend` (one of CHOICES), same values.
-    causal=True promises query i attends to no key after i (the mask still says so): a kernel
-    may skip that work. cache_layout=True: key and value come in the backend's KV cache layout
-    (`cache_layout(backend)`)."""
-    chosen = resolve(backend, needs_weights=return_weights, needs_dropout=dropout_rate > 0)
-    if return_weights and not chosen.weights:
+    `options`: the fields of AttentionCall (bias, mask, scale, dropout_rate, dropout_rng,
+    return_weights, and the kernel hints causal and cache_layout)."""
+    call = AttentionCall(**options)
+    chosen = resolve(backend, needs_weights=call.return_weights,
+                     needs_dropout=call.dropout_rate > 0)
+    if call.return_weights and not chosen.weights:
         raise ConfigError(f"attention_backend={backend!r} cannot return attention weights "
                           "(fused kernels never materialise them); use 'reference'")
-    if dropout_rate > 0 and not chosen.dropout:
+    if call.dropout_rate > 0 and not chosen.dropout:
         raise ConfigError(f"attention_backend={backend!r} has no attention dropout "
-                          f"(dropout_rate={dropout_rate}); use 'reference'")
-    kv_len = key.shape[chosen.cache.slot_axis(True)] if cache_layout else key.shape[1]
-    chosen.check(query, bias, kv_len, platform())
+                          f"(dropout_rate={call.dropout_rate}); use 'reference'")
+    kv_len = key.shape[chosen.cache.slot_axis(True)] if call.cache_layout else key.shape[1]
+    chosen.check(query, call.bias, kv_len, platform())
     if chosen.platforms is not None and platform() not in chosen.platforms:
         raise ConfigError(f"attention_backend={backend!r} runs on {', '.join(chosen.platforms)}, "
                           f"not on {platform()!r}; use 'auto'")
-    options = dict(bias=bias, mask=mask, scale=scale, dropout_rate=dropout_rate,
-                   dropout_rng=dropout_rng, return_weights=return_weights)
     if chosen.attention is None:
-        return reference_attention.dot_product_attention(query, key, value, **options)
-    return chosen.attention(query, key, value, causal=causal, cache_layout=cache_layout, **options)
+        return reference_attention.dot_product_attention(
+            query, key, value, **call.spec_options())
+    return chosen.attention(query, key, value, call)
 
 
 def linear(

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from tfm.kernels import cpu_dense
+from tfm.kernels.call import AttentionCall
 from tfm.nn.attention import (
     apply_keep,
     check_inputs,
@@ -43,21 +44,14 @@ def attention(
     query: jax.Array,  # [batch, q_len, num_heads, head_dim]
     key: jax.Array,  # [batch, kv_len, kv_heads, head_dim]; cache_layout: [b, kv, hd, kv_len]
     value: jax.Array,  # [batch, kv_len, kv_heads, head_dim]; cache_layout: [b, kv, kv_len, hd]
-    *,
-    bias: jax.Array | None = None,  # float, broadcastable to [batch, num_heads, q_len, kv_len]
-    mask: jax.Array | None = None,  # bool, likewise
-    scale: float | None = None,
-    dropout_rate: float = 0.0,
-    dropout_rng: jax.Array | None = None,
-    return_weights: bool = False,
-    causal: bool = False,
-    cache_layout: bool = False,
+    call: AttentionCall,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
-    """`tfm.nn.attention.dot_product_attention` on CPU, the same values and arguments, plus:
-    causal=True promises that query i never attends to key j > i (self-attention without a
-    cache; the mask must still say so), so key blocks past each query block are skipped;
-    cache_layout=True takes keys and values in the KV cache's layout (tfm/kernels/cpu_cache.py).
-    """
+    """`tfm.nn.attention.dot_product_attention` on CPU, the same values: with `call.causal`
+    the key blocks past each query block are skipped; with `call.cache_layout` keys and values
+    come in the KV cache's layout (tfm/kernels/cpu_cache.py)."""
+    bias, mask, scale = call.bias, call.mask, call.scale
+    dropout_rate, dropout_rng = call.dropout_rate, call.dropout_rng
+    return_weights, causal, cache_layout = call.return_weights, call.causal, call.cache_layout
     batch, q_len, num_heads, head_dim = jnp.shape(query)
     kv_len = None
     if cache_layout:
