@@ -154,6 +154,7 @@ def jit(
     /,
     *,
     cpu_kernels: str | Callable[[dict[str, Any]], str] = "xla",
+    platform: str | None = None,
     **jit_kwargs: Any,
 ) -> Callable:
     """jax.jit(fun, compiler_options=compiler_options(), **jit_kwargs), usable as a decorator
@@ -165,15 +166,17 @@ def jit(
 
     cpu_kernels may also be a function of the call's arguments (a dict of name -> value, as
     `fun`'s signature binds them) returning one of CPU_KERNELS, e.g. to choose by batch size;
-    each choice compiles once per shape."""
+    each choice compiles once per shape. `platform`: what the program compiles for (default:
+    this host's backend); CPU options apply only to "cpu" (e.g. not when compiling for a TPU
+    mesh on a CPU host)."""
     if not callable(cpu_kernels) and cpu_kernels not in CPU_KERNELS:
         raise ValueError(f"cpu_kernels={cpu_kernels!r} must be one of {CPU_KERNELS}")
     if fun is None:
-        return functools.partial(jit, cpu_kernels=cpu_kernels, **jit_kwargs)
+        return functools.partial(jit, cpu_kernels=cpu_kernels, platform=platform, **jit_kwargs)
 
     @functools.cache
     def jitted(top_level: bool, forced: Any, kind: str) -> Callable:
-        if not top_level:
+        if not top_level or platform not in (None, "cpu"):
             options = None
         elif forced is _UNSET:
             options = kernel_options(kind)

@@ -63,10 +63,10 @@ def cpu_line(info: dict[str, Any]) -> str:
     )
 
 
-def bf16_warning(dtype: str) -> str | None:
+def bf16_warning(dtype: str, platform: str = "cpu") -> str | None:
     """A one-line warning when a model computing in `dtype` runs in bfloat16 on a CPU without
-    bf16 units."""
-    if dtype != "bfloat16" or jax.default_backend() != "cpu":
+    bf16 units (`platform`: where it runs)."""
+    if dtype != "bfloat16" or platform != "cpu":
         return None
     features = cpu_features()
     if features["bf16_native"]:

@@ -82,12 +82,20 @@ def _model_field_defaults() -> dict[str, Any]:
     return {f"model.{f.name}": f.default for f in dataclasses.fields(ModelConfig)}
 
 
+# Model fields a restored run may change: they choose an implementation, not the parameters.
+IMPLEMENTATION_ONLY = ("model.attention_backend",)
+
+
 def check_model_config(saved: Mapping[str, Any], current: Mapping[str, Any], where: str) -> None:
     """Raises ConfigMismatchError (a ValueError) listing every field under "model" whose saved
-    and current values differ (other sections, e.g. the learning rate, may change between runs).
-    A field one side lacks (a checkpoint from before the field existed) counts as its default."""
+    and current values differ (other sections, e.g. the learning rate, may change between runs,
+    and so may IMPLEMENTATION_ONLY). A field one side lacks (a checkpoint from before the field
+    existed) counts as its default."""
     old = _flatten(saved.get("model", {}), "model")
     new = _flatten(current.get("model", {}), "model")
+    for key in IMPLEMENTATION_ONLY:
+        old.pop(key, None)
+        new.pop(key, None)
     missing = "<absent>"
     defaults = _model_field_defaults()
     value = lambda side, key: side.get(key, defaults.get(key, missing))

@@ -61,6 +61,7 @@ def jit_eval_step(experiment: Experiment, param_shardings: Any) -> InShardingCon
         ),
         in_shardings=(param_shardings, sharding.batch_sharding(mesh, experiment.rules)),
         out_shardings=sharding.replicated(mesh),
+        platform=experiment.platform,
     )
     return InShardingContext(jitted, experiment)
 

@@ -42,7 +42,7 @@ from tfm.decode.search import DecodeConfig
 from tfm.kernels import cpu_compile, hardware
 from tfm.nn import positions
 from tfm.nn.config import ModelConfig, from_dict
-from tfm.nn.families import get_family
+from tfm.nn.families import Family, get_family
 from tfm.parallel import distributed, sharding
 from tfm.training import checkpoint, optim
 from tfm.training.optim import OptimizerConfig
@@ -321,6 +321,16 @@ class Experiment:
     def model(self) -> nn.Module:
         return model_for(self.model_config, self.mode)
 
+    @property
+    def family(self) -> Family:
+        return get_family(self.mode)
+
+    @property
+    def platform(self) -> str:
+        """The platform of the mesh's devices ("cpu", "gpu" or "tpu"): what the steps compile
+        for, also when that is not this host's (`./launch.sh compile`)."""
+        return self.mesh.devices.flat[0].platform
+
     def config_json(self) -> str:
         """The config as saved with checkpoints; the model section is the resolved ModelConfig."""
         values = json.loads(self.config.to_json_best_effort())
@@ -394,12 +404,15 @@ def setup(
     data = build_data(sections.data, jax.process_index(), jax.process_count())
     if several and jax.process_index() == 0:
         multihost_utils.sync_global_devices("tfm.training.train.setup: data prepared")
-    model_config = _model_for_data(sections, data)
-    if (warning := hardware.bf16_warning(model_config.dtype)) and jax.process_index() == 0:
+    # "auto" kernels for the mesh's devices, which need not be this host's (deviceless compile).
+    platform = mesh.devices.flat[0].platform
+    model_config = _model_for_data(sections, data).for_platform(platform)
+    warning = hardware.bf16_warning(model_config.dtype, platform)
+    if warning and jax.process_index() == 0:
         logger.warning(warning)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     hint = sharding.cpu_devices_hint(data.config.batch_size, sections.train.microbatches,
-                                     jax.default_backend(), jax.device_count(), cores or 1)
+                                     platform, mesh.devices.size, cores or 1)
     if hint and jax.process_count() == 1:
         logger.warning(hint)
     sharding.check_divisibility(

@@ -172,6 +172,7 @@ def jit_steps(experiment: Experiment, shardings: Any) -> tuple[Callable, Callabl
         in_shardings=(shardings, sharding.batch_sharding(mesh, experiment.rules)),
         out_shardings=(shardings, sharding.replicated(mesh)),
         donate_argnums=(0,),
+        platform=experiment.platform,
     )
     return InShardingContext(jit_train, experiment), jit_eval_step(experiment, shardings.params)
 
@@ -181,7 +182,7 @@ def train_and_evaluate(
 ) -> dict[str, Any]:
     """Trains `config` in `workdir`, resuming from its latest checkpoint; returns final metrics."""
     experiment = setup(config, workdir)
-    if jax.default_backend() == "cpu":  # each step then reuses its temporaries' pages
+    if experiment.platform == "cpu":  # each step then reuses its temporaries' pages
         cpu_memory.keep_freed_memory()
     options = experiment.train
     experiment.workdir.mkdir(parents=True, exist_ok=True)
