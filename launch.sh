@@ -13,6 +13,9 @@ commands:
             or from a Hugging Face folder: ./launch.sh generate --pretrained DIR --prompt "TEXT"
             [--max_new_tokens N] [--prompt_ids] (fine-tune one: --config.init.pretrained=DIR)
   average   average the last K checkpoints (--last_k 5) into a new workdir (--output DIR)
+  compile   compile CONFIG's train step for a machine you need not have: --target v5e-8
+            (v4-8, v5p-8, v5e-4, v5e-256, v6e-8, cpu) [--json FILE]; per-chip memory, FLOPs,
+            traffic and roofline MFU; exits 1 if it does not fit (TPU: pip install -e ".[tpu]")
   data      ./launch.sh data multi30k: download Multi30k into data/multi30k/ (what
             configs/translate.py reads); offline it says where to put the files
   sweep     train every run of CONFIG's get_sweep(ARG), one workdir each (resumable):
@@ -69,8 +72,8 @@ if [[ $command == generate && ( $config == --pretrained || $config == --pretrain
   exec "${PYTHON:-python}" -m tfm.main generate --pretrained="$folder" "$@"
 fi
 case "$command" in
-  train|eval|generate|average) ;;
-  *) echo "launch.sh: unknown command '$command'; choose one of: train, eval, generate, average, data, sweep, report" >&2
+  train|eval|generate|average|compile) ;;
+  *) echo "launch.sh: unknown command '$command'; choose one of: train, eval, generate, average, compile, data, sweep, report" >&2
      exit 2 ;;
 esac
 # Relative paths (CONFIG, --workdir, --output, data paths inside configs) are relative to the
@@ -93,7 +96,7 @@ while [[ $# -gt 0 ]]; do
     --num_processes=*) num_processes=${1#*=}; shift ;;
     --devices_per_process) needs_value $# "$1"; devices_per_process=$2; shift 2 ;;
     --devices_per_process=*) devices_per_process=${1#*=}; shift ;;
-    --workdir|--prompt|--step|--last_k|--output|--eval_seq_len) needs_value $# "$1"; args+=("$1=$2"); shift 2 ;;
+    --workdir|--prompt|--step|--last_k|--output|--eval_seq_len|--target|--json) needs_value $# "$1"; args+=("$1=$2"); shift 2 ;;
     *) args+=("$1"); shift ;;
   esac
 done

@@ -18,7 +18,7 @@ from typing import Any
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-COMMANDS = ("train", "eval", "generate", "average")
+COMMANDS = ("train", "eval", "generate", "average", "compile")
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Experiment config: configs/FILE.py[:ARG]; override fields with --config.x=y"
@@ -38,6 +38,11 @@ _PRETRAINED = flags.DEFINE_string(
     "pretrained", None, "generate: a Hugging Face model folder instead of a config and workdir"
 )
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 32, "generate --pretrained: tokens per prompt")
+_TARGET = flags.DEFINE_string(
+    "target", None, "compile: the machine to compile for (v5e-8, v4-8, v5p-8, v6e-8, v5e-256, "
+    "cpu; see tfm.training.compile_report.TARGETS)"
+)
+_JSON = flags.DEFINE_string("json", None, "compile: also write the report to this JSON file")
 _PROMPT_IDS = flags.DEFINE_bool(
     "prompt_ids", False, "generate --pretrained: prompts and outputs are space-separated ids"
 )
@@ -72,6 +77,8 @@ def main(argv: list[str]) -> None:
 
     if command == "average" and not _OUTPUT.value:
         raise app.UsageError("average needs --output=NEW_WORKDIR")
+    if command == "compile" and not _TARGET.value:
+        raise app.UsageError("compile needs --target=NAME (e.g. v5e-8)")
 
     # Heavy imports after flag parsing, so usage errors are instant.
     from tfm.checks import ConfigError
@@ -142,6 +149,8 @@ def _run(command: str, config: Any, workdir: Path, config_arg: str) -> None:
     elif command == "eval":
         results = evaluate.evaluate_checkpoint(config, workdir, _STEP.value)
         _print(json.dumps(results, indent=1))
+    elif command == "compile":
+        _compile(config, workdir)
     elif command == "generate":
         prompts = _read_prompts()
         outputs = evaluate.generate_from_checkpoint(config, workdir, prompts, _STEP.value)
@@ -156,6 +165,29 @@ def _run(command: str, config: Any, workdir: Path, config_arg: str) -> None:
         print(f"averaged the last {_LAST_K.value} checkpoints of {workdir} into "
               f"{_OUTPUT.value} (step {step}); evaluate with: ./launch.sh eval {config_arg} "
               f"--workdir {_OUTPUT.value}")
+
+
+def _compile(config: Any, workdir: Path) -> None:
+    """Compiles the train step for --target and prints the report; exits 1 when it does not
+    fit the chip's memory."""
+    from tfm.training import compile_report
+
+    try:
+        report = compile_report.compile_for(config, workdir, _TARGET.value)
+    except Exception as error:  # the compiler's own out-of-memory verdict, in one line
+        if "RESOURCE_EXHAUSTED" not in str(error):
+            raise
+        line = next(ln for ln in str(error).splitlines() if "RESOURCE_EXHAUSTED" in ln)
+        sys.stderr.write(f"tfm.main compile: --target={_TARGET.value} does not fit: {line}\n")
+        sys.exit(1)
+    _print(compile_report.format_report(report))
+    if _JSON.value:
+        Path(_JSON.value).write_text(json.dumps(report, indent=1, default=str) + "\n")
+    if report.get("fits") is False:
+        sys.stderr.write(f"tfm.main compile: the step needs {report['needed_bytes'] / 1e9:.2f} GB "
+                         f"per chip, over the {report['hbm_bytes'] / 1e9:.1f} GB of HBM of "
+                         f"{_TARGET.value}\n")
+        sys.exit(1)
 
 
 def evaluate_lengths(

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -32,6 +33,41 @@ PEAK_FLOPS: dict[str, float] = {
     "TPU v6e": 918e12,
 }
 CPU_BENCHMARK_SIZE = 2048
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    """One accelerator chip's published figures: dense bf16 peak FLOP/s, HBM bytes and HBM
+    bandwidth (bytes/s), and where they come from."""
+
+    name: str
+    peak_flops: float
+    hbm_bytes: float
+    hbm_bandwidth: float
+    source: str
+
+
+CHIPS: dict[str, Chip] = {
+    chip.name: chip
+    for chip in (
+        Chip("TPU v4", 275e12, 32 * 2**30, 1200e9, "cloud.google.com/tpu/docs/v4"),
+        Chip("TPU v5e", 197e12, 16e9, 819e9, "cloud.google.com/tpu/docs/v5e"),
+        Chip("TPU v5p", 459e12, 95e9, 2765e9, "cloud.google.com/tpu/docs/v5p"),
+        Chip("TPU v6e", 918e12, 32e9, 1640e9, "cloud.google.com/tpu/docs/v6e"),
+        Chip("H100 SXM", 989e12, 80e9, 3.35e12, "NVIDIA H100 Tensor Core GPU datasheet"),
+        Chip("A100 SXM 80GB", 312e12, 80e9, 2.039e12, "NVIDIA A100 Tensor Core GPU datasheet"),
+    )
+}
+
+
+def hardware_line(chip_name: str | None) -> str:
+    """One line naming a chip's figures and their source (compiled, not measured)."""
+    if chip_name is None:
+        return "this host's CPU: compiled for it, no roofline (tfm has no CPU peak table)"
+    chip = CHIPS[chip_name]
+    return (f"{chip.name}: {chip.peak_flops / 1e12:.0f} TFLOP/s bf16, {chip.hbm_bytes / 1e9:.1f} "
+            f"GB HBM at {chip.hbm_bandwidth / 1e9:.0f} GB/s ({chip.source}); figures are "
+            "compiled, not measured")
 
 
 def cpu_features() -> dict[str, Any]:

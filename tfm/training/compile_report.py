@@ -1,0 +1,228 @@
+"""`./launch.sh compile CONFIG --target NAME`: compile a config's train step for an accelerator
+this machine does not have (jax compiles for TPU topologies without the chips, given libtpu:
+`pip install -e ".[tpu]"`), and report per chip what it needs and how fast it can be.
+
+The report: parameter, optimizer-state and temporary memory per chip and whether the step fits
+the chip's HBM; FLOPs per step (the compiler's cost analysis beside tfm.training.flops'
+analytic count) and bytes of memory traffic; a roofline step time (the larger of FLOPs / peak
+and bytes / bandwidth) and the MFU it implies; the largest arrays of the compiled program.
+These are compiled, not measured, figures. XLA counts a scanned (`model.scan_layers=True`)
+body once, so its FLOPs and bytes then cover one layer: the report says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections import Counter
+from typing import Any
+
+import jax
+import numpy as np
+
+from tfm.checks import ConfigError
+from tfm.kernels.hardware import CHIPS, Chip, hardware_line
+from tfm.parallel import sharding
+from tfm.training import flops
+from tfm.training.experiment import Experiment, setup, state_shardings
+from tfm.training.train import jit_steps
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A machine to compile for: its platform, its chip (hardware.CHIPS) and the keyword
+    arguments of `jax.experimental.topologies.get_topology_desc` that describe its chips."""
+
+    name: str
+    platform: str
+    chip: str | None  # None: this host's CPU
+    topology: tuple[tuple[str, Any], ...] = ()
+
+
+def _tpu(name: str, chip: str, topology: str, config: str, host: tuple[int, int, int]) -> Target:
+    return Target(name, "tpu", chip, (
+        ("topology_name", topology), ("chip_config_name", config),
+        ("chips_per_host_bounds", host), ("num_slices", 1),
+    ))
+
+
+# Names as in MaxText's compile topologies. v4-N / v5p-N count TensorCores (2 per chip, one
+# "megacore" device each chip); v5e-N / v6e-N count chips.
+TARGETS: dict[str, Target] = {
+    target.name: target
+    for target in (
+        Target("cpu", "cpu", None),
+        _tpu("v4-8", "TPU v4", "v4:2x2x1", "megacore", (2, 2, 1)),
+        _tpu("v5p-8", "TPU v5p", "v5:2x2x1", "megacore", (2, 2, 1)),
+        _tpu("v5e-4", "TPU v5e", "v5e:2x2", "default", (2, 2, 1)),
+        _tpu("v5e-8", "TPU v5e", "v5e:2x4", "default", (2, 4, 1)),
+        _tpu("v5e-256", "TPU v5e", "v5e:16x16", "default", (2, 2, 1)),
+        _tpu("v6e-8", "TPU v6e", "v6e:2x4", "default", (2, 4, 1)),
+    )
+}
+
+
+def target_devices(name: str) -> tuple[Target, list[jax.Device]]:
+    """The target called `name` and its devices (ConfigError naming what is missing)."""
+    if name not in TARGETS:
+        raise ConfigError(f"--target={name!r} is unknown; choose one of: {', '.join(TARGETS)}")
+    target = TARGETS[name]
+    if target.platform == "cpu":
+        return target, jax.devices("cpu")
+    from jax.experimental import topologies
+
+    try:
+        description = topologies.get_topology_desc(platform=target.platform,
+                                                   **dict(target.topology))
+    except Exception as error:  # noqa: BLE001 - libtpu missing or the topology unknown to it
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ConfigError(
+            f"--target={name}: cannot describe its chips here ({first}); compiling for TPU "
+            'needs libtpu: pip install -e ".[tpu]"'
+        ) from None
+    return target, list(description.devices)
+
+
+def _bytes_per_chip(abstract: Any) -> int:
+    """Bytes one device holds of a tree of ShapeDtypeStructs with shardings."""
+    total = 0
+    for leaf in jax.tree.leaves(abstract):
+        shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
+        total += math.prod(shape) * np.dtype(leaf.dtype).itemsize
+    return total
+
+
+def _abstract_batch(experiment: Experiment) -> dict[str, jax.ShapeDtypeStruct]:
+    """One training batch's shapes and dtypes, placed as the train step takes it."""
+    where = sharding.batch_sharding(experiment.mesh, experiment.rules)
+    batch = next(iter(experiment.data.train_iterator()))
+    return {key: jax.ShapeDtypeStruct(np.shape(value), np.asarray(value).dtype, sharding=where)
+            for key, value in batch.items()}
+
+
+_ARRAY = re.compile(r"\b(pred|s8|u8|s16|u16|s32|u32|s64|u64|bf16|f16|f32|f64)\[([0-9,]+)\]")
+_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4,
+             "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+
+
+def largest_arrays(program: str, count: int = 5) -> list[tuple[str, int, int]]:
+    """(shape, bytes, how often it appears) of the largest array shapes in compiled HLO text."""
+    shapes = Counter(match.group(0) for match in _ARRAY.finditer(program))
+    sized = [(shape, _ITEMSIZE[shape.split("[")[0]] * math.prod(
+        int(d) for d in shape.split("[")[1][:-1].split(",")), seen)
+        for shape, seen in shapes.items()]
+    return sorted(sized, key=lambda item: -item[1])[:count]
+
+
+def _cost(compiled: Any) -> dict[str, float] | None:
+    cost = compiled.cost_analysis()
+    if isinstance(cost, list | tuple):
+        cost = cost[0] if cost else None
+    return None if not cost else {key: float(value) for key, value in cost.items()
+                                  if key in ("flops", "bytes accessed")}
+
+
+def compile_report(experiment: Experiment, target: Target) -> dict[str, Any]:
+    """Compiles `experiment`'s train step for its mesh (the target's devices) and returns the
+    per-chip figures (see the module docstring); bytes are bytes, times are seconds."""
+    abstract, shardings = state_shardings(experiment)
+    jit_train, _ = jit_steps(experiment, shardings)
+    batch = _abstract_batch(experiment)
+    compiled = jit_train.lower(abstract, batch).compile()
+    memory = compiled.memory_analysis()
+    chips = experiment.mesh.devices.size
+    model_config, data = experiment.model_config, experiment.data
+    seq_len = batch["inputs"].shape[1]
+    source_len = batch["source"].shape[1] if "source" in batch else None
+    tokens = batch["inputs"].shape[0] * seq_len
+    analytic = flops.flops_per_token(model_config, seq_len, data.mode, source_len) * tokens
+    needed = (memory.argument_size_in_bytes + memory.output_size_in_bytes
+              - memory.alias_size_in_bytes + memory.temp_size_in_bytes)
+    report: dict[str, Any] = {
+        "target": target.name, "chips": chips, "platform": experiment.platform,
+        "attention_backend": model_config.attention_backend,
+        "tokens_per_step": tokens, "tokens_per_chip": tokens // chips,
+        "params_bytes": _bytes_per_chip(abstract.params),
+        "optimizer_bytes": _bytes_per_chip(abstract.opt_state),
+        "temp_bytes": memory.temp_size_in_bytes,
+        "argument_bytes": memory.argument_size_in_bytes,
+        "needed_bytes": needed,
+        "analytic_flops_per_chip": analytic / chips,
+        "scanned_layers": model_config.scan_layers,
+        "largest_arrays": largest_arrays(compiled.as_text()),
+    }
+    cost = _cost(compiled)
+    if cost is not None:
+        report.update(compiled_flops_per_chip=cost.get("flops"),
+                      bytes_per_chip=cost.get("bytes accessed"))
+    chip = CHIPS.get(target.chip) if target.chip else None
+    if chip is not None:
+        report.update(_roofline(report, chip))
+    return report
+
+
+def _roofline(report: dict[str, Any], chip: Chip) -> dict[str, Any]:
+    """HBM fit and, where the compiler gave a cost analysis, the roofline step time and MFU."""
+    figures: dict[str, Any] = {
+        "chip": chip.name, "hbm_bytes": chip.hbm_bytes,
+        "fits": report["needed_bytes"] <= chip.hbm_bytes,
+        "overflow_bytes": max(0, report["needed_bytes"] - chip.hbm_bytes),
+    }
+    if report.get("compiled_flops_per_chip") is None or report.get("bytes_per_chip") is None:
+        return figures
+    compute_s = report["compiled_flops_per_chip"] / chip.peak_flops
+    memory_s = report["bytes_per_chip"] / chip.hbm_bandwidth
+    step_s = max(compute_s, memory_s)
+    figures.update(compute_seconds=compute_s, memory_seconds=memory_s, roofline_seconds=step_s,
+                   bound="memory" if memory_s > compute_s else "compute",
+                   roofline_mfu=report["analytic_flops_per_chip"] / (step_s * chip.peak_flops))
+    return figures
+
+
+def _gb(value: float) -> str:
+    return f"{value / 1e9:.2f} GB"
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The report as lines for a terminal."""
+    lines = [
+        f"target {report['target']}: {report['chips']} x {report.get('chip', 'CPU')} "
+        f"({report['platform']}), attention_backend={report['attention_backend']!r}, "
+        f"{report['tokens_per_chip']:,} tokens per chip per step",
+        f"memory per chip: parameters {_gb(report['params_bytes'])}, optimizer state "
+        f"{_gb(report['optimizer_bytes'])}, temporaries {_gb(report['temp_bytes'])}; "
+        f"needs {_gb(report['needed_bytes'])}"
+        + (f" of {_gb(report['hbm_bytes'])} HBM: "
+           + ("fits" if report["fits"] else f"DOES NOT FIT (over by "
+                                             f"{_gb(report['overflow_bytes'])})")
+           if "fits" in report else ""),
+    ]
+    if report.get("compiled_flops_per_chip") is None:
+        lines.append("this target's compiler gives no cost analysis: memory only")
+    else:
+        lines.append(
+            f"FLOPs per chip per step: compiled {report['compiled_flops_per_chip']:.3e}, analytic "
+            f"(tfm.training.flops) {report['analytic_flops_per_chip']:.3e}; memory traffic "
+            f"{_gb(report['bytes_per_chip'])}")
+        if report.get("scanned_layers"):
+            lines.append("model.scan_layers=True: XLA counts the scanned layer once, so the "
+                         "compiled FLOPs and bytes cover one layer")
+    if "roofline_seconds" in report:
+        lines.append(
+            f"roofline: compute {report['compute_seconds'] * 1e3:.1f} ms, memory "
+            f"{report['memory_seconds'] * 1e3:.1f} ms -> {report['bound']}-bound step "
+            f"{report['roofline_seconds'] * 1e3:.1f} ms, MFU at most "
+            f"{100 * report['roofline_mfu']:.1f}%")
+    lines.append("largest arrays: " + "; ".join(
+        f"{shape} ({size / 1e9:.2f} GB) x{seen}" for shape, size, seen in report["largest_arrays"]))
+    lines.append(hardware_line(report.get("chip")))
+    return "\n".join(lines)
+
+
+def compile_for(config: Any, workdir: Any, target_name: str) -> dict[str, Any]:
+    """Sets up `config` with its mesh over `target_name`'s devices and compiles its train
+    step; returns the report. Raises ConfigError before compiling for a bad target."""
+    target, devices = target_devices(target_name)
+    experiment = setup(config, workdir, devices=devices)
+    return compile_report(experiment, target)
