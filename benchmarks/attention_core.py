@@ -6,7 +6,7 @@
     python benchmarks/attention_core.py --onednn    # tfm also with XLA's oneDNN dots
 
 The attention of the char-GPT training step (vs_torch.py: 6 heads of 64, 256 tokens, causal,
-float32): tfm's `attention.dot_product_attention(q, k, v, mask=causal, causal=True)` (the
+float32): tfm's `kernels.attention(q, k, v, mask=causal, backend="cpu", causal=True)` (the
 reference backend, the path training takes; head-major matmuls that skip the key blocks after
 each 64-query block) against `torch.nn.functional.scaled_dot_product_attention(is_causal=True)`
 (its fused flash-attention kernel on CPU). Forward alone and forward + backward (the gradients
@@ -38,6 +38,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from tfm import kernels  # noqa: E402
 from tfm.kernels import cpu_compile, cpu_memory, hardware  # noqa: E402
 from tfm.nn import attention  # noqa: E402
 
@@ -59,7 +60,7 @@ def tfm_runs(q, k, v, grad_out, cpu_kernels: str = "xla"):
     mask = attention.causal_mask(positions, positions)  # [1, 1, len, len]
 
     def forward(q, k, v):
-        return attention.dot_product_attention(q, k, v, mask=mask, causal=True)
+        return kernels.attention(q, k, v, mask=mask, backend="cpu", causal=True)
 
     def forward_backward(q, k, v, grad_out):
         out, pullback = jax.vjp(forward, q, k, v)

@@ -28,6 +28,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
+from tfm import kernels  # noqa: E402
 from tfm.decode.generate import lm_generate  # noqa: E402
 from tfm.kernels import hardware  # noqa: E402
 from tfm.nn import attention  # noqa: E402
@@ -59,8 +60,7 @@ def attention_check() -> dict:
     for backend in ("xla", "cudnn"):
         # The mask is an argument: captured as a constant, XLA spent ~8 s folding it.
         def loss(q, k, v, mask, backend=backend):
-            out = attention.dot_product_attention(q, k, v, mask=mask, backend=backend,
-                                                  causal=True)
+            out = kernels.attention(q, k, v, mask=mask, backend=backend, causal=True)
             return jnp.sum(out.astype(jnp.float32) ** 2), out
         grad_fn = jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))
         (_, out), grads = grad_fn(q, k, v, mask)

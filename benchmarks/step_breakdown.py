@@ -5,7 +5,7 @@
 
 The char-GPT step of benchmarks/vs_torch.py (benchmarks/char_gpt.py: 6 layers, d_model 384,
 block 256, batch 64, dropout 0.2, `train.cpu_kernels="auto"`), tfm only, next to the same step
-with the attention core (`attention.dot_product_attention`: softmax(q k^T) v with its mask and
+with the attention core (`kernels.attention`: softmax(q k^T) v with its mask and
 dropout, forward and backward) replaced by `q + k + v`, which keeps the shapes and every other
 op (projections, FFN, norms, dropout, loss, optimizer). Repeats interleave the two; medians;
 freed host memory is kept, as in training (tfm/kernels/cpu_memory.py).
@@ -32,21 +32,22 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import char_gpt  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from tfm import kernels  # noqa: E402
 from tfm.kernels import cpu_memory, hardware  # noqa: E402
-from tfm.nn import attention, layers  # noqa: E402
+from tfm.nn import layers  # noqa: E402
 from tfm.training import flops  # noqa: E402
 
 FULL, NO_CORE = "whole step", "attention core replaced by q + k + v"
 
 
-class _AttentionWithoutCore:
-    """tfm.nn.attention as the layers see it, with the core replaced by q + k + v."""
+class _KernelsWithoutCore:
+    """tfm.kernels as the layers see it, with the attention core replaced by q + k + v."""
 
     def __getattr__(self, name):
-        return getattr(attention, name)
+        return getattr(kernels, name)
 
     @staticmethod
-    def dot_product_attention(query, key, value, **_):
+    def attention(query, key, value, **_):
         return query + key.astype(query.dtype) + value.astype(query.dtype)
 
 
@@ -57,11 +58,11 @@ def measure(dtype: str, args) -> dict:
     runs = {}
     for variant in (FULL, NO_CORE):
         if variant == NO_CORE:
-            layers.attention = _AttentionWithoutCore()  # read when the step is traced
+            layers.kernels = _KernelsWithoutCore()  # read when the step is traced
         try:
             runs[variant], config, _ = char_gpt.tfm_train_runner(shape, dtype, batch)
         finally:
-            layers.attention = attention
+            layers.kernels = kernels
     seconds = {variant: [] for variant in runs}
     for repeat in range(args.repeats):
         for variant in (list(runs) if repeat % 2 == 0 else list(runs)[::-1]):

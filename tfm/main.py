@@ -172,21 +172,11 @@ def _compile(config: Any, workdir: Path) -> None:
     fit the chip's memory."""
     from tfm.training import compile_report
 
-    try:
-        report = compile_report.compile_for(config, workdir, _TARGET.value)
-    except Exception as error:  # the compiler's own out-of-memory verdict, in one line
-        if "RESOURCE_EXHAUSTED" not in str(error):
-            raise
-        line = next(ln for ln in str(error).splitlines() if "RESOURCE_EXHAUSTED" in ln)
-        sys.stderr.write(f"tfm.main compile: --target={_TARGET.value} does not fit: {line}\n")
-        sys.exit(1)
-    _print(compile_report.format_report(report))
-    if _JSON.value:
-        Path(_JSON.value).write_text(json.dumps(report, indent=1, default=str) + "\n")
-    if report.get("fits") is False:
-        sys.stderr.write(f"tfm.main compile: the step needs {report['needed_bytes'] / 1e9:.2f} GB "
-                         f"per chip, over the {report['hbm_bytes'] / 1e9:.1f} GB of HBM of "
-                         f"{_TARGET.value}\n")
+    text, failure = compile_report.run(config, workdir, _TARGET.value, _JSON.value)
+    if text:
+        _print(text)
+    if failure:
+        sys.stderr.write(f"tfm.main compile: {failure}\n")
         sys.exit(1)
 
 

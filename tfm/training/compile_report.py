@@ -13,9 +13,11 @@ body once, so its FLOPs and bytes then cover one layer: the report says so.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -218,6 +220,29 @@ def format_report(report: dict[str, Any]) -> str:
         f"{shape} ({size / 1e9:.2f} GB) x{seen}" for shape, size, seen in report["largest_arrays"]))
     lines.append(hardware_line(report.get("chip")))
     return "\n".join(lines)
+
+
+def run(
+    config: Any, workdir: Any, target_name: str, json_path: str | None = None
+) -> tuple[str, str | None]:
+    """What `./launch.sh compile` prints: (the report's lines, or "" when the compiler refused
+    the step; one line saying why the step does not fit, or None). Writes the report to
+    `json_path` when given."""
+    try:
+        report = compile_for(config, workdir, target_name)
+    except Exception as error:  # the compiler's own out-of-memory verdict, in one line
+        if "RESOURCE_EXHAUSTED" not in str(error):
+            raise
+        line = next(ln for ln in str(error).splitlines() if "RESOURCE_EXHAUSTED" in ln)
+        return "", f"--target={target_name} does not fit: {line.strip()}"
+    if json_path:
+        Path(json_path).write_text(json.dumps(report, indent=1, default=str) + "\n")
+    if report.get("fits") is False:
+        return format_report(report), (
+            f"--target={target_name} does not fit: the step needs "
+            f"{report['needed_bytes'] / 1e9:.2f} GB per chip, over the "
+            f"{report['hbm_bytes'] / 1e9:.1f} GB of HBM of a {report['chip']}")
+    return format_report(report), None
 
 
 def compile_for(config: Any, workdir: Any, target_name: str) -> dict[str, Any]:

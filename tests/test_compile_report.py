@@ -1,0 +1,103 @@
+"""./launch.sh compile: the train step compiled for a target, with per-chip memory, FLOPs and a
+roofline. The CPU target runs everywhere; TPU targets need libtpu (`pip install -e ".[tpu]"`),
+and their tests skip without it:
+
+    pip install -e ".[dev,tpu]" && python -m pytest tests/test_compile_report.py
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from configs import synthetic_lm
+from tfm.checks import ConfigError
+from tfm.kernels.hardware import CHIPS
+from tfm.training import compile_report
+
+ROOT = Path(__file__).resolve().parents[1]
+HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
+
+
+def _config(data_dir: Path, **model):
+    config = synthetic_lm.get_config("runlocal")
+    config.model.update({**dict(d_model=32, num_heads=2, d_ff=64, num_decoder_layers=2), **model})
+    config.data.update(data_dir=str(data_dir), batch_size=8, num_train_examples=64,
+                       num_eval_examples=8)
+    return config
+
+
+def test_largest_arrays_reads_shapes_from_program_text():
+    program = ("%a = f32[8,12,1024,1024]{3,2,1,0} fusion(...)\n%b = bf16[50304,768] param\n"
+               "%c = f32[8,12,1024,1024] add(%a, %a)\n%d = s32[] constant(0)")
+    arrays = compile_report.largest_arrays(program, count=2)
+    assert arrays == [("f32[8,12,1024,1024]", 4 * 8 * 12 * 1024 * 1024, 2),
+                      ("bf16[50304,768]", 2 * 50304 * 768, 1)]
+
+
+def test_roofline_is_the_slower_of_compute_and_traffic():
+    chip = CHIPS["TPU v5e"]
+    report = {"needed_bytes": 20e9, "compiled_flops_per_chip": 197e12 * 0.01,
+              "bytes_per_chip": 819e9 * 0.03, "analytic_flops_per_chip": 197e12 * 0.009}
+    figures = compile_report._roofline(report, chip)
+    assert not figures["fits"] and figures["overflow_bytes"] == pytest.approx(4e9)
+    assert figures["bound"] == "memory"
+    assert figures["roofline_seconds"] == pytest.approx(0.03)
+    assert figures["roofline_mfu"] == pytest.approx(0.3)
+
+
+def test_cpu_target_compiles_and_counts_like_the_formula(tmp_path):
+    report = compile_report.compile_for(_config(tmp_path / "data"), tmp_path / "run", "cpu")
+    assert report["platform"] == "cpu" and report["attention_backend"] == "cpu"
+    assert report["params_bytes"] > 0 and report["optimizer_bytes"] >= 2 * report["params_bytes"]
+    assert report["temp_bytes"] > 0 and "fits" not in report  # no CPU memory table
+    if report.get("compiled_flops_per_chip"):
+        ratio = report["compiled_flops_per_chip"] / report["analytic_flops_per_chip"]
+        assert 0.5 < ratio < 2.0, ratio
+
+
+def test_unknown_target_is_one_line(tmp_path):
+    with pytest.raises(ConfigError, match="--target='v9-1' is unknown; choose one of: cpu, v4-8"):
+        compile_report.target_devices("v9-1")
+    result = subprocess.run(
+        ["./launch.sh", "compile", "configs/synthetic_lm.py:runlocal", "--target", "v9-1",
+         "--workdir", str(tmp_path / "run")],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHON": sys.executable},
+    )
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        "tfm.main compile: ConfigError: --target='v9-1' is unknown")
+
+
+@pytest.mark.skipif(HAS_LIBTPU, reason="libtpu is installed")
+def test_tpu_target_without_libtpu_names_the_extra():
+    with pytest.raises(ConfigError, match=r'pip install -e "\.\[tpu\]"'):
+        compile_report.target_devices("v5e-4")
+
+
+@pytest.mark.skipif(not HAS_LIBTPU, reason='needs libtpu: pip install -e ".[tpu]"')
+def test_tpu_target_reports_memory_flops_and_roofline(tmp_path):
+    report = compile_report.compile_for(_config(tmp_path / "data"), tmp_path / "run", "v5e-4")
+    assert report["chips"] == 4 and report["platform"] == "tpu"
+    assert report["attention_backend"] == "reference"  # no CPU kernels for a TPU mesh
+    assert report["fits"] and report["roofline_seconds"] > 0
+    assert 0 < report["roofline_mfu"] <= 1
+    ratio = report["compiled_flops_per_chip"] / report["analytic_flops_per_chip"]
+    assert 0.5 < ratio < 2.0, ratio
+
+
+@pytest.mark.skipif(not HAS_LIBTPU, reason='needs libtpu: pip install -e ".[tpu]"')
+def test_a_step_that_does_not_fit_is_one_line(tmp_path):
+    """A 3B-parameter model on a 16 GB v5e: the compiler refuses it, or the report says it does
+    not fit; either way one line naming the target (launch.sh prints it and exits 1)."""
+    config = _config(tmp_path / "data", d_model=8192, d_ff=32768, num_heads=64,
+                     num_decoder_layers=4)
+    text, failure = compile_report.run(config, tmp_path / "run", "v5e-4")
+    assert failure is not None and "\n" not in failure, (text, failure)
+    assert failure.startswith("--target=v5e-4 does not fit")
