@@ -27,7 +27,6 @@ class Family:
     model: Callable[[ModelConfig], nn.Module]
     inputs: tuple[str, ...]
     keywords: tuple[tuple[str, str], ...]
-    has_encoder: bool
 
     def logits(
         self,
@@ -57,7 +56,7 @@ _PACKING = (("positions", "positions"), ("segment_ids", "segment_ids"))
 FAMILIES: dict[str, Family] = {
     family.name: family
     for family in (
-        Family("lm", "decoder-only language model", DecoderLM, ("inputs",), _PACKING, False),
+        Family("lm", "decoder-only language model", DecoderLM, ("inputs",), _PACKING),
         Family(
             "seq2seq",
             "encoder-decoder (the paper's Transformer)",
@@ -65,7 +64,6 @@ FAMILIES: dict[str, Family] = {
             ("source", "inputs"),
             (("source_positions", "source_positions"),
              ("source_segment_ids", "source_segment_ids"), *_PACKING),
-            True,
         ),
     )
 }
