@@ -20,7 +20,7 @@ from tfm.nn.config import ModelConfig, from_dict, paper_base, paper_big
         (dict(position_scheme="rope", head_dim=6, rope_fraction=0.5), "rotates 3 of head_dim=6"),
         (dict(share_embeddings=True, source_vocab_size=300), "share_embeddings=True needs"),
         (dict(attention_backend="xla", attention_dropout_rate=0.1),
-         "attention_dropout_rate > 0 needs attention_backend='auto', 'reference' or 'cpu'"),
+         "attention_backend='xla' cannot serve this model: attention_dropout_rate > 0"),
         (dict(attention_backend="xla", position_scheme="relative"),
          "relative_values=True needs the attention weights"),
         (dict(activation="gelu_new"), "activation='gelu_new' is unknown; choose one of: relu, "

@@ -15,6 +15,7 @@ import pytest
 from tiny_model import TINY
 
 from tfm import kernels
+from tfm.checks import ConfigError
 from tfm.decode import generate
 from tfm.decode.search import DecodeConfig
 from tfm.nn.cache import init_cache
@@ -108,11 +109,49 @@ def test_cpu_decode_loop_writes_its_cache_as_uint16():
 
 def test_auto_resolves_per_platform_and_the_cache_follows():
     assert [kernels.resolve("auto", platform).name for platform in ("cpu", "gpu", "tpu")] == [
-        "cpu", "reference", "reference"]
+        "cpu", "cudnn", "splash"]
     for platform, layout in (("cpu", "cpu"), ("tpu", "reference"), ("cuda", "reference")):
         config = _config("lm", platform)
         assert init_cache(config, 1, 4).layout.name == layout
     assert ModelConfig(attention_backend="xla").for_platform("tpu").attention_backend == "xla"
+
+
+@pytest.mark.parametrize("changes,platform,backend,reason", [
+    (dict(position_scheme="rope"), "tpu", "splash", None),
+    (dict(position_scheme="alibi"), "tpu", "reference", "adds a fixed logit bias"),
+    (dict(position_scheme="t5_bias"), "tpu", "reference", "adds a learned logit bias"),
+    (dict(position_scheme="relative", relative_values=False), "tpu", "reference", "learned"),
+    (dict(attention_dropout_rate=0.1), "tpu", "reference", "attention_dropout_rate"),
+    (dict(position_scheme="alibi", dtype="bfloat16", head_dim=8), "gpu", "cudnn", None),
+    (dict(dtype="bfloat16"), "gpu", "reference", "head_dim=4"),
+    (dict(position_scheme="t5_bias", dtype="bfloat16", head_dim=8), "gpu", "reference",
+     "learned"),
+    (dict(dtype="float32"), "gpu", "reference", "dtype='float32'"),
+    (dict(position_scheme="alibi"), "cpu", "cpu", None),
+])
+def test_auto_falls_back_to_the_reference_with_the_reason(changes, platform, backend, reason):
+    """What each scheme gets on each platform: fused kernels take no bias they cannot
+    serve (splash: none; cuDNN: no learned one, jax-ml/jax#27184), and say why."""
+    config = ModelConfig(**{**TINY, **changes})
+    chosen, note = kernels.auto_choice(platform, **config.attention_needs)
+    assert chosen.name == backend
+    assert config.for_platform(platform).attention_backend == backend
+    if reason is None:
+        assert note is None
+    else:
+        assert reason in note and f"on {platform}" in note
+
+
+@pytest.mark.parametrize("changes,message", [
+    (dict(attention_backend="splash", position_scheme="alibi"), "fixed logit bias"),
+    (dict(attention_backend="cudnn", position_scheme="t5_bias", dtype="bfloat16", head_dim=8),
+     "learned"),
+    (dict(attention_backend="cudnn", dtype="float32"), "dtype='float32'"),
+    (dict(attention_backend="splash", attention_dropout_rate=0.1), "attention_dropout_rate"),
+])
+def test_a_named_backend_that_cannot_serve_the_model_fails_in_the_config(changes, message):
+    with pytest.raises(ConfigError, match=f"attention_backend='[a-z]+' cannot serve.*{message}"):
+        ModelConfig(**{**TINY, **changes})
 
 
 @pytest.mark.parametrize("backend", ["cpu", "xla"])

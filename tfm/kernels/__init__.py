@@ -6,9 +6,11 @@ Each registered backend says which implementation serves each one; None means th
 maths in tfm/nn (attention.dot_product_attention, dense.linear, the model-layout cache), which
 is the specification every other implementation is tested against.
 
-`model.attention_backend="auto"` (the default) resolves per platform: "cpu" on CPU (blocked
-causal attention, hand-written 16-bit backward passes, CPU cache layout), "reference" on GPU
-and TPU. A name picks a backend on any platform it runs on.
+`model.attention_backend="auto"` (the default) resolves per platform (AUTO): "cpu" on CPU
+(blocked causal attention, hand-written 16-bit backward passes, CPU cache layout), "splash" on
+TPU (Pallas splash attention), "cudnn" on GPU (cuDNN flash attention); the reference when that
+backend cannot serve the model (a logit bias it does not take, a dtype, dropout, weights), with
+the reason (`auto_choice`). A name picks a backend on any platform it runs on.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 import jax
 
 from tfm.checks import ConfigError
-from tfm.kernels import cpu_attention, cpu_dense, jax_attention
+from tfm.kernels import cpu_attention, cpu_dense, jax_attention, tpu_attention
 from tfm.kernels.cache_layouts import REFERENCE, CacheLayout
 from tfm.kernels.call import AttentionCall
 from tfm.kernels.cpu_cache import CPU_LAYOUT
@@ -28,6 +30,9 @@ from tfm.nn import attention as reference_attention
 from tfm.nn import dense
 
 PLATFORMS = ("cpu", "gpu", "tpu")
+# Logit biases of position schemes (tfm.nn.positions.PositionScheme.logit_bias_kind): "fixed"
+# (ALiBi: no gradient) or "learned" (T5 buckets, Shaw tables: their gradient flows through it).
+BIAS_KINDS = ("fixed", "learned")
 
 
 def _no_check(query: jax.Array, bias: jax.Array | None, kv_len: int, platform: str) -> None:
@@ -43,8 +48,10 @@ class Backend:
     linear: like tfm.nn.dense.linear; None = the reference.
     cache: the KV cache layout its attention reads with cache_layout=True.
     platforms: where it runs (None: everywhere). weights / dropout: whether its attention can
-    return the weights / drop them. check(query, bias, kv_len, platform) raises ConfigError for
-    inputs it cannot take.
+    return the weights / drop them. biases: the logit-bias kinds (BIAS_KINDS) it takes.
+    dtypes: the compute dtypes it takes (None: any). head_dim_multiple / max_head_dim: the
+    head sizes it takes. check(query, bias, kv_len, platform) raises ConfigError for inputs it
+    cannot take.
     """
 
     name: str
@@ -55,6 +62,10 @@ class Backend:
     platforms: tuple[str, ...] | None = None
     weights: bool = False
     dropout: bool = False
+    biases: tuple[str, ...] = BIAS_KINDS
+    dtypes: tuple[str, ...] | None = None
+    head_dim_multiple: int = 1
+    max_head_dim: int | None = None
     check: Callable[[jax.Array, jax.Array | None, int, str], None] = _no_check
 
 
@@ -76,19 +87,71 @@ BACKENDS: dict[str, Backend] = {
                 platforms=("cpu",), weights=True, dropout=True),
         Backend("xla", "jax.nn.dot_product_attention(implementation='xla')",
                 attention=_jax_nn("xla")),
+        # jax-ml/jax#27184 and #30593: the cuDNN path's bias gradient is missing or batch-1
+        # only, so no learned bias goes there until a GPU check shows it right.
         Backend("cudnn", "cuDNN flash attention through jax.nn.dot_product_attention",
-                attention=_jax_nn("cudnn"), platforms=("gpu",),
-                check=jax_attention.check_cudnn),
+                attention=_jax_nn("cudnn"), platforms=("gpu",), biases=("fixed",),
+                dtypes=("bfloat16", "float16"), head_dim_multiple=8,
+                max_head_dim=jax_attention.CUDNN_MAX_HEAD_DIM, check=jax_attention.check_cudnn),
+        Backend("splash", "Pallas splash attention: masks built per block (TPU; interpret mode "
+                "on CPU, for tests)", attention=tpu_attention.attention,
+                platforms=("tpu", "cpu"), biases=()),
     )
 }
-# What "auto" means on each platform (others: "reference").
-AUTO = {"cpu": "cpu"}
+# What "auto" means on each platform.
+AUTO = {"cpu": "cpu", "tpu": "splash", "gpu": "cudnn"}
 CHOICES = ("auto", *BACKENDS)
 
 
 def platform() -> str:
-    """The platform jax runs on by default: "cpu", "gpu" or "tpu"."""
-    return jax.default_backend()
+    """The platform being compiled for: that of the mesh set by jax.set_mesh (which need not
+    be this host's, when compiling for an accelerator target), else jax's default backend."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return jax.default_backend() if mesh.empty else mesh.abstract_device.platform
+
+
+def _unmet(
+    backend: Backend, needs_weights: bool, needs_dropout: bool, bias: str | None,
+    dtype: str | None, head_dim: int | None,
+) -> str | None:
+    """Why `backend` cannot serve a model with these needs, or None."""
+    if needs_weights and not backend.weights:
+        return ("relative_values=True needs the attention weights (Shaw et al.'s value term), "
+                "which it never materialises (or set relative_values=False)")
+    if needs_dropout and not backend.dropout:
+        return "attention_dropout_rate > 0 drops attention weights, which it fuses away"
+    if bias is not None and bias not in backend.biases:
+        taken = " or ".join(backend.biases) or "no"
+        return f"the position scheme adds a {bias} logit bias, and it takes {taken} bias"
+    if dtype is not None and backend.dtypes is not None and dtype not in backend.dtypes:
+        return f"dtype={dtype!r}, and it takes {' or '.join(backend.dtypes)}"
+    if head_dim is not None and (head_dim % backend.head_dim_multiple or (
+            backend.max_head_dim is not None and head_dim > backend.max_head_dim)):
+        return (f"head_dim={head_dim}, and it takes multiples of {backend.head_dim_multiple} "
+                f"up to {backend.max_head_dim}")
+    return None
+
+
+def auto_choice(
+    on_platform: str | None = None,
+    *,
+    needs_weights: bool = False,
+    needs_dropout: bool = False,
+    bias: str | None = None,
+    dtype: str | None = None,
+    head_dim: int | None = None,
+) -> tuple[Backend, str | None]:
+    """(the backend "auto" picks, and why it is not AUTO[platform] when it is not). bias: the
+    position scheme's logit-bias kind (None, "fixed" or "learned"); dtype: the compute dtype."""
+    on_platform = on_platform or platform()
+    preferred = BACKENDS[AUTO.get(on_platform, "reference")]
+    reason = _unmet(preferred, needs_weights, needs_dropout, bias, dtype, head_dim)
+    if reason is None:
+        return preferred, None
+    return BACKENDS["reference"], (
+        f"attention_backend='auto' uses 'reference' on {on_platform}, not {preferred.name!r}: "
+        f"{reason}"
+    )
 
 
 def resolve(
@@ -97,39 +160,34 @@ def resolve(
     *,
     needs_weights: bool = False,
     needs_dropout: bool = False,
+    bias: str | None = None,
+    dtype: str | None = None,
+    head_dim: int | None = None,
 ) -> Backend:
-    """The backend called `name` (one of CHOICES). "auto" picks AUTO[platform], or the reference
-    when that one cannot return weights or apply dropout as asked. `on_platform` defaults to
-    jax's default backend; pass the target's when compiling for another one."""
+    """The backend called `name` (one of CHOICES); "auto" as `auto_choice` says. `on_platform`
+    defaults to the platform being compiled for (`platform()`)."""
     if name not in CHOICES:
         raise ConfigError(
             f"attention_backend={name!r} is unknown; choose one of: {', '.join(CHOICES)}"
         )
     if name != "auto":
         return BACKENDS[name]
-    backend = BACKENDS[AUTO.get(on_platform or platform(), "reference")]
-    if (needs_weights and not backend.weights) or (needs_dropout and not backend.dropout):
-        return BACKENDS["reference"]
-    return backend
+    return auto_choice(on_platform, needs_weights=needs_weights, needs_dropout=needs_dropout,
+                       bias=bias, dtype=dtype, head_dim=head_dim)[0]
 
 
-def check_config(name: str, *, needs_weights: bool, needs_dropout: bool) -> None:
+def check_config(
+    name: str, *, needs_weights: bool, needs_dropout: bool, bias: str | None = None,
+    dtype: str | None = None, head_dim: int | None = None,
+) -> None:
     """ConfigError when a model config asks backend `name` for what it cannot do ("auto" always
     finds one). Starts no jax backend: configs are checked before jax.distributed starts."""
     if name == "auto":
         return
-    backend = resolve(name)
-    if needs_dropout and not backend.dropout:
-        raise ConfigError(
-            f"attention_dropout_rate > 0 needs attention_backend='auto', 'reference' or 'cpu' "
-            f"(attention_backend={name!r} fuses the weights away: no dropout on them)"
-        )
-    if needs_weights and not backend.weights:
-        raise ConfigError(
-            f"position_scheme='relative' with relative_values=True needs the attention weights "
-            f"(Shaw et al.'s value term), which attention_backend={name!r} never materialises: "
-            "use 'auto', 'reference' or 'cpu', or set relative_values=False"
-        )
+    reason = _unmet(resolve(name), needs_weights, needs_dropout, bias, dtype, head_dim)
+    if reason is not None:
+        raise ConfigError(f"attention_backend={name!r} cannot serve this model: {reason}; use "
+                          "'auto' or 'reference'")
 
 
 def attention(
@@ -142,10 +200,12 @@ def attention(
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """`tfm.nn.attention.dot_product_attention` by `backend` (one of CHOICES), same values.
     `options`: the fields of AttentionCall (bias, mask, scale, dropout_rate, dropout_rng,
-    return_weights, and the kernel hints causal and cache_layout)."""
+    return_weights, and the kernel hints causal, cache_layout and structure)."""
     call = AttentionCall(**options)
     chosen = resolve(backend, needs_weights=call.return_weights,
-                     needs_dropout=call.dropout_rate > 0)
+                     needs_dropout=call.dropout_rate > 0,
+                     bias=None if call.bias is None else "learned",
+                     dtype=jax.numpy.dtype(query.dtype).name, head_dim=query.shape[-1])
     if call.return_weights and not chosen.weights:
         raise ConfigError(f"attention_backend={backend!r} cannot return attention weights "
                           "(fused kernels never materialise them); use 'reference'")

@@ -4,20 +4,45 @@ value: one frozen value, so the options are written once."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 
 
+@functools.partial(jax.tree_util.register_dataclass, meta_fields=("causal", "window"),
+                   data_fields=("query_segments", "key_segments"))
+@dataclasses.dataclass(frozen=True)
+class MaskStructure:
+    """The attention mask described by its parts, for kernels that build it per block instead
+    of reading a dense [batch, 1, q_len, kv_len] mask (splash attention, cuDNN).
+
+    Query i attends key j iff query_segments[b, i] == key_segments[b, j], and j <= i when
+    causal, and |i - j| <= window when window is set (indices, so the caller promises that
+    positions advance by one per token within a segment). None segments: one segment.
+    The description must equal the dense mask at every real query; outputs at padding queries
+    (those that share a segment id with padding keys) are unspecified, as no loss reads them.
+
+    query_segments: [batch, q_len] int32; key_segments: [batch, kv_len] int32. A pytree (the
+    segments are its leaves), so it travels through nn.scan with the layers' shared inputs.
+    """
+
+    causal: bool = False
+    window: int | None = None
+    query_segments: jax.Array | None = None
+    key_segments: jax.Array | None = None
+
+
 @dataclasses.dataclass(frozen=True)
 class AttentionCall:
-    """The options of one attention call (tfm.nn.attention.dot_product_attention's, plus two
-    hints for kernels).
+    """The options of one attention call (tfm.nn.attention.dot_product_attention's, plus hints
+    for kernels).
 
     bias (float) and mask (bool, True = attend): broadcastable to [batch, num_heads, q_len,
     kv_len]. scale: None = 1 / sqrt(head_dim). dropout_rate > 0 needs dropout_rng.
     causal: the caller promises query i attends to no key after i (the mask still says so), so
     a kernel may skip that work. cache_layout: key and value come in the backend's KV cache
     layout (`tfm.kernels.cache_layout(backend)`), not [batch, kv_len, kv_heads, head_dim].
+    structure: the mask's parts (MaskStructure), or None when only the dense mask says it.
     """
 
     bias: jax.Array | None = None
@@ -28,6 +53,7 @@ class AttentionCall:
     return_weights: bool = False
     causal: bool = False
     cache_layout: bool = False
+    structure: MaskStructure | None = None
 
     def spec_options(self) -> dict:
         """The keyword arguments of tfm.nn.attention.dot_product_attention (the reference)."""

@@ -224,11 +224,7 @@ class ModelConfig:
         if self.local_window is not None:
             check_positive("local_window", self.local_window)
         check_choice("attention_backend", self.attention_backend, kernels.CHOICES)
-        kernels.check_config(
-            self.attention_backend,
-            needs_weights=self.scheme.needs_attention_weights(self),
-            needs_dropout=self.attention_dropout_rate > 0,
-        )
+        kernels.check_config(self.attention_backend, **self.attention_needs)
         check_choice("dtype", self.dtype, DTYPES)
         check_choice("param_dtype", self.param_dtype, DTYPES)
 
@@ -292,13 +288,20 @@ class ModelConfig:
         "tpu"), e.g. to compile for an accelerator on a CPU host; a named backend stays."""
         if self.attention_backend != "auto":
             return self
-        backend = kernels.resolve(
-            "auto",
-            platform,
+        backend, _ = kernels.auto_choice(platform, **self.attention_needs)
+        return self.replace(attention_backend=backend.name)
+
+    @property
+    def attention_needs(self) -> dict[str, Any]:
+        """What the attention backend must offer this model (tfm.kernels.auto_choice's keyword
+        arguments): returned weights, dropout, the scheme's logit bias kind, dtype, head size."""
+        return dict(
             needs_weights=self.scheme.needs_attention_weights(self),
             needs_dropout=self.attention_dropout_rate > 0,
+            bias=self.scheme.logit_bias_kind,
+            dtype=self.dtype,
+            head_dim=self.resolved_head_dim,
         )
-        return self.replace(attention_backend=backend.name)
 
     def replace(self, **changes: Any) -> ModelConfig:
         return from_dict({**dataclasses.asdict(self), **changes})

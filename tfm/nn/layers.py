@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tfm import kernels
+from tfm.kernels.call import MaskStructure
 from tfm.nn import positions
 from tfm.nn.cache import DecoderCache
 from tfm.nn.config import ModelConfig
@@ -256,6 +257,7 @@ class MultiHeadAttention(nn.Module):
         layer: Array | int = 0,  # which layer's slots are this module's
         write_index: Array | None = None,  # [batch] slot where new self-attention keys go
         causal: bool = False,  # self-attention without a cache: query i sees no key after i
+        structure: MaskStructure | None = None,  # `mask` by its parts, for fused kernels
         deterministic: bool = True,
     ) -> tuple[Array, DecoderCache | None]:
         config = self.config
@@ -272,7 +274,8 @@ class MultiHeadAttention(nn.Module):
             key, value = _read_cache(cache, self.is_cross, layer)
         out = self._attend(
             query, key, value, mask, bias, query_positions, key_positions,
-            causal=causal, cache_layout=reads_cache, deterministic=deterministic,
+            causal=causal, cache_layout=reads_cache, structure=structure,
+            deterministic=deterministic,
         )
         num_heads, head_dim = config.num_heads, config.resolved_head_dim
         names = ("heads", "head_dim", "embed")
@@ -300,7 +303,7 @@ class MultiHeadAttention(nn.Module):
     def _attend(
         self, query: Array, key: Array, value: Array, mask: Array | None, bias: Array | None,
         query_positions: Array, key_positions: Array, *, causal: bool, cache_layout: bool,
-        deterministic: bool,
+        structure: MaskStructure | None, deterministic: bool,
     ) -> Array:  # [batch, q_len, heads, head_dim]
         """The attention core, with a Shaw relative scheme's logit bias and value term."""
         config = self.config
@@ -325,6 +328,7 @@ class MultiHeadAttention(nn.Module):
             return_weights=value_term is not None,
             causal=causal,
             cache_layout=cache_layout,
+            structure=structure,
         )
         if value_term is None:
             return result

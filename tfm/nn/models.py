@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from tfm.kernels.call import MaskStructure
 from tfm.nn import attention
 from tfm.nn import cache as cache_lib
 from tfm.nn.cache import DecoderCache, check_cache, check_room
@@ -41,7 +42,8 @@ class LayerContext:
     without a cache); causal: no cache and causal masking (attention may skip future blocks).
     Cross-attention (encoder-decoder only): encoded [batch, src_len, d_model] (None: read the
     cache), cross_mask [batch, 1, q_len, src_len], source_positions, source_valid [batch,
-    src_len].
+    src_len]. self_structure / cross_structure: the same masks by their parts, for fused kernels
+    (tfm.kernels.MaskStructure; None where only the dense mask can say it).
     """
 
     self_mask: Array | None
@@ -54,6 +56,8 @@ class LayerContext:
     cross_mask: Array | None = None
     source_positions: Array | None = None
     source_valid: Array | None = None
+    self_structure: MaskStructure | None = None
+    cross_structure: MaskStructure | None = None
 
 
 class Block(nn.Module):
@@ -107,6 +111,7 @@ class Block(nn.Module):
                 layer=layer,
                 write_index=ctx.write_index,
                 causal=ctx.causal,
+                structure=ctx.self_structure,
                 deterministic=deterministic,
             ),
             "self_attention",
@@ -124,6 +129,7 @@ class Block(nn.Module):
                     key_positions=ctx.source_positions,
                     cache=cache,
                     layer=layer,
+                    structure=ctx.cross_structure,
                     deterministic=deterministic,
                 ),
                 "cross_attention",
@@ -235,9 +241,11 @@ def _self_attention_context(
     masks: list[Array | None],
     write_index: Array | None,
     causal: bool,
+    structure: MaskStructure | None = None,
 ) -> LayerContext:
     """Masks and shared position biases for one stack's self-attention. `causal`: no cache
-    and causal masking, so query i sees no key after i (attention may skip those blocks)."""
+    and causal masking, so query i sees no key after i (attention may skip those blocks).
+    structure: the same masks by their parts (`_self_structure`), or None."""
     if config.local_window is not None:
         masks.append(
             attention.local_window_mask(query_positions, key_positions, config.local_window)
@@ -251,7 +259,27 @@ def _self_attention_context(
         key_positions=key_positions,
         write_index=write_index,
         causal=causal,
+        self_structure=structure,
     )
+
+
+def _self_structure(
+    config: ModelConfig,
+    causal: bool,
+    valid: Array | None,  # [batch, len] bool
+    segment_ids: Array | None,  # [batch, len]
+    positions_follow_index: bool,
+) -> MaskStructure | None:
+    """Self-attention's mask (without a cache) by its parts: causal, the local window, and
+    segments (packed ids, else 1 = real / 0 = padding). A window is by positions, so it is
+    described only when positions advance by one per token (`positions_follow_index`: the
+    default positions, or packed segments'); else None: only the dense mask says it."""
+    window = config.local_window
+    if window is not None and not positions_follow_index:
+        return None
+    ids = segment_ids if segment_ids is not None else valid
+    ids = None if ids is None else jnp.asarray(ids).astype(jnp.int32)
+    return MaskStructure(causal, window, ids, ids)
 
 
 def _causal_inputs(
@@ -318,11 +346,21 @@ def _with_cross_attention(
             jnp.full(encoded.shape[:1], source_len), source_len
         )
     cross_masks = [attention.padding_mask(source_valid)]
+    # By parts: query segments (packed ids, else all 1) against key segments (packed ids, else
+    # 1 = real / 0 = padding source token).
+    query_segments = jnp.ones_like(ctx.query_positions, jnp.int32)
+    key_segments = source_valid.astype(jnp.int32)
     if segment_ids is not None and source_segment_ids is not None:
         cross_masks.append(attention.segment_mask(segment_ids, source_segment_ids))
+        query_segments = jnp.asarray(segment_ids).astype(jnp.int32)
+        key_segments = jnp.asarray(source_segment_ids).astype(jnp.int32)
+    structure = None
+    if encoded is not None:
+        structure = MaskStructure(False, None, query_segments, key_segments)
     return ctx.replace(
         encoded=encoded,
         cross_mask=attention.combine_masks(*cross_masks),
+        cross_structure=structure,
         source_positions=_default_positions(source_valid),
         source_valid=source_valid,
     )
@@ -350,6 +388,7 @@ class Encoder(nn.Module):
         if embedding is None:
             embedding = TokenEmbedding(config, config.resolved_source_vocab_size, name="embed")
         valid = _resolve_valid(tokens, valid, segment_ids)
+        follow_index = segment_ids is not None or (positions is None and valid is None)
         if positions is None:
             positions = _default_positions(tokens)
             if valid is not None and segment_ids is None:
@@ -368,6 +407,7 @@ class Encoder(nn.Module):
             masks,
             None,
             False,
+            _self_structure(config, False, valid, segment_ids, follow_index),
         )
         x, _ = Stack(config, config.num_encoder_layers, False, True, name="stack")(
             x, None, ctx, deterministic
@@ -403,7 +443,10 @@ class Decoder(nn.Module):
                              "output is untied (tie_output=False)")
         write_index, new_valid = None, None
         valid = _resolve_valid(tokens, valid, segment_ids)
+        structure = None
         if cache is None:
+            follow_index = segment_ids is not None or (positions is None and valid is None)
+            structure = _self_structure(config, True, valid, segment_ids, follow_index)
             positions, key_positions, masks = _causal_inputs(tokens, positions, valid, segment_ids)
         else:
             check_cache(cache, config, self.has_cross)
@@ -425,6 +468,7 @@ class Decoder(nn.Module):
             masks,
             write_index,
             cache is None,
+            structure,
         )
         if self.has_cross:
             if encoded is None and cache is None:

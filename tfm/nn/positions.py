@@ -356,6 +356,9 @@ class PositionScheme:
     check: Callable[[Any], None] = _no_check  # raises ConfigError for invalid settings
     # Whether the layers need the attention weights (Shaw's value term): fused kernels lack them.
     needs_attention_weights: Callable[[Any], bool] = _never
+    # The logit bias it adds: None, "fixed" (no parameters) or "learned" (a gradient flows
+    # through it); fused kernels take some kinds or none (tfm.kernels.Backend.biases).
+    logit_bias_kind: str | None = None
     num_params: Callable[[Any, int], int] = _no_params  # per stack of num_layers layers
 
 
@@ -460,7 +463,7 @@ SCHEMES: dict[str, PositionScheme] = {
         ),
         PositionScheme(
             "relative", "relative", "Shaw et al. clipped relative keys/values",
-            relative=_shaw_relative,
+            relative=_shaw_relative, logit_bias_kind="learned",
             needs_attention_weights=lambda config: config.relative_values,
             # Tables shared by heads, one or two per self-attention layer.
             num_params=lambda config, layers: layers * (1 + config.relative_values) * (
@@ -468,7 +471,7 @@ SCHEMES: dict[str, PositionScheme] = {
         ),
         PositionScheme(
             "t5_bias", "bias", "T5 bucketed relative attention bias",
-            logit_bias=_t5_logit_bias,
+            logit_bias=_t5_logit_bias, logit_bias_kind="learned",
             bias_per_layer=lambda config: not config.t5_shared_across_layers,
             num_params=lambda config, layers: (
                 1 if config.t5_shared_across_layers else layers
@@ -476,7 +479,7 @@ SCHEMES: dict[str, PositionScheme] = {
         ),
         PositionScheme(
             "alibi", "bias", "ALiBi linear distance penalty per head",
-            logit_bias=_alibi_logit_bias,
+            logit_bias=_alibi_logit_bias, logit_bias_kind="fixed",
         ),
     )
 }

@@ -27,6 +27,7 @@ import optax
 from flax import struct
 from jax.experimental import multihost_utils
 
+from tfm import kernels
 from tfm.checks import (
     ConfigError,
     check_bool,
@@ -406,7 +407,12 @@ def setup(
         multihost_utils.sync_global_devices("tfm.training.train.setup: data prepared")
     # "auto" kernels for the mesh's devices, which need not be this host's (deviceless compile).
     platform = mesh.devices.flat[0].platform
-    model_config = _model_for_data(sections, data).for_platform(platform)
+    model_config = _model_for_data(sections, data)
+    if model_config.attention_backend == "auto" and jax.process_index() == 0:
+        _, note = kernels.auto_choice(platform, **model_config.attention_needs)
+        if note:
+            logger.info(note)
+    model_config = model_config.for_platform(platform)
     warning = hardware.bf16_warning(model_config.dtype, platform)
     if warning and jax.process_index() == 0:
         logger.warning(warning)

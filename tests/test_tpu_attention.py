@@ -1,0 +1,206 @@
+"""Splash attention (tfm.kernels.tpu_attention) against the reference maths, run here in Pallas
+interpret mode: values and q/k/v gradients at every real query, for the masks it builds per
+block (causal, local window, packed segments, padding), GQA, lengths that are not whole blocks,
+cross-attention, float32 and bfloat16; then whole models, cached decoding, and the TPU program
+it lowers to (a Mosaic kernel, no [batch, heads, T, T] array)."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tiny_model import TINY
+
+from tfm import kernels
+from tfm.kernels.call import MaskStructure
+from tfm.nn import attention as reference
+from tfm.nn import models
+from tfm.nn.config import ModelConfig
+
+
+def _segments(kind: str, batch: int, length: int) -> np.ndarray | None:
+    """None, padding (1 real / 0 padded, different lengths per row) or packed ids (0 = pad)."""
+    if kind == "none":
+        return None
+    ids = np.zeros((batch, length), np.int32)
+    if kind == "padding":
+        for row in range(batch):
+            ids[row, : length - 17 * (row + 1)] = 1
+        return ids
+    cuts = sorted(np.random.default_rng(length).choice(np.arange(5, length - 5), 3, False))
+    for row in range(batch):
+        ids[row, : cuts[0]], ids[row, cuts[0]: cuts[1]], ids[row, cuts[1]: cuts[2]] = 1, 2, 3
+    return ids
+
+
+def _dense_mask(
+    structure: MaskStructure, q_len: int, kv_len: int
+) -> jax.Array:  # [batch | 1, 1, q_len, kv_len]
+    """The same mask written out with tfm.nn.attention's mask functions."""
+    q_index = jnp.arange(q_len)[None]
+    kv_index = jnp.arange(kv_len)[None]
+    masks = []
+    if structure.causal:
+        masks.append(reference.causal_mask(q_index, kv_index))
+    if structure.window is not None:
+        masks.append(reference.local_window_mask(q_index, kv_index, structure.window))
+    if structure.query_segments is not None:
+        masks.append(reference.segment_mask(structure.query_segments, structure.key_segments))
+    return reference.combine_masks(*masks)
+
+
+CASES = {
+    # name: (q_len, kv_len, heads, kv_heads, causal, window, segments, dtype)
+    "causal_gqa_f32": (128, 128, 4, 2, True, None, "none", "float32"),
+    "causal_padded_unaligned": (100, 100, 4, 4, True, None, "padding", "float32"),
+    "causal_packed_bf16": (256, 256, 4, 2, True, None, "packed", "bfloat16"),
+    "causal_window_packed": (150, 150, 2, 1, True, 9, "packed", "float32"),
+    "bidirectional_window_padded": (130, 130, 4, 2, False, 6, "padding", "float32"),
+    "bidirectional_padded_bf16": (64, 64, 4, 4, False, None, "padding", "bfloat16"),
+    "cross_padded": (70, 150, 4, 2, False, None, "cross", "float32"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_splash_equals_the_reference_forward_and_backward(case):
+    q_len, kv_len, heads, kv_heads, causal, window, segment_kind, dtype = CASES[case]
+    rng = np.random.default_rng(1)
+    batch, head_dim = 2, 16
+    query = jnp.asarray(rng.normal(size=(batch, q_len, heads, head_dim)), dtype)
+    key, value = (jnp.asarray(rng.normal(size=(batch, kv_len, kv_heads, head_dim)), dtype)
+                  for _ in "kv")
+    if segment_kind == "cross":
+        query_segments = jnp.ones((batch, q_len), jnp.int32)
+        key_segments = jnp.asarray(_segments("padding", batch, kv_len))
+    else:
+        ids = _segments(segment_kind, batch, q_len)
+        query_segments = key_segments = None if ids is None else jnp.asarray(ids)
+    structure = MaskStructure(causal, window, query_segments, key_segments)
+    mask = _dense_mask(structure, q_len, kv_len)
+    real = np.ones((batch, q_len), bool) if query_segments is None or segment_kind == "cross" \
+        else np.asarray(query_segments) > 0
+    probe = jnp.asarray(rng.normal(size=query.shape), jnp.float32) * real[:, :, None, None]
+
+    def loss(backend, query, key, value):
+        out = kernels.attention(query, key, value, backend=backend, mask=mask, causal=causal,
+                                structure=structure)
+        return jnp.sum(out.astype(jnp.float32) * probe), out
+
+    grad = jax.jit(jax.value_and_grad(loss, (1, 2, 3), has_aux=True), static_argnums=0)
+    (want, want_out), want_grads = grad("reference", query, key, value)
+    (got, got_out), got_grads = grad("splash", query, key, value)
+    tolerance = 2e-5 if dtype == "float32" else 3e-2
+    np.testing.assert_allclose(np.asarray(got_out, np.float32)[real],
+                               np.asarray(want_out, np.float32)[real], atol=tolerance)
+    np.testing.assert_allclose(got, want, rtol=tolerance, atol=tolerance)
+    for name, g, w in zip("qkv", got_grads, want_grads, strict=True):
+        scale = float(jnp.abs(w.astype(jnp.float32)).max())
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                                   atol=tolerance * max(scale, 1.0), err_msg=name)
+
+
+def test_a_wrong_structure_gives_different_values():
+    """The kernel reads the structure, not the dense mask: describing a causal mask as
+    bidirectional changes the output (so the equality above is not vacuous)."""
+    rng = np.random.default_rng(2)
+    query, key, value = (jnp.asarray(rng.normal(size=(1, 128, 2, 16)), jnp.float32)
+                         for _ in "qkv")
+    mask = reference.causal_mask(jnp.arange(128)[None], jnp.arange(128)[None])
+    right = kernels.attention(query, key, value, backend="splash", mask=mask,
+                              structure=MaskStructure(causal=True))
+    wrong = kernels.attention(query, key, value, backend="splash", mask=mask,
+                              structure=MaskStructure(causal=False))
+    want = kernels.attention(query, key, value, backend="reference", mask=mask)
+    np.testing.assert_allclose(right, want, atol=2e-5)
+    assert float(jnp.abs(wrong - want).max()) > 0.1
+
+
+def _model_config(backend: str, **changes) -> ModelConfig:
+    return ModelConfig(**{**TINY, "position_scheme": "rope", "max_len": 256,
+                          "attention_backend": backend, **changes})
+
+
+@pytest.mark.parametrize("mode", ["lm", "seq2seq"])
+def test_models_with_splash_equal_the_reference(mode):
+    """Logits at real tokens and every parameter gradient: a packed LM with a local window,
+    an encoder-decoder with padded source and target."""
+    rng = np.random.default_rng(3)
+    length = 140
+    tokens = jnp.asarray(rng.integers(1, TINY["vocab_size"], (2, length)), jnp.int32)
+    if mode == "lm":
+        changes = dict(num_encoder_layers=0, local_window=11)
+        segment_ids = jnp.asarray(_segments("packed", 2, length))
+        real = np.asarray(segment_ids) > 0
+        model_for = lambda backend: models.DecoderLM(_model_config(backend, **changes))
+        apply = lambda model, params: model.apply(params, tokens, segment_ids=segment_ids)
+        init_args = (tokens,)
+    else:
+        source_valid = jnp.asarray(_segments("padding", 2, length + 20)) > 0
+        source = jnp.asarray(rng.integers(1, TINY["vocab_size"], (2, length + 20)), jnp.int32)
+        valid = jnp.asarray(_segments("padding", 2, length)) > 0
+        real = np.asarray(valid)
+        model_for = lambda backend: models.EncoderDecoder(_model_config(backend))
+        apply = lambda model, params: model.apply(params, source, tokens, source_valid=source_valid,
+                                                  valid=valid)
+        init_args = (source, tokens)
+    params = {"params": model_for("reference").init(jax.random.key(0), *init_args)["params"]}
+    weights = jnp.asarray(real, jnp.float32)[..., None]
+
+    def loss(params, backend):
+        logits = apply(model_for(backend), params)
+        logits = logits[0] if isinstance(logits, tuple) else logits
+        return jnp.sum(jnp.sin(logits) * weights), logits
+
+    grad = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)
+    (want, want_logits), want_grads = grad(params, "reference")
+    (got, got_logits), got_grads = grad(params, "splash")
+    np.testing.assert_allclose(np.asarray(got_logits)[real], np.asarray(want_logits)[real],
+                               atol=2e-5)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got_grads),
+                            jax.tree.leaves(want_grads), strict=True):
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=5e-5, err_msg=jax.tree_util.keystr(path))
+
+
+def test_cached_decoding_with_splash_equals_the_full_pass():
+    """The full pass runs splash; cached steps (few queries against the cache) the reference."""
+    from tfm.nn.cache import init_cache
+
+    config = _model_config("splash", num_encoder_layers=0)
+    model = models.DecoderLM(config)
+    tokens = jnp.asarray(np.random.default_rng(4).integers(1, 13, (2, 20)), jnp.int32)
+    params = {"params": model.init(jax.random.key(0), tokens)["params"]}
+    full = model.apply(params, tokens)
+    cache = init_cache(config, 2, 32)
+    logits, cache = model.apply(params, tokens[:, :12], cache=cache)
+    steps = [logits]
+    for index in range(12, 20):
+        logits, cache = model.apply(params, tokens[:, index: index + 1], cache=cache)
+        steps.append(logits)
+    np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, atol=2e-5)
+
+
+def _lowered_lm_grad(backend: str, length: int, platform: str = "tpu") -> str:
+    config = _model_config(backend, num_encoder_layers=0, dtype="bfloat16")
+    model = models.DecoderLM(config)
+    tokens = jax.ShapeDtypeStruct((2, length), jnp.int32)
+    params = jax.eval_shape(
+        lambda: {"params": model.init(jax.random.key(0), jnp.ones((2, length), int))["params"]})
+    loss = lambda params, tokens: jnp.sum(model.apply(params, tokens))
+    traced = jax.jit(jax.grad(loss)).trace(params, tokens)
+    return traced.lower(lowering_platforms=(platform,)).as_text()
+
+
+def test_the_tpu_program_is_a_mosaic_kernel_without_score_arrays():
+    """Lowered for TPU (no libtpu needed), the train gradient calls the Mosaic kernel and holds
+    no [.., T, T] array; the reference's program does (so the check can fail)."""
+    length = 256
+    square = re.compile(rf"x{length}x{length}x")
+    splash_text = _lowered_lm_grad("splash", length)
+    assert "tpu_custom_call" in splash_text
+    assert not square.search(splash_text)
+    assert square.search(_lowered_lm_grad("reference", length))
+    assert "tpu_custom_call" not in _lowered_lm_grad("splash", length, "cpu")  # interpreted

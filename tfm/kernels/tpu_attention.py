@@ -1,0 +1,167 @@
+"""Attention on TPU by Pallas splash attention (jax.experimental.pallas.ops.tpu): flash
+attention whose mask is built per block from its parts (causal, local window, packed segments,
+padding), so no [batch, heads, q_len, kv_len] score or mask reaches HBM, and blocks the mask
+removes are skipped. Same values as the reference (tfm.nn.attention) at every real query.
+
+It serves calls that describe their mask (`AttentionCall.structure`) and read no KV cache;
+cached decoding steps (a few queries against the cache) use the reference maths, whose score
+rows are small. No logit bias (ALiBi, T5, Shaw), no dropout, no returned weights.
+Off TPU it runs in Pallas interpret mode (slow; for tests).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
+from jax.sharding import PartitionSpec
+
+from tfm.checks import ConfigError
+from tfm.kernels.call import AttentionCall
+from tfm.nn import attention as reference
+
+LANES = 128  # splash's key blocks are multiples of the TPU's 128 lanes
+BLOCK_CHOICES = (512, 256, LANES)  # the largest that divides the padded length is used
+PADDING_KEY_SEGMENT = -1  # no query has it, so padded keys are never attended
+
+
+def serves(call: AttentionCall, q_len: int, kv_len: int) -> bool:
+    """Whether splash attention computes this call (else the reference does)."""
+    structure = call.structure
+    if call.cache_layout or structure is None:
+        return False
+    return q_len == kv_len or not (structure.causal or structure.window is not None)
+
+
+def attention(
+    query: jax.Array,  # [batch, q_len, num_heads, head_dim]
+    key: jax.Array,  # [batch, kv_len, num_kv_heads, head_dim]
+    value: jax.Array,  # like key
+    call: AttentionCall,
+) -> jax.Array:  # [batch, q_len, num_heads, head_dim]
+    """The reference's softmax(Q K^T * scale) V by splash attention, under shard_map when a
+    multi-device mesh is set (jax.set_mesh): batch and heads shard as the layers' logical
+    axis rules say, each device runs the kernel on its own rows and heads."""
+    if call.bias is not None:
+        raise ConfigError("attention_backend='splash' takes no logit bias (ALiBi, T5, Shaw); "
+                          "use 'auto' or 'reference'")
+    if call.dropout_rate > 0 or call.return_weights:
+        raise ConfigError("attention_backend='splash' has no attention dropout and returns no "
+                          "weights; use 'reference'")
+    if not serves(call, query.shape[1], key.shape[1]):
+        return reference.dot_product_attention(query, key, value, **call.spec_options())
+    query, key, value, _, _ = reference.check_inputs(query, key, value, None, None, 0.0, None)
+    structure = call.structure
+    scale = reference.default_scale(query.shape[-1]) if call.scale is None else call.scale
+    segments = (structure.query_segments, structure.key_segments)
+    if segments[0] is None:
+        segments = None
+    local = functools.partial(_attend_local, causal=structure.causal, window=structure.window,
+                              scale=scale)
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:  # the platform is known when lowering: Mosaic on TPU, interpreted elsewhere
+        return jax.lax.platform_dependent(
+            query, key, value, segments, tpu=functools.partial(local, interpret=False),
+            default=functools.partial(local, interpret=True),
+        )
+    per_shard = functools.partial(local, interpret=mesh.abstract_device.platform != "tpu")
+    if mesh.size == 1:
+        return per_shard(query, key, value, segments)
+    query_spec, kv_spec, rows_spec = _specs()
+    return jax.shard_map(
+        per_shard, mesh=mesh, check_vma=False,
+        in_specs=(query_spec, kv_spec, kv_spec, None if segments is None else (rows_spec,) * 2),
+        out_specs=query_spec,
+    )(query, key, value, segments)
+
+
+def _specs() -> tuple[PartitionSpec, PartitionSpec, PartitionSpec]:
+    """shard_map specs of query, key/value and segment ids from the logical axis rules."""
+    query_spec = nn.logical_to_mesh_axes(("batch", "length", "heads", "head_dim"))
+    kv_spec = nn.logical_to_mesh_axes(("batch", "length", "kv_heads", "head_dim"))
+    rows_spec = nn.logical_to_mesh_axes(("batch", "length"))
+    return query_spec, kv_spec, rows_spec
+
+
+def _round_up(length: int) -> int:
+    return -(-length // LANES) * LANES
+
+
+def _block(length: int) -> int:
+    return next(size for size in BLOCK_CHOICES if length % size == 0)
+
+
+def _static_mask(
+    num_heads: int, q_len: int, kv_len: int, causal: bool, window: int | None
+) -> splash_mask.MultiHeadMask:
+    """The mask's static part (causal, window), the same for every head."""
+    shape = (q_len, kv_len)
+    if window is not None:
+        head_mask = splash_mask.LocalMask(shape, (window, 0 if causal else window), offset=0)
+    elif causal:
+        head_mask = splash_mask.CausalMask(shape)
+    else:
+        head_mask = splash_mask.FullMask(shape)
+    return splash_mask.MultiHeadMask([head_mask] * num_heads)
+
+
+def _padded_segments(
+    segments: tuple[jax.Array, jax.Array] | None,  # ([batch, q_len], [batch, kv_len]) int
+    batch: int, q_len: int, kv_len: int, q_padded: int, kv_padded: int,
+) -> tuple[jax.Array, jax.Array] | None:
+    """Segment ids for the padded lengths: padded keys get a segment no query has. (A row
+    left with no key is harmless: splash's mask value is finite, so it averages, never NaN.)"""
+    if segments is None and kv_padded == kv_len:
+        return None
+    if segments is None:
+        segments = (jnp.zeros((batch, q_len), jnp.int32), jnp.zeros((batch, kv_len), jnp.int32))
+    query_segments, key_segments = (ids.astype(jnp.int32) for ids in segments)
+    query_segments = jnp.pad(query_segments, ((0, 0), (0, q_padded - q_len)))
+    key_segments = jnp.pad(key_segments, ((0, 0), (0, kv_padded - kv_len)),
+                           constant_values=PADDING_KEY_SEGMENT)
+    return query_segments, key_segments
+
+
+def _attend_local(
+    query: jax.Array,  # [batch, q_len, num_heads, head_dim], this device's rows and heads
+    key: jax.Array,  # [batch, kv_len, num_kv_heads, head_dim]
+    value: jax.Array,  # like key
+    segments: tuple[jax.Array, jax.Array] | None,  # ([batch, q_len], [batch, kv_len]) int
+    *, causal: bool, window: int | None, scale: float, interpret: bool,
+) -> jax.Array:  # [batch, q_len, num_heads, head_dim]
+    """Splash attention over local arrays: lengths padded to whole 128-lane blocks, one
+    kernel call per batch row (vmap)."""
+    batch, q_len, num_heads, _ = query.shape
+    kv_len = key.shape[1]
+    q_padded, kv_padded = _round_up(q_len), _round_up(kv_len)
+    segments = _padded_segments(segments, batch, q_len, kv_len, q_padded, kv_padded)
+
+    def heads_major(x: jax.Array, padded: int) -> jax.Array:  # -> [batch, heads, padded, hd]
+        x = jnp.pad(x, ((0, 0), (0, padded - x.shape[1]), (0, 0), (0, 0)))
+        return x.transpose(0, 2, 1, 3)
+
+    # Splash takes pre-scaled queries (Q K^T * scale = (Q * scale) K^T).
+    scaled = (query.astype(jnp.float32) * scale).astype(query.dtype)
+    block_q, block_kv = _block(q_padded), _block(kv_padded)
+    sizes = splash.BlockSizes(
+        block_q=block_q, block_kv=block_kv, block_kv_compute=block_kv,
+        block_q_dkv=block_q, block_kv_dkv=block_kv, block_kv_dkv_compute=block_kv,
+        block_q_dq=block_q, block_kv_dq=block_kv,
+    )
+    kernel = splash.make_splash_mha(
+        _static_mask(num_heads, q_padded, kv_padded, causal, window),
+        block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret,
+    )
+    args = (heads_major(scaled, q_padded), heads_major(key, kv_padded),
+            heads_major(value, kv_padded))
+    if segments is None:
+        out = jax.vmap(kernel)(*args)
+    else:
+        out = jax.vmap(lambda q, k, v, q_ids, kv_ids: kernel(
+            q, k, v, segment_ids=splash.SegmentIds(q_ids, kv_ids)))(*args, *segments)
+    return out.transpose(0, 2, 1, 3)[:, :q_len].astype(query.dtype)
+
