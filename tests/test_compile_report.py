@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from configs import synthetic_lm
+from configs import synthetic_lm, synthetic_seq2seq
 from tfm.checks import ConfigError
 from tfm.kernels.hardware import CHIPS
 from tfm.training import compile_report
@@ -38,6 +38,14 @@ def test_largest_arrays_reads_shapes_from_program_text():
     arrays = compile_report.largest_arrays(program, count=2)
     assert arrays == [("f32[8,12,1024,1024]", 4 * 8 * 12 * 1024 * 1024, 2),
                       ("bf16[50304,768]", 2 * 50304 * 768, 1)]
+
+
+def test_score_arrays_are_those_ending_in_length_by_length():
+    program = ("%a = f32[8,12,1024,1024]{3,2,1,0} fusion(...)\n%b = bf16[1024,1024] param\n"
+               "%c = f32[8,1024,768] add(%x, %y)\n%d = pred[8,1,1024,1024] compare(%e, %f)")
+    assert compile_report.score_arrays(program, 1024) == [
+        "bf16[1024,1024]", "f32[8,12,1024,1024]", "pred[8,1,1024,1024]"]
+    assert compile_report.score_arrays(program, 768) == []
 
 
 def test_roofline_is_the_slower_of_compute_and_traffic():
@@ -85,7 +93,7 @@ def test_tpu_target_without_libtpu_names_the_extra():
 def test_tpu_target_reports_memory_flops_and_roofline(tmp_path):
     report = compile_report.compile_for(_config(tmp_path / "data"), tmp_path / "run", "v5e-4")
     assert report["chips"] == 4 and report["platform"] == "tpu"
-    assert report["attention_backend"] == "reference"  # no CPU kernels for a TPU mesh
+    assert report["attention_backend"] == "splash"  # no CPU kernels for a TPU mesh
     assert report["fits"] and report["roofline_seconds"] > 0
     assert 0 < report["roofline_mfu"] <= 1
     ratio = report["compiled_flops_per_chip"] / report["analytic_flops_per_chip"]
@@ -101,3 +109,27 @@ def test_a_step_that_does_not_fit_is_one_line(tmp_path):
     text, failure = compile_report.run(config, tmp_path / "run", "v5e-4")
     assert failure is not None and "\n" not in failure, (text, failure)
     assert failure.startswith("--target=v5e-4 does not fit")
+
+
+SCHEMES = ("none", "sinusoidal", "learned", "rope", "relative", "t5_bias", "alibi")
+
+
+@pytest.mark.skipif(not HAS_LIBTPU, reason='needs libtpu: pip install -e ".[tpu]"')
+@pytest.mark.parametrize("mode", ["lm", "seq2seq"])
+def test_every_position_scheme_compiles_for_tpu_on_a_data_fsdp_mesh(tmp_path, mode):
+    """Each scheme's train step compiles for a v5e 2x2 slice with data x fsdp sharding; where
+    splash serves the scheme, the compiled step holds no [.., T, T] array."""
+    length = 256
+    for scheme in SCHEMES:
+        source = synthetic_lm if mode == "lm" else synthetic_seq2seq
+        config = source.get_config("runlocal")
+        config.model.update(d_model=64, num_heads=2, d_ff=128, position_scheme=scheme,
+                            relative_values=False, max_len=length, dtype="bfloat16")
+        config.data.update(data_dir=str(tmp_path / "data" / mode), batch_size=8,
+                           seq_len=length, num_train_examples=16, num_eval_examples=8)
+        config.mesh.update(data=2, fsdp=2)
+        report = compile_report.compile_for(config, tmp_path / scheme, "v5e-4")
+        assert report["fits"], scheme
+        fused = scheme not in ("relative", "t5_bias", "alibi")
+        assert report["attention_backend"] == ("splash" if fused else "reference"), scheme
+        assert bool(report["score_arrays"]) != fused, (scheme, report["score_arrays"])

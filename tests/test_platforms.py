@@ -190,3 +190,28 @@ def test_every_kernel_equals_the_reference_forward_and_backward(backend):
     np.testing.assert_allclose(got, want, rtol=1e-5)
     for g, w in zip(got_grads, want_grads, strict=True):
         np.testing.assert_allclose(g, w, atol=1e-4)
+
+
+def test_xla_takes_a_pure_causal_mask_from_the_structure():
+    """With MaskStructure(causal=True) the xla backend drops the dense mask for its own causal
+    flag: same values, and the dense mask is no longer an input of the program."""
+    from tfm.kernels.call import MaskStructure
+
+    rng = np.random.default_rng(5)
+    query, key, value = (jnp.asarray(rng.normal(size=(2, 24, 2, 8)), jnp.float32)
+                         for _ in "qkv")
+    order = jnp.arange(24)[None]
+    mask = order[:, None, None, :] <= order[:, None, :, None]
+
+    def attend(backend, structure, query, key, value, mask):
+        return kernels.attention(query, key, value, mask=mask, backend=backend,
+                                 structure=structure)
+
+    want = attend("reference", None, query, key, value, mask)
+    got = attend("xla", MaskStructure(causal=True), query, key, value, mask)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    lowered = lambda structure: jax.jit(functools.partial(attend, "xla", structure)).trace(
+        query, key, value, mask).lower().as_text()
+    assert "i1>" in lowered(None).split("func.func public @main")[1].split("{")[0]
+    assert "i1>" not in lowered(MaskStructure(causal=True)).split(
+        "func.func public @main")[1].split("{")[0]

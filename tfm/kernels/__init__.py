@@ -71,8 +71,13 @@ class Backend:
 
 def _jax_nn(implementation: str) -> Callable[..., jax.Array]:
     def attention(query, key, value, call: AttentionCall) -> jax.Array:
-        return jax_attention.attention(query, key, value, bias=call.bias, mask=call.mask,
-                                       scale=call.scale, implementation=implementation)
+        structure, mask, is_causal = call.structure, call.mask, False
+        if (structure is not None and structure.causal and structure.window is None
+                and structure.query_segments is None and query.shape[1] == key.shape[1]):
+            mask, is_causal = None, True  # the kernel's own causal mask, no [T, T] input
+        return jax_attention.attention(query, key, value, bias=call.bias, mask=mask,
+                                       scale=call.scale, implementation=implementation,
+                                       is_causal=is_causal)
 
     return attention
 

@@ -54,6 +54,7 @@ def attention(
     mask: jax.Array | None = None,  # bool, likewise
     scale: float | None = None,
     implementation: str = "xla",  # or "cudnn"
+    is_causal: bool = False,  # query i attends keys <= i (q_len == kv_len), besides `mask`
 ) -> jax.Array:  # [batch, q_len, num_heads, head_dim]
     """softmax(Q K^T * scale + bias) V by `jax.nn.dot_product_attention`; a query whose keys are
     all masked gets a zero output, as in the reference."""
@@ -68,7 +69,8 @@ def attention(
             bias = bias.astype(query.dtype)
     scale = default_scale(query.shape[-1]) if scale is None else scale
     out = jax.nn.dot_product_attention(
-        query, key, value, bias=bias, mask=mask, scale=scale, implementation=implementation
+        query, key, value, bias=bias, mask=mask, scale=scale, implementation=implementation,
+        is_causal=is_causal,
     )
     if mask is None:
         return out

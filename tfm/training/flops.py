@@ -94,22 +94,45 @@ def flops_per_token(
     seq_len): the encoder's work and the cross-attention key/value projections run once per
     source token and are spread over the target tokens. Multiply by tokens/s for FLOP/s.
     """
+    return (_weight_flops_per_token(config, seq_len, kind, source_len)
+            + attention_flops_per_token(config, seq_len, kind, source_len))
+
+
+def _weight_flops_per_token(
+    config: ModelConfig, seq_len: int, kind: str, source_len: int | None
+) -> float:
+    """flops_per_token's 6 * matmul weights part."""
     _check_kind(kind)
     qo, kv, _ = _attention_counts(config)
     mlp, _ = _mlp_counts(config)
     if kind == "encoder":
-        layers = config.num_encoder_layers
-        return 6.0 * layers * (qo + kv + mlp) + attention_core_flops(config, seq_len, layers)
+        return 6.0 * config.num_encoder_layers * (qo + kv + mlp)
     layers = config.num_decoder_layers
     decoder = 6.0 * (layers * (qo + kv + mlp) + config.d_model * config.vocab_size)
-    decoder += attention_core_flops(config, seq_len, layers)
     if kind == "lm":
         return decoder
     source_len = seq_len if source_len is None else source_len
-    decoder += 6.0 * layers * qo + attention_core_flops(config, source_len, layers)  # cross
-    encoder = flops_per_token(config, source_len, "encoder")
-    encoder += 6.0 * layers * kv  # cross-attention keys/values of every source token
-    return decoder + encoder * source_len / seq_len
+    encoder = 6.0 * config.num_encoder_layers * (qo + kv + mlp) + 6.0 * layers * kv
+    return decoder + 6.0 * layers * qo + encoder * source_len / seq_len
+
+
+def attention_flops_per_token(
+    config: ModelConfig, seq_len: int, kind: str = "lm", source_len: int | None = None
+) -> float:
+    """flops_per_token's attention-core part (12 * layers * keys * d_attn), the work a fused
+    attention kernel does (self-attention, and for seq2seq cross-attention and the encoder's,
+    spread over the target tokens as flops_per_token does)."""
+    _check_kind(kind)
+    if kind == "encoder":
+        return attention_core_flops(config, seq_len, config.num_encoder_layers)
+    layers = config.num_decoder_layers
+    decoder = attention_core_flops(config, seq_len, layers)
+    if kind == "lm":
+        return decoder
+    source_len = seq_len if source_len is None else source_len
+    encoder = attention_core_flops(config, source_len, config.num_encoder_layers)
+    return decoder + attention_core_flops(config, source_len, layers) + (
+        encoder * source_len / seq_len)
 
 
 def mfu(
