@@ -5,6 +5,9 @@
 2. Training MFU at the GPT-2-small shape (12 layers, d_model 768, 12 heads, seq 1024, vocab
    50,257, bf16 compute, cuDNN attention, AdamW), against the device's bf16 peak
    (tfm.training.flops).
+2b. cuDNN with a learned logit bias (T5-style [1, heads, T, T], batch 4): the bias gradient
+   against the xla backend's (jax-ml/jax#27184, #30593 report it missing or batch-1 only).
+   Until this shows it right, tfm never routes a learned bias to cuDNN.
 3. Batch-1 greedy decoding (bf16 weights and cache) as a fraction of the HBM-bandwidth bound
    (bf16 weight bytes per token over the device's bandwidth, measured with a large copy).
 
@@ -72,6 +75,32 @@ def attention_check() -> dict:
     for name, gx, gc in zip("qkv", grads_x, grads_c, strict=True):
         result[f"max_abs_diff_grad_{name}"] = float(
             jnp.max(jnp.abs(gx.astype(jnp.float32) - gc.astype(jnp.float32))))
+    return result
+
+
+def bias_gradient_check() -> dict:
+    """cuDNN's gradient w.r.t. a learned [1, heads, T, T] bias, batch 4, against xla's."""
+    batch, length, heads, head_dim = 4, 512, 8, 64
+    keys = jax.random.split(jax.random.PRNGKey(1), 4)
+    q, k, v = (jax.random.normal(key, (batch, length, heads, head_dim), jnp.bfloat16)
+               for key in keys[:3])
+    bias = 0.5 * jax.random.normal(keys[3], (1, heads, length, length), jnp.float32)
+    positions = jnp.broadcast_to(jnp.arange(length), (batch, length))
+    mask = attention.causal_mask(positions, positions)
+    grads = {}
+    for backend in ("xla", "cudnn"):
+        def loss(q, k, v, bias, backend=backend):
+            out = kernels.attention(q, k, v, bias=bias, mask=mask, backend=backend)
+            return jnp.sum(out.astype(jnp.float32) ** 2)
+        grads[backend] = jax.jit(jax.grad(loss, (0, 1, 2, 3)))(q, k, v, bias)
+    result = {}
+    for name, gx, gc in zip(("q", "k", "v", "bias"), grads["xla"], grads["cudnn"], strict=True):
+        gx, gc = gx.astype(jnp.float32), gc.astype(jnp.float32)
+        result[f"grad_{name}_max_abs_diff"] = float(jnp.max(jnp.abs(gx - gc)))
+        result[f"grad_{name}_max_abs"] = float(jnp.max(jnp.abs(gx)))
+    # Right means: within bf16 rounding of xla's, relative to its size.
+    result["bias_gradient_right"] = bool(
+        result["grad_bias_max_abs_diff"] <= 0.05 * max(result["grad_bias_max_abs"], 1e-6))
     return result
 
 
@@ -150,7 +179,8 @@ def decode_bound(new_tokens: int = 256) -> dict:
 def main() -> None:
     device = jax.devices()[0]
     result = {"device": device.device_kind, "jax": jax.__version__}
-    for name, fn in (("attention", attention_check), ("train", train_mfu),
+    for name, fn in (("attention", attention_check), ("bias_gradient", bias_gradient_check),
+                     ("train", train_mfu),
                      ("decode", decode_bound)):
         try:
             result[name] = fn()
