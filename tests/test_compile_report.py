@@ -22,6 +22,7 @@ from tfm.training import compile_report
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
+HAS_CUDA_PLUGIN = importlib.util.find_spec("jax_cuda12_plugin") is not None
 
 
 def _config(data_dir: Path, **model):
@@ -87,6 +88,22 @@ def test_unknown_target_is_one_line(tmp_path):
 def test_tpu_target_without_libtpu_names_the_extra():
     with pytest.raises(ConfigError, match=r'pip install -e "\.\[tpu\]"'):
         compile_report.target_devices("v5e-4")
+
+
+@pytest.mark.skipif(HAS_CUDA_PLUGIN, reason="the CUDA plugin is installed")
+def test_gpu_target_without_the_plugin_names_the_extra():
+    with pytest.raises(ConfigError, match=r'pip install -e "\.\[gpu\]"'):
+        compile_report.target_devices("h100-8")
+
+
+@pytest.mark.skipif(not HAS_CUDA_PLUGIN or not os.environ.get("JAX_SKIP_CUDA_CONSTRAINTS_CHECK"),
+                    reason='needs pip install -e ".[gpu]" and JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1')
+def test_gpu_target_compiles_with_cudnn_and_reports_memory_only(tmp_path):
+    config = _config(tmp_path / "data", d_model=64, num_heads=2, dtype="bfloat16")
+    report = compile_report.compile_for(config, tmp_path / "run", "h100-8")
+    assert report["chips"] == 8 and report["platform"] == "gpu"
+    assert report["attention_backend"] == "cudnn" and report["fits"]
+    assert "compiled_flops_per_chip" not in report  # XLA:GPU gives no cost analysis
 
 
 @pytest.mark.skipif(not HAS_LIBTPU, reason='needs libtpu: pip install -e ".[tpu]"')

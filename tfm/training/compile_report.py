@@ -42,6 +42,13 @@ class Target:
     topology: tuple[tuple[str, Any], ...] = ()
 
 
+def _gpu(name: str, chip: str, description: str, count: int) -> Target:
+    """`count` GPUs on one host, described by a GpuTargetConfig text in gpu_targets/."""
+    return Target(name, "cuda", chip, (
+        ("target_config", description), ("topology", f"1x1x{count}"),
+    ))
+
+
 def _tpu(name: str, chip: str, topology: str, config: str, host: tuple[int, int, int]) -> Target:
     return Target(name, "tpu", chip, (
         ("topology_name", topology), ("chip_config_name", config),
@@ -61,9 +68,15 @@ TARGETS: dict[str, Target] = {
         _tpu("v5e-8", "TPU v5e", "v5e:2x4", "default", (2, 4, 1)),
         _tpu("v5e-256", "TPU v5e", "v5e:16x16", "default", (2, 2, 1)),
         _tpu("v6e-8", "TPU v6e", "v6e:2x4", "default", (2, 4, 1)),
+        _gpu("h100-8", "H100 SXM", "h100-80gb.txtpb", 8),
+        _gpu("a100-8", "A100 SXM 80GB", "a100-80gb.txtpb", 8),
     )
 }
 
+
+# GpuTargetConfig texts of the GPU targets (what get_topology_desc needs to compile for a GPU
+# without one).
+GPU_TARGETS = Path(__file__).resolve().parents[1] / "kernels" / "gpu_targets"
 
 # Attention backends whose Pallas kernels declare no cost estimate (XLA counts their operand
 # and output bytes, not their FLOPs).
@@ -79,14 +92,19 @@ def target_devices(name: str) -> tuple[Target, list[jax.Device]]:
         return target, jax.devices("cpu")
     from jax.experimental import topologies
 
+    arguments = dict(target.topology)
+    if target.platform == "cuda":
+        arguments["target_config"] = (GPU_TARGETS / arguments["target_config"]).read_text()
     try:
-        description = topologies.get_topology_desc(platform=target.platform,
-                                                   **dict(target.topology))
+        description = topologies.get_topology_desc(platform=target.platform, **arguments)
     except Exception as error:  # noqa: BLE001 - libtpu missing or the topology unknown to it
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        needs = ('libtpu: pip install -e ".[tpu]"' if target.platform == "tpu" else
+                 'the CUDA plugin (pip install -e ".[gpu]") and JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 '
+                 "set before jax starts, as ./launch.sh compile does")
         raise ConfigError(
-            f"--target={name}: cannot describe its chips here ({first}); compiling for TPU "
-            'needs libtpu: pip install -e ".[tpu]"'
+            f"--target={name}: cannot describe its chips here ({first}); compiling for "
+            f"{target.platform.upper()} needs {needs}"
         ) from None
     return target, list(description.devices)
 

@@ -614,7 +614,8 @@ def state_shardings(experiment: Experiment) -> tuple[Any, Any]:
     """(abstract unboxed state with shardings, sharding tree) from logical annotations."""
     init = _init_fn(experiment)
     rng = jax.random.PRNGKey(experiment.train.seed)
-    boxed = jax.eval_shape(init, rng)
+    with sharding.sharding_context(experiment.mesh, experiment.rules):  # the mesh's platform
+        boxed = jax.eval_shape(init, rng)
     shardings = sharding.param_shardings(boxed, experiment.mesh, experiment.rules)
     abstract = jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
