@@ -252,9 +252,11 @@ def parse_config(config: ml_collections.ConfigDict) -> ExperimentConfig:
     model_values = dict(
         config.model.to_dict() if hasattr(config.model, "to_dict") else config.model
     )
+    with field_prefix("model"):
+        model = from_dict({**model_values, "vocab_size": model_values.get("vocab_size") or 1})
     return ExperimentConfig(
         source=config,
-        model=from_dict({**model_values, "vocab_size": model_values.get("vocab_size") or 1}),
+        model=model,
         data=DataConfig.from_dict(config.data),
         optimizer=OptimizerConfig.from_config(config.optimizer),
         train=_from_section(TrainConfig, config.get("train"), "train"),
