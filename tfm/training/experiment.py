@@ -40,7 +40,7 @@ from tfm.checks import (
 from tfm.data.build import Data, DataConfig, build_data
 from tfm.decode.search import DecodeConfig
 from tfm.kernels import cpu_compile, hardware
-from tfm.nn import positions
+from tfm.nn import positions, remat
 from tfm.nn.config import ModelConfig, from_dict
 from tfm.nn.families import Family, get_family
 from tfm.parallel import distributed, sharding
@@ -409,6 +409,7 @@ def setup(
     # "auto" kernels for the mesh's devices, which need not be this host's (deviceless compile).
     platform = mesh.devices.flat[0].platform
     model_config = _model_for_data(sections, data).for_platform(platform)
+    remat.check_platform(model_config.remat, platform)
     warning = hardware.bf16_warning(model_config.dtype, platform)
     if warning and jax.process_index() == 0:
         logger.warning(warning)
