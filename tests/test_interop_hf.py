@@ -253,7 +253,10 @@ def test_launch_generate_pretrained_errors_are_one_line(tmp_path):
     assert result.returncode == 1
     assert result.stderr.strip().endswith("holds an encoder (bert): nothing to generate")
     result = launch("generate", "--pretrained", str(tmp_path / "missing"), "--prompt", "x")
-    assert result.returncode == 2 and "folder" in result.stderr and "not found" in result.stderr
+    assert result.returncode == 2
+    assert result.stderr == f"launch.sh: --pretrained folder '{tmp_path / 'missing'}' not found\n"
+    result = launch("generate", f"--pretrained={tmp_path / 'missing'}", "--prompt", "x")
+    assert result.returncode == 2 and f"'{tmp_path / 'missing'}' not found" in result.stderr
 
 
 # ------------------------------------------------------------ fine-tuning from a folder
