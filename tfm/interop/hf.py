@@ -809,8 +809,8 @@ def generate_pretrained(
 ) -> list[str]:
     """Greedy continuations (decoder-only) or outputs (T5) of text prompts, through the
     folder's tokenizer.json; with `prompt_ids` the prompts are space-separated token ids and
-    the outputs are ids too. Rows are left-padded with explicit validity, so each prompt
-    continues from its own end."""
+    the outputs are ids too. Rows are right-padded with zeros and carry their lengths, so each
+    prompt continues from its own end."""
     from tfm.decode.generate import lm_generate, translate
 
     config, params = load_pretrained(directory)
