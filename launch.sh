@@ -66,11 +66,13 @@ if [[ $command == generate && ( $config == --pretrained || $config == --pretrain
   else
     folder=${config#*=}
   fi
-  if ! folder=$(cd "$folder" 2>/dev/null && pwd); then
+  # Absolute, since the python below runs from the repository root; a failed cd leaves
+  # `absolute` empty, so the message names `folder`.
+  if ! absolute=$(cd "$folder" 2>/dev/null && pwd); then
     echo "launch.sh: --pretrained folder '${folder}' not found" >&2; exit 2
   fi
   cd "$(dirname "$0")"
-  exec "${PYTHON:-python}" -m tfm.main generate --pretrained="$folder" "$@"
+  exec "${PYTHON:-python}" -m tfm.main generate --pretrained="$absolute" "$@"
 fi
 case "$command" in
   train|eval|generate|average|compile) ;;

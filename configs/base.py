@@ -46,6 +46,8 @@ def base_config() -> ml_collections.ConfigDict:
     config = ml_collections.ConfigDict()
     config.model = _dataclass_section(ModelConfig)
     config.model.vocab_size = config_dict.placeholder(int)  # filled in from the tokenizer
+    # A policy name or the old True / False: untyped, so that both override it.
+    config.model.remat = config_dict.FieldReference("none", field_type=object)
     config.data = _dataclass_section(DataConfig)
     config.optimizer = _dict_section(
         OPTIMIZER_DEFAULTS,

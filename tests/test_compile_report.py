@@ -70,6 +70,19 @@ def test_cpu_target_compiles_and_counts_like_the_formula(tmp_path):
         assert 0.5 < ratio < 2.0, ratio
 
 
+def test_remat_policy_override_reaches_the_report(tmp_path):
+    """`./launch.sh compile CONFIG --target T --config.model.remat=NAME` (README "Memory")."""
+    result = subprocess.run(
+        ["./launch.sh", "compile", "configs/synthetic_lm.py:runlocal", "--target", "cpu",
+         "--config.model.remat=dots_saveable", "--config.model.num_decoder_layers=1",
+         f"--config.data.data_dir={tmp_path / 'data'}", "--workdir", str(tmp_path / "run")],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHON": sys.executable},
+    )
+    assert result.returncode == 0, result.stderr
+    assert "), attention_backend='cpu', remat='dots_saveable', " in result.stdout
+
+
 def test_unknown_target_is_one_line(tmp_path):
     with pytest.raises(ConfigError, match="--target='v9-1' is unknown; choose one of: cpu, v4-8"):
         compile_report.target_devices("v9-1")

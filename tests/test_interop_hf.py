@@ -172,6 +172,25 @@ def test_missing_weights_are_named(tmp_path):
         hf.load_pretrained(tmp_path)
 
 
+def _truncated_folder(tmp_path, family: str = "gpt2") -> Path:
+    """A folder written by save_pretrained whose model.safetensors lost its second half."""
+    config, params, _ = load(family)
+    folder = tmp_path / "truncated"
+    hf.save_pretrained(config, params, folder)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    return folder
+
+
+def test_truncated_weights_are_one_line_naming_the_file(tmp_path):
+    folder = _truncated_folder(tmp_path)
+    with pytest.raises(hf.UnreadableCheckpoint) as error:
+        hf.load_pretrained(folder)
+    assert str(error.value).startswith(
+        f"model.safetensors in {folder} is unreadable (truncated or not a safetensors file): ")
+    assert "\n" not in str(error.value)
+
+
 @pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None or importlib.util.find_spec("torch") is None,
     reason="needs transformers and torch",
@@ -253,7 +272,16 @@ def test_launch_generate_pretrained_errors_are_one_line(tmp_path):
     assert result.returncode == 1
     assert result.stderr.strip().endswith("holds an encoder (bert): nothing to generate")
     result = launch("generate", "--pretrained", str(tmp_path / "missing"), "--prompt", "x")
-    assert result.returncode == 2 and "folder" in result.stderr and "not found" in result.stderr
+    assert result.returncode == 2
+    assert result.stderr == f"launch.sh: --pretrained folder '{tmp_path / 'missing'}' not found\n"
+    result = launch("generate", f"--pretrained={tmp_path / 'missing'}", "--prompt", "x")
+    assert result.returncode == 2 and f"'{tmp_path / 'missing'}' not found" in result.stderr
+    result = launch("generate", "--pretrained", str(_truncated_folder(tmp_path)), "--prompt", "x")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith(
+        f"tfm.main generate: UnreadableCheckpoint: model.safetensors in {tmp_path / 'truncated'} "
+        "is unreadable (truncated or not a safetensors file): "), line
 
 
 # ------------------------------------------------------------ fine-tuning from a folder
@@ -294,6 +322,16 @@ def test_training_starts_from_the_pretrained_parameters(tmp_path, scan, mesh):
     got = dict(_flatten(jax.device_get(state.params)))
     for key, value in _flatten(want):
         np.testing.assert_array_equal(got[key], value, err_msg=key)
+
+
+def test_finetuning_from_truncated_weights_is_one_line(tmp_path):
+    folder = _truncated_folder(tmp_path, "llama")
+    result = launch("train", "configs/synthetic_lm.py:runlocal",
+                    f"--config.init.pretrained={folder}", f"--config.data.data_dir={tmp_path}",
+                    "--workdir", str(tmp_path / "run"))
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        f"tfm.main train: UnreadableCheckpoint: model.safetensors in {folder} is unreadable")
 
 
 def test_pretrained_folder_errors_name_the_field(tmp_path):

@@ -123,7 +123,7 @@ def test_bad_config_value_is_one_clean_line():
     one line naming the field and exit 1."""
     result = launch("train", "configs/synthetic_lm.py", "--config.model.num_heads=3")
     assert result.returncode == 1
-    assert "ConfigError: d_model=64 is not divisible by num_heads=3" in result.stderr
+    assert "ConfigError: model.d_model=64 is not divisible by num_heads=3" in result.stderr
     assert "Traceback" not in result.stderr
 
 

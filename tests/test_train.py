@@ -775,6 +775,8 @@ def _set(config: ml_collections.ConfigDict, path: str, value) -> None:
         ("generate.foo", 1, "generate.foo"),
         ("model.num_heads", 3, "num_heads=3"),
         ("model.position_scheme", "rotary", "position_scheme='rotary' is unknown; choose one of"),
+        ("model.remat", "everything", "model.remat='everything' is unknown; choose one of: none"),
+        ("model.remat", "offload", "model.remat='offload' moves saved activations to host"),
         ("train.num_steps", 0, "train.num_steps=0"),
         ("train.label_smoothing", 1.0, "train.label_smoothing=1.0"),
         ("train.max_to_keep", 0, "train.max_to_keep=0"),

@@ -75,10 +75,13 @@ def section_dict(values: Any, section: str, known: Sequence[str]) -> dict[str, A
 @contextlib.contextmanager
 def field_prefix(section: str) -> Iterator[None]:
     """Inside it, a ConfigError's field gets the section's name: "temperature=0" becomes
-    "generate.temperature=0" when a section checks its fields with another module's config."""
+    "generate.temperature=0" when a section checks its fields with another module's config.
+    An error that already names the section ("model.foo is unknown") is left as it is."""
     try:
         yield
     except ConfigError as error:
+        if str(error).startswith(f"{section}."):
+            raise
         raise ConfigError(f"{section}.{error}") from None
 
 

@@ -83,12 +83,15 @@ def main(argv: list[str]) -> None:
     # Heavy imports after flag parsing, so usage errors are instant.
     from tfm.checks import ConfigError
     from tfm.data.builders import DataError
+    from tfm.interop.hf import UnreadableCheckpoint, UnsupportedCheckpoint
     from tfm.training.checkpoint import CheckpointError, ConfigMismatchError
     from tfm.training.evaluate import PromptError
     from tfm.training.experiment import TrainingError
 
+    # UnreadableCheckpoint, UnsupportedCheckpoint: a bad config.init.pretrained folder
     expected = (ConfigError, DataError, CheckpointError, ConfigMismatchError, TrainingError,
-                FileNotFoundError, FileExistsError, PromptError)
+                FileNotFoundError, FileExistsError, PromptError, UnreadableCheckpoint,
+                UnsupportedCheckpoint)
     try:
         _run(command, _CONFIG.value, workdir, config_arg)
     except expected as error:  # a bad value or file, not a bug: one line, no traceback
@@ -116,7 +119,7 @@ def _generate_pretrained(directory: str) -> None:
         outputs = hf.generate_pretrained(
             directory, prompts, max_new_tokens=_MAX_NEW.value, prompt_ids=_PROMPT_IDS.value
         )
-    except (hf.UnsupportedCheckpoint, FileNotFoundError) as error:
+    except (hf.UnsupportedCheckpoint, hf.UnreadableCheckpoint, FileNotFoundError) as error:
         sys.stderr.write(f"tfm.main generate: {type(error).__name__}: {error}\n")
         sys.exit(1)
     for prompt, output in zip(prompts, outputs, strict=True):

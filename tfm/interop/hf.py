@@ -33,6 +33,10 @@ class UnsupportedCheckpoint(ValueError):
     """The checkpoint uses an architecture or a field value that tfm cannot express."""
 
 
+class UnreadableCheckpoint(ValueError):
+    """A weights file of the folder cannot be read (truncated, or not what its name says)."""
+
+
 def _unsupported(field: str, value: Any, supported: str) -> UnsupportedCheckpoint:
     return UnsupportedCheckpoint(
         f"Hugging Face config field {field}={value!r} is not supported; supported: {supported}"
@@ -56,17 +60,30 @@ def read_config(directory: str | Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def read_tensors(directory: str | Path) -> dict[str, np.ndarray]:
-    """Every tensor of the folder as float32 numpy arrays, by Hugging Face name."""
+def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
+    from safetensors import SafetensorError
     from safetensors.numpy import load_file
 
+    try:
+        return load_file(path)
+    except SafetensorError as error:
+        raise UnreadableCheckpoint(
+            f"{path.name} in {path.parent} is unreadable (truncated or not a safetensors "
+            f"file): {error}"
+        ) from None
+
+
+def read_tensors(directory: str | Path) -> dict[str, np.ndarray]:
+    """Every tensor of the folder as float32 numpy arrays, by Hugging Face name."""
     directory = Path(directory)
     single, index = directory / "model.safetensors", directory / "model.safetensors.index.json"
     if single.is_file():
-        tensors = load_file(single)
+        tensors = _read_safetensors(single)
     elif index.is_file():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        tensors = {k: v for shard in shards for k, v in load_file(directory / shard).items()}
+        tensors = {}
+        for shard in shards:
+            tensors.update(_read_safetensors(directory / shard))
     elif (directory / "pytorch_model.bin").is_file():
         try:
             import torch
@@ -792,8 +809,8 @@ def generate_pretrained(
 ) -> list[str]:
     """Greedy continuations (decoder-only) or outputs (T5) of text prompts, through the
     folder's tokenizer.json; with `prompt_ids` the prompts are space-separated token ids and
-    the outputs are ids too. Rows are left-padded with explicit validity, so each prompt
-    continues from its own end."""
+    the outputs are ids too. Rows are right-padded with zeros and carry their lengths, so each
+    prompt continues from its own end."""
     from tfm.decode.generate import lm_generate, translate
 
     config, params = load_pretrained(directory)

@@ -22,6 +22,7 @@ from tfm.checks import (
     check_rate,
     section_dict,
 )
+from tfm.nn import remat as remat_lib
 from tfm.nn.positions import ROPE_SCALINGS, get_scheme, rope_frequencies
 
 SINUSOIDAL_LAYOUTS = ("paper", "concat")
@@ -124,9 +125,13 @@ class ModelConfig:
     dtype: str = "float32"  # compute dtype
     param_dtype: str = "float32"
     scan_layers: bool = False  # nn.scan over layers: compile time flat in depth
-    remat: bool = False  # rematerialise each block in the backward pass
+    # What each block keeps for the backward pass (tfm.nn.remat.CHOICES): "none" keeps all its
+    # activations, "full" recomputes them all, the others keep some. True / False (the
+    # old bool) mean "full" / "none".
+    remat: str = "none"
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "remat", remat_lib.resolve(self.remat))  # frozen: set once
         self._check_vocabulary_and_switches()
         self._check_sizes()
         self.scheme  # noqa: B018  (ConfigError naming the registered schemes if unknown)

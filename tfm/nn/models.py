@@ -18,6 +18,7 @@ from flax import struct
 from tfm.kernels.call import MaskStructure
 from tfm.nn import attention
 from tfm.nn import cache as cache_lib
+from tfm.nn import remat as remat_lib
 from tfm.nn.cache import DecoderCache, check_cache, check_room
 from tfm.nn.config import ModelConfig
 from tfm.nn.layers import (
@@ -156,8 +157,18 @@ class Stack(nn.Module):
     ) -> tuple[Array, DecoderCache | None]:
         config = self.config
         block = Block
-        if config.remat:
-            block = nn.remat(Block, static_argnums=(4,))
+        if config.remat != "none":
+            # static_argnums counts self: (self, carry, layer, ctx, deterministic). Unrolled,
+            # `layer` is a python int that picks the layer's cache slots, which a traced one
+            # cannot; under nn.scan it is traced anyway and the cache is stacked.
+            block = nn.remat(
+                Block,
+                policy=remat_lib.policy(config.remat),
+                static_argnums=(4,) if config.scan_layers else (2, 4),
+                # Inside a scan XLA cannot merge the recomputation away, so the barriers that
+                # prevent_cse adds only cost time (jax.checkpoint's docs).
+                prevent_cse=not config.scan_layers,
+            )
         if config.scan_layers:
             scanned = nn.scan(
                 block,

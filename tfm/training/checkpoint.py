@@ -82,8 +82,9 @@ def _model_field_defaults() -> dict[str, Any]:
     return {f"model.{f.name}": f.default for f in dataclasses.fields(ModelConfig)}
 
 
-# Model fields a restored run may change: they choose an implementation, not the parameters.
-IMPLEMENTATION_ONLY = ("model.attention_backend",)
+# Model fields a restored run may change: they choose an implementation, not the parameters
+# (remat also was a bool before it named a policy).
+IMPLEMENTATION_ONLY = ("model.attention_backend", "model.remat")
 
 
 def check_model_config(saved: Mapping[str, Any], current: Mapping[str, Any], where: str) -> None:

@@ -181,7 +181,7 @@ def compile_report(experiment: Experiment, target: Target) -> dict[str, Any]:
               - memory.alias_size_in_bytes + memory.temp_size_in_bytes)
     report: dict[str, Any] = {
         "target": target.name, "chips": chips, "platform": experiment.platform,
-        "attention_backend": model_config.attention_backend,
+        "attention_backend": model_config.attention_backend, "remat": model_config.remat,
         "tokens_per_step": tokens, "tokens_per_chip": tokens // chips,
         "params_bytes": _bytes_per_chip(abstract.params),
         "optimizer_bytes": _bytes_per_chip(abstract.opt_state),
@@ -231,6 +231,7 @@ def format_report(report: dict[str, Any]) -> str:
     lines = [
         f"target {report['target']}: {report['chips']} x {report.get('chip', 'CPU')} "
         f"({report['platform']}), attention_backend={report['attention_backend']!r}, "
+        f"remat={report['remat']!r}, "
         f"{report['tokens_per_chip']:,} tokens per chip per step",
         f"memory per chip: parameters {_gb(report['params_bytes'])}, optimizer state "
         f"{_gb(report['optimizer_bytes'])}, temporaries {_gb(report['temp_bytes'])}; "

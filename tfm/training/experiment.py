@@ -41,7 +41,7 @@ from tfm.checks import (
 from tfm.data.build import Data, DataConfig, build_data
 from tfm.decode.search import DecodeConfig
 from tfm.kernels import cpu_compile, hardware
-from tfm.nn import positions
+from tfm.nn import positions, remat
 from tfm.nn.config import ModelConfig, from_dict
 from tfm.nn.families import Family, get_family
 from tfm.parallel import distributed, sharding
@@ -253,9 +253,11 @@ def parse_config(config: ml_collections.ConfigDict) -> ExperimentConfig:
     model_values = dict(
         config.model.to_dict() if hasattr(config.model, "to_dict") else config.model
     )
+    with field_prefix("model"):
+        model = from_dict({**model_values, "vocab_size": model_values.get("vocab_size") or 1})
     return ExperimentConfig(
         source=config,
-        model=from_dict({**model_values, "vocab_size": model_values.get("vocab_size") or 1}),
+        model=model,
         data=DataConfig.from_dict(config.data),
         optimizer=OptimizerConfig.from_config(config.optimizer),
         train=_from_section(TrainConfig, config.get("train"), "train"),
@@ -413,6 +415,7 @@ def setup(
         if note:
             logger.info(note)
     model_config = model_config.for_platform(platform)
+    remat.check_platform(model_config.remat, platform)
     warning = hardware.bf16_warning(model_config.dtype, platform)
     if warning and jax.process_index() == 0:
         logger.warning(warning)
