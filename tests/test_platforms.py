@@ -215,3 +215,21 @@ def test_xla_takes_a_pure_causal_mask_from_the_structure():
     assert "i1>" in lowered(None).split("func.func public @main")[1].split("{")[0]
     assert "i1>" not in lowered(MaskStructure(causal=True)).split(
         "func.func public @main")[1].split("{")[0]
+
+
+def test_setup_says_in_one_line_why_auto_takes_the_reference(caplog):
+    from tfm.training import experiment
+
+    alibi = ModelConfig(**{**TINY, "position_scheme": "alibi"})
+    with caplog.at_level("INFO", logger=experiment.logger.name):
+        resolved = experiment._model_for_platform(alibi, "tpu")
+    assert resolved.attention_backend == "reference"
+    notes = [record.getMessage() for record in caplog.records if "attention_backend" in
+             record.getMessage()]
+    assert notes == ["attention_backend='auto' uses 'reference' on tpu, not 'splash': the "
+                     "position scheme adds a fixed logit bias, and it takes no bias"]
+    caplog.clear()
+    with caplog.at_level("INFO", logger=experiment.logger.name):
+        assert experiment._model_for_platform(alibi.replace(position_scheme="rope"),
+                                              "tpu").attention_backend == "splash"
+    assert not [r for r in caplog.records if "attention_backend" in r.getMessage()]

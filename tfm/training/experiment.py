@@ -409,13 +409,7 @@ def setup(
         multihost_utils.sync_global_devices("tfm.training.train.setup: data prepared")
     # "auto" kernels for the mesh's devices, which need not be this host's (deviceless compile).
     platform = mesh.devices.flat[0].platform
-    model_config = _model_for_data(sections, data)
-    if model_config.attention_backend == "auto" and jax.process_index() == 0:
-        _, note = kernels.auto_choice(platform, **model_config.attention_needs)
-        if note:
-            logger.info(note)
-    model_config = model_config.for_platform(platform)
-    remat.check_platform(model_config.remat, platform)
+    model_config = _model_for_platform(_model_for_data(sections, data), platform)
     warning = hardware.bf16_warning(model_config.dtype, platform)
     if warning and jax.process_index() == 0:
         logger.warning(warning)
@@ -458,6 +452,18 @@ def setup(
         )
     check_lengths(experiment)
     return experiment
+
+
+def _model_for_platform(model_config: ModelConfig, platform: str) -> ModelConfig:
+    """`model_config` with "auto" kernels resolved for `platform` (logging why when "auto"
+    falls back to the reference), its remat policy checked there."""
+    if model_config.attention_backend == "auto" and jax.process_index() == 0:
+        _, note = kernels.auto_choice(platform, **model_config.attention_needs)
+        if note:
+            logger.info(note)
+    model_config = model_config.for_platform(platform)
+    remat.check_platform(model_config.remat, platform)
+    return model_config
 
 
 def _model_for_data(sections: ExperimentConfig, data: Data) -> ModelConfig:
