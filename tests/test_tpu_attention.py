@@ -237,3 +237,19 @@ def test_under_a_mesh_each_device_runs_its_rows_and_heads():
     np.testing.assert_allclose(got, want, rtol=2e-5)
     for name, g, w in zip("qkv", got_grads, want_grads, strict=True):
         np.testing.assert_allclose(g, w, atol=2e-5, err_msg=name)
+
+
+def test_under_a_mesh_a_batch_the_mesh_does_not_divide_stays_whole():
+    """Parameter initialisation traces one row under the training mesh: the kernel keeps
+    that dimension whole instead of failing shard_map's divisibility check."""
+    from tfm.parallel import sharding
+
+    mesh = sharding.make_mesh({"data": 4, "fsdp": 1, "tensor": 1}, jax.devices()[:4])
+    query = jnp.asarray(np.random.default_rng(7).normal(size=(1, 128, 2, 16)), jnp.float32)
+    structure = MaskStructure(causal=True)
+    want = kernels.attention(query, query, query, backend="reference",
+                             mask=_dense_mask(structure, 128, 128))
+    with sharding.sharding_context(mesh):
+        got = jax.jit(lambda q: kernels.attention(q, q, q, backend="splash",
+                                                  structure=structure))(query)
+    np.testing.assert_allclose(got, want, atol=2e-5)

@@ -12,6 +12,7 @@ Off TPU it runs in Pallas interpret mode (slow; for tests).
 from __future__ import annotations
 
 import functools
+import math
 
 import flax.linen as nn
 import jax
@@ -72,6 +73,9 @@ def attention(
     if mesh.size == 1:
         return per_shard(query, key, value, segments)
     query_spec, kv_spec, rows_spec = _specs()
+    query_spec = _divisible(query_spec, query.shape, mesh)
+    kv_spec = _divisible(kv_spec, key.shape, mesh)
+    rows_spec = _divisible(rows_spec, query.shape[:2], mesh)
     return jax.shard_map(
         per_shard, mesh=mesh, check_vma=False,
         in_specs=(query_spec, kv_spec, kv_spec, None if segments is None else (rows_spec,) * 2),
@@ -85,6 +89,21 @@ def _specs() -> tuple[PartitionSpec, PartitionSpec, PartitionSpec]:
     kv_spec = nn.logical_to_mesh_axes(("batch", "length", "kv_heads", "head_dim"))
     rows_spec = nn.logical_to_mesh_axes(("batch", "length"))
     return query_spec, kv_spec, rows_spec
+
+
+def _divisible(
+    spec: PartitionSpec, shape: tuple[int, ...], mesh: jax.sharding.AbstractMesh
+) -> PartitionSpec:
+    """`spec` without the mesh axes that do not divide their dimension (e.g. the one-row
+    batch of parameter initialisation): those dimensions stay whole on every device."""
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+
+    def fits(axes: str | tuple[str, ...] | None, length: int) -> bool:
+        names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        return length % math.prod(sizes[name] for name in names) == 0
+
+    return PartitionSpec(*(axes if fits(axes, length) else None
+                           for axes, length in zip(spec, shape, strict=False)))
 
 
 def _round_up(length: int) -> int:
