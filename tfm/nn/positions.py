@@ -177,8 +177,13 @@ def apply_rope(
     sin, cos = sin[:, :, None, :], cos[:, :, None, :]  # [B, T, 1, half]
     rot, rest = x[..., :rotated].astype(jnp.float32), x[..., rotated:]
     if layout == "rotate_half":
-        first, second = rot[..., :half], rot[..., half:]
-        out = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
+        # (first, second) -> (first cos - second sin, second cos + first sin), written on whole
+        # rows: rolling by half puts `second` under `first` and back. Same values bit for bit
+        # as on the halves, but no [.., half]-wide arrays: TPUs pad a minor dimension to 128
+        # lanes, so half-wide f32 halves cost 4x their bytes (head_dim 64).
+        cos_row = jnp.concatenate([cos, cos], axis=-1)
+        sin_row = jnp.concatenate([-sin, sin], axis=-1)
+        out = rot * cos_row + jnp.roll(rot, half, axis=-1) * sin_row
     else:
         first, second = rot[..., 0::2], rot[..., 1::2]
         pairs = [first * cos - second * sin, second * cos + first * sin]
