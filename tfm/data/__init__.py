@@ -15,6 +15,7 @@ from tfm.data.tokenizers import (
     PAD_ID,
     ByteTokenizer,
     CharTokenizer,
+    HFTokenizer,
     SentencePieceTokenizer,
     Tokenizer,
 )
@@ -33,6 +34,7 @@ __all__ = [
     "Data",
     "DataConfig",
     "DataError",
+    "HFTokenizer",
     "SentencePieceTokenizer",
     "Tokenizer",
     "build_data",

@@ -28,8 +28,10 @@ Fields (default), by topic; a kind-specific field may only differ from its defau
   splits: train_split ("train"), eval_splits (None = ("validation", "test") for synthetic, plus
       "test_long" when long_eval_lengths is set; ("validation",) otherwise).
   tokenizer (None = char over the task alphabet for synthetic, byte otherwise): "byte" | "char" |
-      "sentencepiece"; vocab_size (8000) and sentencepiece_model_type ("unigram" | "bpe") for
-      SentencePiece; shared_vocab (True): one vocabulary for source and target.
+      "sentencepiece" | "hf:DIR" (DIR/tokenizer.json of a Hugging Face model, with its own ids:
+      fine-tune with --config.init.pretrained=DIR); vocab_size (8000) and
+      sentencepiece_model_type ("unigram" | "bpe") for SentencePiece; shared_vocab (True): one
+      vocabulary for source and target.
   lengths: seq_len (128): decoder / LM row length; source_seq_len (None = seq_len);
       eval_seq_len (None = the longest example of each eval split, so eval never truncates);
       length_policy (None = "split" for text LM, "filter" otherwise): "filter" drops too-long
@@ -72,13 +74,14 @@ import tensorflow_datasets as tfds
 from tfm.checks import ConfigError, check_choice, check_positive, section_dict
 from tfm.data import builders, pipeline, synthetic
 from tfm.data.tokenizers import (
-    EOS_ID,
     SENTENCEPIECE_MODEL_TYPES,
     TOKENIZER_KINDS,
     ByteTokenizer,
     CharTokenizer,
+    HFTokenizer,
     SentencePieceTokenizer,
     Tokenizer,
+    hf_tokenizer_folder,
     train_sentencepiece,
 )
 from tfm.nn.families import MODES
@@ -180,11 +183,11 @@ class DataConfig:
                 f"data.validation_fraction={self.validation_fraction!r} must be a float in (0, 1)"
             )
         if self.tokenizer is not None:
-            check_choice("data.tokenizer", self.tokenizer, TOKENIZER_KINDS)
-            if self.kind == "synthetic" and self.tokenizer == "sentencepiece":
+            _check_tokenizer(self.tokenizer)
+            if self.kind == "synthetic" and self.tokenizer not in ("char", "byte"):
                 raise ConfigError(
-                    "data.tokenizer='sentencepiece' would merge the symbols of a synthetic task; "
-                    "use 'char' (default) or 'byte'"
+                    f"data.tokenizer={self.tokenizer!r} would merge the symbols of a synthetic "
+                    "task; use 'char' (default) or 'byte'"
                 )
         check_positive("data.vocab_size", self.vocab_size)
         check_choice(
@@ -315,6 +318,32 @@ _KIND_CHECKS = {
 }
 
 
+def _check_tokenizer(name: Any) -> None:
+    """One of TOKENIZER_KINDS, or "hf:DIR" with DIR/tokenizer.json present (checked here, before
+    any data is prepared or anything compiles)."""
+    folder = hf_tokenizer_folder(name)
+    if folder is None:
+        if name not in TOKENIZER_KINDS:
+            raise ConfigError(
+                f"data.tokenizer={name!r} is unknown; choose one of: "
+                f"{', '.join(TOKENIZER_KINDS)}, hf:DIR (a Hugging Face folder with tokenizer.json)"
+            )
+    elif not (folder / "tokenizer.json").is_file():
+        raise ConfigError(
+            f"data.tokenizer={name!r} must name a Hugging Face folder holding tokenizer.json "
+            f"(hf:DIR); {folder / 'tokenizer.json'} does not exist"
+        )
+
+
+def _load_hf_tokenizer(name: str) -> HFTokenizer:
+    """The tokenizer of data.tokenizer="hf:DIR"; an unreadable folder is a ConfigError."""
+    try:
+        return HFTokenizer.load(hf_tokenizer_folder(name))
+    except Exception as error:  # tokenizers raises plain Exception for a bad tokenizer.json
+        message = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise ConfigError(f"data.tokenizer={name!r} cannot be used: {message}") from None
+
+
 def _default(field: str) -> Any:
     return next(f.default for f in dataclasses.fields(DataConfig) if f.name == field)
 
@@ -402,6 +431,8 @@ def _load_or_train(
     kind = config.resolved_tokenizer
     if kind == "byte":
         return ByteTokenizer()
+    if hf_tokenizer_folder(kind) is not None:  # the model's own, never trained here
+        return _load_hf_tokenizer(kind)
     if config.kind == "synthetic":
         return CharTokenizer(synthetic.vocabulary(config.task, config.num_symbols))
     key = json.dumps({"fields": fields, "train_split": config.train_split}, sort_keys=True)
@@ -599,7 +630,7 @@ def build_data(
         separator = (
             tuple(tokenizer.encode(synthetic.SEPARATOR))
             if config.kind == "synthetic"
-            else (EOS_ID,)
+            else (tokenizer.eos_id,)
         )
     encoder = pipeline.RecordEncoder(
         mode,

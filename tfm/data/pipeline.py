@@ -39,7 +39,7 @@ from typing import Any
 import grain
 import numpy as np
 
-from tfm.data.tokenizers import BOS_ID, EOS_ID, Tokenizer
+from tfm.data.tokenizers import Tokenizer
 
 # How a record becomes an example: an LM on text, an LM on (prompt, answer) pairs, or an
 # encoder-decoder on (source, target) pairs. "lm" and "seq2seq" are tfm.nn.families.MODES.
@@ -86,13 +86,15 @@ class RecordEncoder:
     def encode_prompt(self, source: str) -> list[int]:
         """What the model conditions on: encoder input (seq2seq) or decoder prefix (prompt_lm)."""
         if self.mode == "seq2seq":
-            return [*(self.source_tokenizer or self.tokenizer).encode(source), EOS_ID]
-        return [BOS_ID, *self.tokenizer.encode(source), *self.separator_ids]
+            source_tokenizer = self.source_tokenizer or self.tokenizer
+            return [*source_tokenizer.encode(source), source_tokenizer.eos_id]
+        return [self.tokenizer.bos_id, *self.tokenizer.encode(source), *self.separator_ids]
 
     def __call__(self, record: Mapping[str, Any]) -> Example:
         texts = self.texts(record)
+        bos, eos = self.tokenizer.bos_id, self.tokenizer.eos_id  # the tokenizer's own ids
         if self.mode == "lm":
-            ids = np.asarray([BOS_ID, *self.tokenizer.encode(texts["text"]), EOS_ID], np.int32)
+            ids = np.asarray([bos, *self.tokenizer.encode(texts["text"]), eos], np.int32)
             return {
                 "inputs": ids[:-1],
                 "targets": ids[1:],
@@ -101,14 +103,14 @@ class RecordEncoder:
         target = self.tokenizer.encode(texts["target"])
         if self.mode == "prompt_lm":
             prompt = self.encode_prompt(texts["source"])
-            ids = np.asarray([*prompt, *target, EOS_ID], np.int32)
+            ids = np.asarray([*prompt, *target, eos], np.int32)
             weights = np.zeros(len(ids) - 1, np.float32)
             weights[len(prompt) - 1 :] = 1.0  # targets from the first answer token to eos
             return {"inputs": ids[:-1], "targets": ids[1:], "weights": weights}
         return {
             "source": np.asarray(self.encode_prompt(texts["source"]), np.int32),
-            "inputs": np.asarray([BOS_ID, *target], np.int32),
-            "targets": np.asarray([*target, EOS_ID], np.int32),
+            "inputs": np.asarray([bos, *target], np.int32),
+            "targets": np.asarray([*target, eos], np.int32),
             "weights": np.ones(len(target) + 1, np.float32),
         }
 

@@ -1,8 +1,11 @@
-"""Tokenizers: byte-level, char-level and SentencePiece, all with the same special ids.
+"""Tokenizers: byte-level, char-level, SentencePiece, and a Hugging Face model's own.
 
-Special ids, identical for every tokenizer (see the API contract):
+Special ids of the tokenizers tfm trains (see the API contract):
 
     pad = 0, bos = 1, eos = 2; char and SentencePiece tokenizers also have unk = 3.
+
+`HFTokenizer` (data.tokenizer="hf:DIR") keeps the ids of a pretrained model's tokenizer.json, so
+its pad / bos / eos are whatever that model uses; the pipelines read them from the tokenizer.
 
 `ByteTokenizer` maps each UTF-8 byte b to id b + 3 (vocabulary 259) and round-trips any Unicode
 string exactly. `CharTokenizer` maps each character (code point) of a fixed alphabet, taken from
@@ -16,21 +19,24 @@ Every tokenizer pickles (grain worker processes receive a copy).
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import sentencepiece as spm
+import tokenizers as hf_tokenizers
 
 PAD_ID = 0
 BOS_ID = 1
 EOS_ID = 2
 UNK_ID = 3
 TOKENIZER_KINDS = ("byte", "char", "sentencepiece")
+HF_PREFIX = "hf:"  # data.tokenizer="hf:DIR": DIR/tokenizer.json
 SENTENCEPIECE_MODEL_TYPES = ("unigram", "bpe")
 
 
@@ -50,7 +56,9 @@ class Tokenizer(Protocol):
     def decode(self, ids: Iterable[int]) -> str: ...
 
 
-def content_ids(ids: Iterable[int], eos_id: int = EOS_ID, pad_id: int = PAD_ID) -> list[int]:
+def content_ids(
+    ids: Iterable[int], eos_id: int = EOS_ID, pad_id: int = PAD_ID, bos_id: int = BOS_ID
+) -> list[int]:
     """ids up to (not including) the first eos, with pad and bos removed: what a tokenizer
     decodes, e.g. of a generated row."""
     out = []
@@ -58,7 +66,7 @@ def content_ids(ids: Iterable[int], eos_id: int = EOS_ID, pad_id: int = PAD_ID) 
         token = int(token)
         if token == eos_id:
             break
-        if token not in (pad_id, BOS_ID):
+        if token not in (pad_id, bos_id):
             out.append(token)
     return out
 
@@ -214,6 +222,129 @@ class SentencePieceTokenizer:
         return f"SentencePieceTokenizer(vocab_size={self.vocab_size})"
 
 
+# Conventional names of special tokens, for a folder whose tokenizer files do not name them.
+_CONVENTIONAL_TOKENS = {
+    "pad": ("<pad>", "<|pad|>", "[PAD]"),
+    "bos": ("<s>", "<|begin_of_text|>", "<bos>", "[CLS]"),
+    "eos": ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "[SEP]"),
+    "unk": ("<unk>", "[UNK]"),
+}
+
+
+def hf_tokenizer_folder(name: str | None) -> Path | None:
+    """DIR of data.tokenizer="hf:DIR"; None for the other tokenizers."""
+    if isinstance(name, str) and name.startswith(HF_PREFIX):
+        return Path(name.removeprefix(HF_PREFIX)).expanduser()
+    return None
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def _token_content(value: object) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or an AddedToken dict."""
+    if isinstance(value, Mapping):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def hf_special_ids(directory: Path, tokenizer: hf_tokenizers.Tokenizer) -> dict[str, int | None]:
+    """{"pad", "bos", "eos", "unk": id or None} of a Hugging Face folder. Each is the first token
+    tokenizer.json knows among: tokenizer_config.json's, special_tokens_map.json's, the special
+    tokens tokenizer.json declares under a conventional name (and its model's unk_token); else
+    config.json's `<name>_token_id` (a tokenizer.json alone often declares none: the model
+    config does)."""
+    files = ("tokenizer_config.json", "special_tokens_map.json")
+    named = [_read_json(directory / file) for file in files]
+    declared = {t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special}
+    model_config = _read_json(directory / "config.json")
+    ids: dict[str, int | None] = {}
+    for name, conventional in _CONVENTIONAL_TOKENS.items():
+        tokens = [_token_content(values.get(f"{name}_token")) for values in named]
+        tokens += [token for token in conventional if token in declared]
+        if name == "unk":  # BPE, WordLevel and WordPiece models name theirs
+            tokens.append(getattr(tokenizer.model, "unk_token", None))
+        found = (tokenizer.token_to_id(token) for token in tokens if token is not None)
+        fallback = model_config.get(f"{name}_token_id")
+        fallback = fallback[0] if isinstance(fallback, list) and fallback else fallback
+        ids[name] = next((i for i in found if i is not None), None)
+        if ids[name] is None and isinstance(fallback, int):
+            ids[name] = fallback
+    return ids
+
+
+class HFTokenizer:
+    """A Hugging Face model's tokenizer.json (the `tokenizers` library) with the model's own ids,
+    so a pretrained model fine-tunes and generates in its vocabulary (data.tokenizer="hf:DIR").
+
+    `encode` adds no special tokens: the pipelines add bos and eos themselves, as for every
+    tokenizer. Special ids: `hf_special_ids`. A model without a bos token (T5) starts with
+    config.json's decoder_start_token_id, else with eos (GPT-2's <|endoftext|> both ends a
+    document and starts the next). A model without a pad token (GPT-2, Llama) pads with eos:
+    padding is masked by lengths and weights, never by its id, and eos is already an id that
+    `decode` never shows, whereas a real token (GPT-2's id 0 is "!") would vanish from the text.
+    """
+
+    def __init__(self, tokenizer_json: str, special_ids: Mapping[str, int | None]):
+        self.tokenizer_json = tokenizer_json
+        self.special_ids = dict(special_ids)
+        self.pad_id, self.bos_id, self.eos_id = (special_ids[n] for n in ("pad", "bos", "eos"))
+        self.unk_id = special_ids.get("unk")
+        self._tokenizer = hf_tokenizers.Tokenizer.from_str(tokenizer_json)
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike) -> HFTokenizer:
+        """DIR/tokenizer.json with DIR's special ids; ValueError when DIR names no eos token
+        (every example ends with one)."""
+        directory = Path(directory)
+        text = (directory / "tokenizer.json").read_text(encoding="utf-8")
+        ids = hf_special_ids(directory, hf_tokenizers.Tokenizer.from_str(text))
+        if ids["eos"] is None:
+            raise ValueError(
+                f"{directory} names no eos token (tokenizer_config.json, special_tokens_map.json, "
+                "tokenizer.json or config.json eos_token_id)"
+            )
+        start = _read_json(directory / "config.json").get("decoder_start_token_id")
+        if ids["bos"] is None:
+            ids["bos"] = start if isinstance(start, int) else ids["eos"]
+        if ids["pad"] is None:
+            ids["pad"] = ids["eos"]
+        return cls(text, ids)
+
+    @property
+    def fingerprint(self) -> str:
+        """sha256 of tokenizer.json and the special ids: what decides the ids it produces."""
+        key = json.dumps(self.special_ids, sort_keys=True) + self.tokenizer_json
+        return hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Iterable[int]) -> str:
+        content = content_ids(ids, self.eos_id, self.pad_id, self.bos_id)
+        return self._tokenizer.decode(content, skip_special_tokens=True)
+
+    def __getstate__(self) -> dict:
+        return {"tokenizer_json": self.tokenizer_json, "special_ids": self.special_ids}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["tokenizer_json"], state["special_ids"])
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, HFTokenizer) and other.fingerprint == self.fingerprint
+
+    def __hash__(self) -> int:
+        return hash(self.fingerprint)
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer(vocab_size={self.vocab_size}, fingerprint={self.fingerprint[:8]})"
+
+
 def train_sentencepiece(
     texts: Iterable[str],
     vocab_size: int,
@@ -260,11 +391,12 @@ def train_sentencepiece(
 
 def unknown_characters(tokenizer: Tokenizer, text: str) -> list[str]:
     """The distinct characters of `text` the tokenizer can only encode as unk, in order of
-    appearance (bytes cover every character: none for ByteTokenizer)."""
-    if isinstance(tokenizer, ByteTokenizer):
+    appearance (none for a tokenizer without unk, e.g. bytes, which cover every character)."""
+    unk_id = getattr(tokenizer, "unk_id", None)
+    if unk_id is None:
         return []
     unknown: list[str] = []
     for char in dict.fromkeys(text):
-        if UNK_ID in tokenizer.encode(char) and char not in unknown:
+        if unk_id in tokenizer.encode(char) and char not in unknown:
             unknown.append(char)
     return unknown

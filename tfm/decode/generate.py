@@ -220,21 +220,29 @@ def generate_text(
     pad_id = fill_id(config)
     check_choice("mode", mode, MODES)
     generator, to_ids = GENERATORS[mode]
+    options = {**special_ids(tokenizer, mode), **options}  # the tokenizer's own, unless given
     inputs, lengths = pad_batch(to_ids(texts, source_tokenizer or tokenizer), pad_id)
     tokens, scores = best_sequences(generator(params, config, inputs, lengths, **options))
-    eos_id = options.get("eos_id", EOS_ID)
+    eos_id = options["eos_id"]
     return [
         (tokenizer.decode(content_ids(row, eos_id, pad_id)), float(s))
         for row, s in zip(tokens, scores, strict=True)
     ]
 
 
+def special_ids(tokenizer: Any, mode: str) -> dict[str, int]:
+    """The generator's eos_id (and bos_id, seq2seq: the decoder's first input) of a tokenizer,
+    which may be a pretrained model's own rather than tfm's 1 and 2."""
+    ids = {"eos_id": tokenizer.eos_id}
+    return {**ids, "bos_id": tokenizer.bos_id} if mode == "seq2seq" else ids
+
+
 def _prompt_ids(texts: list[str], tokenizer: Any) -> list[list[int]]:
-    return [[BOS_ID, *tokenizer.encode(text)] for text in texts]
+    return [[tokenizer.bos_id, *tokenizer.encode(text)] for text in texts]
 
 
 def _source_ids(texts: list[str], tokenizer: Any) -> list[list[int]]:
-    return [[*tokenizer.encode(text), EOS_ID] for text in texts]
+    return [[*tokenizer.encode(text), tokenizer.eos_id] for text in texts]
 
 
 # Per model family (tfm.nn.families.MODES): its generator, called as (params, config, inputs

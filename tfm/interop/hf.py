@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from tfm.data.tokenizers import HFTokenizer
 from tfm.nn.config import ModelConfig
 from tfm.nn.models import DecoderLM, Encoder, EncoderDecoder
 
@@ -502,15 +503,15 @@ def model_for(config: ModelConfig) -> Any:
     return Encoder(config)
 
 
-def load_tokenizer(directory: str | Path) -> Any | None:
-    """The folder's `tokenizer.json` through the `tokenizers` library, or None when the folder
-    has none."""
-    from tokenizers import Tokenizer
-
-    path = Path(directory) / "tokenizer.json"
-    if not path.is_file():
+def load_tokenizer(directory: str | Path) -> HFTokenizer | None:
+    """The folder's `tokenizer.json` as the data pipeline's HFTokenizer (the same ids and special
+    tokens as data.tokenizer="hf:DIR"), or None when the folder has none."""
+    if not (Path(directory) / "tokenizer.json").is_file():
         return None
-    return Tokenizer.from_file(str(path))
+    try:
+        return HFTokenizer.load(directory)
+    except ValueError as error:
+        raise UnsupportedCheckpoint(str(error)) from None
 
 
 # ---------------------------------------------------------------------- torch.nn.Transformer
@@ -828,7 +829,7 @@ def generate_pretrained(
             message = f"--prompt_ids needs space-separated ids: {error}"
             raise UnsupportedCheckpoint(message) from None
     else:
-        encoded = [tokenizer.encode(prompt).ids for prompt in prompts]
+        encoded = [tokenizer.encode(prompt) for prompt in prompts]
     if any(not ids for ids in encoded):
         raise UnsupportedCheckpoint("every prompt needs at least one token")
     eos = hf_config.get("eos_token_id")
@@ -861,5 +862,5 @@ def generate_pretrained(
         if prompt_ids:
             texts.append(" ".join(map(str, new)))
         else:
-            texts.append(tokenizer.decode(new, skip_special_tokens=True))
+            texts.append(tokenizer.decode(new))
     return texts

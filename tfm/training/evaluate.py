@@ -108,6 +108,7 @@ def decode_texts(
     batch_size = experiment.data.config.eval_batch_size or experiment.data.config.batch_size
     width = max(len(ids) for ids in encoded)
     run, _ = generate.GENERATORS[experiment.mode]
+    special = generate.special_ids(experiment.data.tokenizer, experiment.mode)
     outputs: list[str] = []
     bar = metrics.progress_bar(
         -(-len(encoded) // batch_size), desc=progress or "", unit="batch", leave=False,
@@ -119,7 +120,7 @@ def decode_texts(
         chunk = chunk + [chunk[-1]] * (batch_size - real)  # fixed shapes: one compilation
         tokens, lengths = generate.pad_batch(chunk)
         tokens = np.pad(tokens, ((0, 0), (0, width - tokens.shape[1])))
-        output = run(params, config, tokens, lengths, decode, rng=rng)
+        output = run(params, config, tokens, lengths, decode, rng=rng, **special)
         best, _ = generate.best_sequences(jax.tree.map(_fetch, output))
         outputs += [experiment.data.decode(row) for row in best[:real]]
         bar.update(1)

@@ -504,10 +504,12 @@ def _pretrained_model_values(
         raise ConfigError(
             f"init.pretrained={folder!r} holds a {kind} model but the data is for a {mode} task"
         )
+    # Agree = every id the tokenizer makes has an embedding row; HF models may have more rows
+    # than tokens (T5: 32128 rows, 32100 tokens), so equality would be too strict.
     if data.vocab_size > pretrained.vocab_size:
         raise ConfigError(
-            f"init.pretrained={folder!r} has vocab_size={pretrained.vocab_size}, smaller than the "
-            f"data's tokenizer ({data.vocab_size} ids)"
+            f"init.pretrained={folder!r} has vocab_size={pretrained.vocab_size}, smaller than "
+            f"data.tokenizer={data.config.resolved_tokenizer!r} ({data.vocab_size} ids)"
         )
     values = dataclasses.asdict(pretrained)
     values.update({field: model_values[field] for field in IMPLEMENTATION_FIELDS})
