@@ -26,7 +26,7 @@ import numpy as np
 from tfm.checks import ConfigError
 from tfm.kernels.hardware import CHIPS, Chip, hardware_line
 from tfm.parallel import sharding
-from tfm.training import flops
+from tfm.training import flops, profiling
 from tfm.training.experiment import Experiment, setup, state_shardings
 from tfm.training.train import jit_steps
 
@@ -109,15 +109,6 @@ def target_devices(name: str) -> tuple[Target, list[jax.Device]]:
     return target, list(description.devices)
 
 
-def _bytes_per_chip(abstract: Any) -> int:
-    """Bytes one device holds of a tree of ShapeDtypeStructs with shardings."""
-    total = 0
-    for leaf in jax.tree.leaves(abstract):
-        shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
-        total += math.prod(shape) * np.dtype(leaf.dtype).itemsize
-    return total
-
-
 def _abstract_batch(experiment: Experiment) -> dict[str, jax.ShapeDtypeStruct]:
     """One training batch's shapes and dtypes, placed as the train step takes it."""
     where = sharding.batch_sharding(experiment.mesh, experiment.rules)
@@ -164,7 +155,6 @@ def compile_report(experiment: Experiment, target: Target) -> dict[str, Any]:
     batch = _abstract_batch(experiment)
     compiled = jit_train.lower(abstract, batch).compile()
     program = compiled.as_text()
-    memory = compiled.memory_analysis()
     chips = experiment.mesh.devices.size
     model_config, data = experiment.model_config, experiment.data
     seq_len = batch["inputs"].shape[1]
@@ -177,17 +167,11 @@ def compile_report(experiment: Experiment, target: Target) -> dict[str, Any]:
     if model_config.attention_backend in UNCOSTED_KERNELS:
         kernel = flops.attention_flops_per_token(model_config, seq_len, data.mode,
                                                  source_len) * tokens
-    needed = (memory.argument_size_in_bytes + memory.output_size_in_bytes
-              - memory.alias_size_in_bytes + memory.temp_size_in_bytes)
     report: dict[str, Any] = {
         "target": target.name, "chips": chips, "platform": experiment.platform,
         "attention_backend": model_config.attention_backend, "remat": model_config.remat,
         "tokens_per_step": tokens, "tokens_per_chip": tokens // chips,
-        "params_bytes": _bytes_per_chip(abstract.params),
-        "optimizer_bytes": _bytes_per_chip(abstract.opt_state),
-        "temp_bytes": memory.temp_size_in_bytes,
-        "argument_bytes": memory.argument_size_in_bytes,
-        "needed_bytes": needed,
+        **profiling.step_memory(compiled, abstract),
         "analytic_flops_per_chip": analytic / chips,
         "kernel_flops_per_chip": kernel / chips,
         "scanned_layers": model_config.scan_layers,

@@ -117,6 +117,12 @@ class TrainConfig:
     # takes "auto"'s choice; decoding loops choose by rows (kernels.cpu_compile.decode_kernels).
     # No effect off CPU.
     cpu_kernels: str = "auto"
+    # A jax.profiler trace (TensorBoard's profile plugin / xprof, Perfetto) of the steps
+    # profile_start .. profile_start + profile_steps - 1 (0-based: step S turns state step S
+    # into S + 1), written to WORKDIR/profile/. None = no trace; start after the first step,
+    # which includes compilation, for a representative one.
+    profile_start: int | None = None
+    profile_steps: int = 3
 
     def __post_init__(self) -> None:
         check_choice("train.dropout_rng", self.dropout_rng, DROPOUT_RNGS)
@@ -131,6 +137,9 @@ class TrainConfig:
         if self.max_to_keep is not None:
             check_int("train.max_to_keep", self.max_to_keep, 1, " (or None: keep all)")
         check_int("train.seed", self.seed, 0)
+        if self.profile_start is not None:
+            check_int("train.profile_start", self.profile_start, 0, " (or None: no trace)")
+        check_int("train.profile_steps", self.profile_steps, 1)
         check_bool("train.async_checkpoints", self.async_checkpoints)
         check_bool("train.progress_bar", self.progress_bar)
         cache_dir = self.compilation_cache_dir

@@ -27,7 +27,7 @@ import optax
 
 from tfm.kernels import cpu_compile, cpu_memory, hardware
 from tfm.parallel import sharding
-from tfm.training import checkpoint, flops, losses, metrics, prng
+from tfm.training import checkpoint, flops, losses, metrics, prng, profiling
 from tfm.training.evaluate import evaluate, jit_eval_step
 from tfm.training.experiment import (
     Experiment,
@@ -191,18 +191,15 @@ def train_and_evaluate(
     abstract, shardings = state_shardings(experiment)
     checkpointer = make_checkpointer(experiment)
     train_iter = experiment.data.train_iterator()
-    try:
-        if checkpointer.latest_step() is not None:
-            state = restore_newest_readable(experiment, checkpointer, abstract, train_iter)
-        else:
-            state = init_state(experiment, shardings)
-    except BaseException:
-        checkpointer.close()  # leave no orbax threads behind when the start fails
-        raise
+    state = _start_state(experiment, checkpointer, abstract, shardings, train_iter)
     jit_train, jit_eval = jit_steps(experiment, shardings)
     batch_sharding = sharding.batch_sharding(experiment.mesh, experiment.rules)
     step = int(state.step)
     log = _Log(experiment, step)
+    jit_train = profiling.MemoryOnFirstCall(jit_train, abstract, log.say)
+    trace = profiling.StepTrace(
+        experiment.workdir / "profile", options.profile_start, options.profile_steps
+    )
     pending: list[dict[str, jax.Array]] = []  # step metrics not yet fetched from the devices
 
     def save(step: int, state: TrainState, eval_metrics: dict | None, force: bool) -> None:
@@ -216,11 +213,13 @@ def train_and_evaluate(
         with _StopRequest() as stop:
             while step < options.num_steps:
                 data_position = train_iter.get_state()
-                batch = sharding.shard_batch(
-                    next(train_iter), experiment.mesh, batch_sharding, experiment.rules
-                )
-                state, step_metrics = jit_train(state, batch)
+                with trace.annotate(step):
+                    batch = sharding.shard_batch(
+                        next(train_iter), experiment.mesh, batch_sharding, experiment.rules
+                    )
+                    state, step_metrics = jit_train(state, batch)
                 data_position = None  # the iterator now matches `state` again
+                trace.step_done(step, state)
                 pending.append(step_metrics)
                 step += 1
                 log.bar.update(1)
@@ -249,11 +248,30 @@ def train_and_evaluate(
             )
         raise
     finally:
+        trace.stop()
         log.close()
         checkpointer.close()
         if hasattr(train_iter, "close"):  # stops grain's prefetch thread before exit
             train_iter.close()
     return {**log.last, "step": step}
+
+
+def _start_state(
+    experiment: Experiment,
+    checkpointer: checkpoint.Checkpointer,
+    abstract: TrainState,
+    shardings: Any,
+    train_iter: Any,
+) -> TrainState:
+    """The newest readable checkpoint's state (with `train_iter` at its data position), or a
+    fresh one; closes `checkpointer` when that fails, leaving no orbax threads behind."""
+    try:
+        if checkpointer.latest_step() is not None:
+            return restore_newest_readable(experiment, checkpointer, abstract, train_iter)
+        return init_state(experiment, shardings)
+    except BaseException:
+        checkpointer.close()
+        raise
 
 
 def _best_candidate(options: TrainConfig, eval_metrics: dict | None) -> dict | None:
