@@ -238,6 +238,10 @@ class MultiHeadAttention(nn.Module):
     With a KV cache (tfm/nn/cache.py) the new keys and values are written into this layer's
     slots in place, attention reads the slots in the cache's layout, and the updated cache is
     returned.
+
+    Applied with the "intermediates" collection mutable, it also sows its attention weights
+    [batch, heads, q_len, kv_len] as "attention_weights" (the backend must return weights:
+    "reference"; tfm/training/diagnostics.py).
     """
 
     config: ModelConfig
@@ -309,6 +313,7 @@ class MultiHeadAttention(nn.Module):
         config = self.config
         scale = config.resolved_attention_scale
         value_term = None
+        collect = self.is_mutable_collection("intermediates")
         if config.scheme.relative is not None and not self.is_cross:
             relative_bias, value_term = config.scheme.relative(
                 config, query, query_positions, key_positions, scale, _param_fn(self, config)
@@ -325,15 +330,16 @@ class MultiHeadAttention(nn.Module):
             scale=scale,
             dropout_rate=dropout_rate,
             dropout_rng=self.make_rng("dropout") if dropout_rate > 0 else None,
-            return_weights=value_term is not None,
+            return_weights=value_term is not None or collect,
             causal=causal,
             cache_layout=cache_layout,
             structure=structure,
         )
-        if value_term is None:
+        if value_term is None and not collect:
             return result
         out, weights = result
-        return out + value_term(weights).astype(out.dtype)
+        self.sow("intermediates", "attention_weights", weights)
+        return out if value_term is None else out + value_term(weights).astype(out.dtype)
 
 
 def _write_cache(

@@ -7,7 +7,10 @@ form a group; the table has mean ± std (sample std over seeds) per group. Write
 ROOT/report.{md,csv,json}, ROOT/report_<metric>.png (metric vs the swept field, error bars =
 std) and ROOT/curves_<metric>.png (the metric over steps, a line per run). With runs evaluated
 at several lengths (`./launch.sh eval ... --eval_seq_len 64,128,...` writes eval_seq_len.json),
-also ROOT/report_eval_seq_len_<metric>.png: the metric vs eval length, a line per group.
+also ROOT/report_eval_seq_len_<metric>.png: the metric vs eval length, a line per group. Runs
+trained with train.diagnostics_every add ROOT/diagnostics_<family>.png: per group, the last logged
+per-layer norms (a line over layers) or per-layer, per-head attention statistics (a heatmap
+layers x heads), mean over seeds.
 
 report.json keeps every run's final metrics and eval lengths (`runs`), so a results folder
 outlives its workdirs: `--merge OLD/report.json` pools an earlier report's runs (e.g. other
@@ -375,6 +378,10 @@ def write_report(root: Path, metrics: Sequence[str] | None = None, x_field: str 
             files.append(path)
     if plot_curves(runs, "train_loss", root / "curves_train_loss.png"):
         files.append(root / "curves_train_loss.png")
+    for family in diagnostic_families(runs):
+        path = root / f"diagnostics_{family}.png"
+        plot_diagnostics(diagnostics_table(runs, fields, family), family, path)
+        files.append(path)
     return {"fields": fields, "metrics": metrics, "rows": rows, "files": files, "table": table}
 
 
@@ -390,6 +397,78 @@ def run_records(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             record["lengths"] = lengths
         records.append(record)
     return records
+
+
+DIAGNOSTICS = "diagnostics/"  # tfm/training/diagnostics.py: diagnostics/<family>/<layer>[/head_h]
+
+
+def diagnostic_families(runs: Sequence[dict]) -> list[str]:
+    """The diagnostics families (param_norm, attention_entropy, ...) in the runs' final metrics."""
+    return sorted({key.split("/")[1] for run in runs for key in run["final"]
+                   if key.startswith(DIAGNOSTICS)})
+
+
+def diagnostics_table(runs: Sequence[dict], fields: Sequence[str], family: str
+                      ) -> dict[str, dict[str, dict[int, float]]]:
+    """{group label: {layer ("decoder/layer_0"): {head (0 for per-layer values): mean over the
+    group's runs of the last logged value}}}."""
+    prefix = f"{DIAGNOSTICS}{family}/"
+    values: dict[str, dict[str, dict[int, list[float]]]] = {}
+    for run in runs:
+        label = ", ".join(_group_key(run["overrides"], fields)) or run["name"]
+        for key, value in run["final"].items():
+            if key.startswith(prefix):
+                layer, _, head = key[len(prefix):].partition("/head_")
+                per_head = values.setdefault(label, {}).setdefault(layer, {})
+                per_head.setdefault(int(head or 0), []).append(value)
+    return {label: {layer: {head: statistics.fmean(v) for head, v in heads.items()}
+                    for layer, heads in layers.items()} for label, layers in values.items()}
+
+
+def plot_diagnostics(table: dict[str, dict[str, dict[int, float]]], family: str,
+                     path: Path) -> None:
+    """Per-layer values (norms): a line over layers per group. Per-head values (attention): a
+    heatmap layers x heads per group, one colour scale for all."""
+    layers = sorted({layer for per_layer in table.values() for layer in per_layer},
+                    key=lambda name: (name.split("/")[0], int(name.rsplit("_", 1)[-1])))
+    num_heads = 1 + max(head for per_layer in table.values() for heads in per_layer.values()
+                        for head in heads)
+    grids = {label: [[per_layer.get(layer, {}).get(head, math.nan) for head in range(num_heads)]
+                     for layer in layers] for label, per_layer in table.items()}
+    if family.startswith("attention"):
+        _plot_heatmaps(grids, layers, family, path)
+    else:
+        _plot_layer_lines(grids, layers, family, path)
+
+
+def _plot_layer_lines(grids: dict[str, list[list[float]]], layers: Sequence[str], family: str,
+                      path: Path) -> None:
+    """grids: {group label: [layers][1]}."""
+    plt = _pyplot()
+    figure, axes = plt.subplots(figsize=(6, 4))
+    for label, grid in grids.items():
+        axes.plot(range(len(layers)), [row[0] for row in grid], marker="o", label=label)
+    axes.set_xticks(range(len(layers)), layers, rotation=30, fontsize=7)
+    _save(plt, figure, axes, "layer", family, path)
+
+
+def _plot_heatmaps(grids: dict[str, list[list[float]]], layers: Sequence[str], family: str,
+                   path: Path) -> None:
+    """grids: {group label: [layers][heads]}, one heatmap per group side by side."""
+    plt = _pyplot()
+    num_heads = len(next(iter(grids.values()))[0])
+    finite = [v for grid in grids.values() for row in grid for v in row if not math.isnan(v)]
+    size = (1.5 + 0.5 * num_heads * len(grids), 1.2 + 0.35 * len(layers))
+    figure, all_axes = plt.subplots(1, len(grids), squeeze=False, figsize=size)
+    for number, (axes, (label, grid)) in enumerate(zip(all_axes[0], grids.items(), strict=True)):
+        image = axes.imshow(grid, vmin=min(finite), vmax=max(finite), aspect="auto")
+        axes.set_title(label, fontsize=8)
+        axes.set_xticks(range(num_heads), [str(h) for h in range(num_heads)], fontsize=6)
+        axes.set_xlabel("head", fontsize=7)
+        axes.set_yticks(range(len(layers)), layers if number == 0 else [], fontsize=6)
+    figure.colorbar(image, ax=list(all_axes[0]), label=family)
+    figure.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(figure)
 
 
 def _plot_lengths(lengths: Sequence[int], rows: Sequence[dict], fields: Sequence[str],

@@ -123,6 +123,11 @@ class TrainConfig:
     # which includes compilation, for a representative one.
     profile_start: int | None = None
     profile_steps: int = 3
+    # Every this many steps, per-layer parameter, gradient and update norms, and per-layer,
+    # per-head attention entropy and distance on the first eval batch, logged as
+    # "diagnostics/..." (tfm/training/diagnostics.py). 0 = off; on, those steps also run one more
+    # forward and backward pass (the train step itself is unchanged).
+    diagnostics_every: int = 0
 
     def __post_init__(self) -> None:
         check_choice("train.dropout_rng", self.dropout_rng, DROPOUT_RNGS)
@@ -130,6 +135,7 @@ class TrainConfig:
         for field in ("num_steps", "log_every", "checkpoint_every", "microbatches"):
             check_int(f"train.{field}", getattr(self, field), 1)
         check_int("train.eval_every", self.eval_every, 0)
+        check_int("train.diagnostics_every", self.diagnostics_every, 0, " (0 = off)")
         check_number(
             "train.label_smoothing", self.label_smoothing, "in [0, 1)", lambda v: 0 <= v < 1
         )

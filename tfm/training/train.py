@@ -27,7 +27,7 @@ import optax
 
 from tfm.kernels import cpu_compile, cpu_memory, hardware
 from tfm.parallel import sharding
-from tfm.training import checkpoint, flops, losses, metrics, prng, profiling
+from tfm.training import checkpoint, diagnostics, flops, losses, metrics, prng, profiling
 from tfm.training.evaluate import evaluate, jit_eval_step
 from tfm.training.experiment import (
     Experiment,
@@ -144,6 +144,40 @@ def _grads_and_sums(
     return grads, sums
 
 
+def step_gradients(
+    state: TrainState,
+    batch: Mapping[str, jax.Array],
+    *,
+    model: nn.Module,
+    mode: str,
+    label_smoothing: float,
+    dropout_rng_impl: str = "threefry",
+) -> Any:
+    """The gradient train_step takes at `state` on `batch`, without updating (diagnostics): the
+    whole batch at once, so with train.microbatches > 1 its dropout masks and summation order
+    differ."""
+    total_weight = jnp.maximum(jnp.sum(batch["weights"].astype(jnp.float32)), 1.0)
+    grads, _ = _grads_and_sums(
+        state.params, batch, dropout_key(state.rng, state.step, dropout_rng_impl),
+        total_weight=total_weight, model=model, mode=mode, label_smoothing=label_smoothing,
+    )
+    return grads
+
+
+def jit_diagnostics(experiment: Experiment, shardings: Any) -> Callable | None:
+    """`diagnose(state, batch) -> {"diagnostics/...": float}` of the step `state` is about to
+    take on `batch` (tfm/training/diagnostics.py), or None when train.diagnostics_every is 0;
+    call it before the train step donates `state`."""
+    if not experiment.train.diagnostics_every:
+        return None
+    gradients = functools.partial(
+        step_gradients, model=experiment.model, mode=experiment.mode,
+        label_smoothing=experiment.train.label_smoothing,
+        dropout_rng_impl=experiment.train.dropout_rng,
+    )
+    return diagnostics.jit_diagnostics(experiment, shardings, gradients)
+
+
 def jit_steps(experiment: Experiment, shardings: Any) -> tuple[Callable, Callable]:
     """(train_step, eval_step) jit-compiled with explicit shardings, the same code from 1 device
     to N processes: the state as `shardings` (from state_shardings), batches split over the
@@ -196,6 +230,7 @@ def train_and_evaluate(
     batch_sharding = sharding.batch_sharding(experiment.mesh, experiment.rules)
     step = int(state.step)
     log = _Log(experiment, step)
+    diagnose = jit_diagnostics(experiment, shardings)
     jit_train = profiling.MemoryOnFirstCall(jit_train, abstract, log.say)
     trace = profiling.StepTrace(
         experiment.workdir / "profile", options.profile_start, options.profile_steps
@@ -217,6 +252,8 @@ def train_and_evaluate(
                     batch = sharding.shard_batch(
                         next(train_iter), experiment.mesh, batch_sharding, experiment.rules
                     )
+                    if diagnose and (step + 1) % options.diagnostics_every == 0:
+                        log.writer.write(step + 1, diagnose(state, batch))  # before donation
                     state, step_metrics = jit_train(state, batch)
                 data_position = None  # the iterator now matches `state` again
                 trace.step_done(step, state)
