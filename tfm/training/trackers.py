@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import html
 import sys
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -110,7 +111,7 @@ class WandbTracker(Tracker):
         workdir = Path(workdir)
         id_file = workdir / WANDB_RUN_ID_FILE
         if not id_file.exists():
-            id_file.write_text(wandb.util.generate_id() + "\n")
+            id_file.write_text(uuid.uuid4().hex[:12] + "\n")  # wandb ids: [a-z0-9]
         self._run = wandb.init(
             project=run.project, name=run.name or workdir.resolve().name, dir=str(workdir),
             id=id_file.read_text().strip(), resume="allow",
