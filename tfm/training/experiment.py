@@ -45,7 +45,7 @@ from tfm.nn import positions, remat
 from tfm.nn.config import ModelConfig, from_dict
 from tfm.nn.families import Family, get_family
 from tfm.parallel import distributed, sharding
-from tfm.training import checkpoint, optim
+from tfm.training import checkpoint, optim, trackers
 from tfm.training.optim import OptimizerConfig
 
 TOP_LEVEL_SECTIONS = (
@@ -128,6 +128,14 @@ class TrainConfig:
     # "diagnostics/..." (tfm/training/diagnostics.py). 0 = off; on, those steps also run one more
     # forward and backward pass (the train step itself is unchanged).
     diagnostics_every: int = 0
+    # Where metrics go besides WORKDIR/metrics.jsonl (always written): "tensorboard"
+    # (WORKDIR/tensorboard/), "wandb" (Weights & Biases, WORKDIR/wandb/; pip install -e
+    # ".[wandb]"; WANDB_MODE=offline keeps it local) or "none" (tfm/training/trackers.py).
+    tracker: str = "tensorboard"
+    # What the tracker files the run under: wandb's project and run name (None = the workdir's
+    # folder name).
+    tracker_project: str = "tfm"
+    tracker_run_name: str | None = None
 
     def __post_init__(self) -> None:
         check_choice("train.dropout_rng", self.dropout_rng, DROPOUT_RNGS)
@@ -148,10 +156,26 @@ class TrainConfig:
         check_int("train.profile_steps", self.profile_steps, 1)
         check_bool("train.async_checkpoints", self.async_checkpoints)
         check_bool("train.progress_bar", self.progress_bar)
+        check_choice("train.tracker", self.tracker, tuple(trackers.TRACKERS))
         cache_dir = self.compilation_cache_dir
-        if cache_dir is not None and (not isinstance(cache_dir, str) or not cache_dir.strip()):
+        if cache_dir is not None and not _is_name(cache_dir):
             raise ConfigError(f"train.compilation_cache_dir={cache_dir!r} must be a folder path "
                               "(a non-empty string), or None to compile every run afresh")
+        if not _is_name(self.tracker_project):
+            raise ConfigError(f"train.tracker_project={self.tracker_project!r} must be a "
+                              "non-empty string")
+        if self.tracker_run_name is not None and not _is_name(self.tracker_run_name):
+            raise ConfigError(f"train.tracker_run_name={self.tracker_run_name!r} must be a "
+                              "non-empty string, or None for the workdir's name")
+
+    @property
+    def tracker_run(self) -> trackers.RunInfo:
+        """What the tracker files the run under (train.tracker_project, tracker_run_name)."""
+        return trackers.RunInfo(self.tracker_project, self.tracker_run_name)
+
+
+def _is_name(value: Any) -> bool:
+    return isinstance(value, str) and bool(value.strip())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Metric logging: JSON lines plus TensorBoard event files, and a console progress bar.
+"""Metric logging: JSON lines plus an experiment tracker (TensorBoard by default:
+tfm/training/trackers.py), and a console progress bar.
 
 Only process 0 writes, so every host can call the same code in a multi-host run.
 """
@@ -8,7 +9,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -16,6 +16,8 @@ from typing import Any
 import jax
 import numpy as np
 import tqdm
+
+from tfm.training import trackers
 
 
 def _scalar(value: Any) -> float | int:
@@ -28,7 +30,9 @@ def _scalar(value: Any) -> float | int:
 
 class MetricWriter:
     """Writes `{workdir}/metrics.jsonl` (one JSON object per `write`: {"step": ..., name:
-    value, ...}) and TensorBoard scalars under `{workdir}/tensorboard/`.
+    value, ...}), always, and the same scalars to an experiment tracker: `tracker` names one of
+    trackers.TRACKERS ("tensorboard": scalars under `{workdir}/tensorboard/`; "wandb"; "none"),
+    `run` says what the tracker files the run under (default: project "tfm", the workdir's name).
 
     `process_index` defaults to jax.process_index(); on any other process than 0 every method
     is a no-op. `resume_step`: the step a resumed run restarts from; records of later steps
@@ -42,20 +46,21 @@ class MetricWriter:
         process_index: int | None = None,
         *,
         resume_step: int | None = None,
+        tracker: str = "tensorboard",
+        run: trackers.RunInfo | None = None,
     ) -> None:
         if process_index is None:
             process_index = jax.process_index()
         self.active = process_index == 0
         self.path = Path(workdir) / "metrics.jsonl"
         self._jsonl = None
-        self._tensorboard = None
+        self._tracker: trackers.Tracker | None = None
         if self.active:
-            writer_class = _tensorboardx_writer()  # imported lazily: only process 0 needs it
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if resume_step is not None and self.path.exists():
                 _drop_records_after(self.path, resume_step)
+            self._tracker = trackers.TRACKERS[tracker](Path(workdir), run or trackers.RunInfo())
             self._jsonl = self.path.open("a")
-            self._tensorboard = writer_class(str(Path(workdir) / "tensorboard"))
 
     def write(self, step: int, values: Mapping[str, Any]) -> None:
         """Logs scalar `values` (numbers or 0-d arrays, e.g. {"train/loss": 2.3}) at `step`.
@@ -65,23 +70,27 @@ class MetricWriter:
         scalars = {name: _scalar(value) for name, value in values.items()}
         self._jsonl.write(json.dumps({"step": int(step), **scalars}) + "\n")
         self._jsonl.flush()
-        for name, value in scalars.items():
-            self._tensorboard.add_scalar(name, float(value), int(step))
+        self._tracker.log_metrics(int(step), scalars)
+
+    def write_config(self, config: Mapping[str, Any]) -> None:
+        """Logs the resolved experiment config (a nested dict) to the tracker."""
+        if self.active:
+            self._tracker.log_config(config)
 
     def write_text(self, step: int, name: str, text: str) -> None:
-        """Logs text (e.g. the experiment config, sample translations) to TensorBoard only."""
+        """Logs text (e.g. sample translations) to the tracker only."""
         if self.active:
-            self._tensorboard.add_text(name, text, int(step))
+            self._tracker.log_text(int(step), name, text)
 
     def flush(self) -> None:
         if self.active:
             self._jsonl.flush()
-            self._tensorboard.flush()
+            self._tracker.flush()
 
     def close(self) -> None:
         if self.active and self._jsonl is not None:
             self._jsonl.close()
-            self._tensorboard.close()
+            self._tracker.close()
             self._jsonl = None
             self.active = False
 
@@ -90,22 +99,6 @@ class MetricWriter:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def _tensorboardx_writer() -> type:
-    """tensorboardX's SummaryWriter, imported without torch: tensorboardX imports torch when it
-    is installed (2-3 s on a CPU laptop, at every run's start) only to accept torch tensors,
-    which tfm never passes. A process that already imported torch keeps it."""
-    if "tensorboardX" in sys.modules or "torch" in sys.modules:
-        from tensorboardX import SummaryWriter
-
-        return SummaryWriter
-    sys.modules["torch"] = None  # `import torch` raises ImportError while this is set
-    try:
-        from tensorboardX import SummaryWriter
-    finally:
-        del sys.modules["torch"]
-    return SummaryWriter
 
 
 def _drop_records_after(path: Path, step: int) -> None:

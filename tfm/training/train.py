@@ -11,6 +11,7 @@ their public names are re-exported here, the entry point scripts and tests impor
 from __future__ import annotations
 
 import functools
+import json
 import math
 import signal
 import time
@@ -27,7 +28,7 @@ import optax
 
 from tfm.kernels import cpu_compile, cpu_memory, hardware
 from tfm.parallel import sharding
-from tfm.training import checkpoint, diagnostics, flops, losses, metrics, prng, profiling
+from tfm.training import checkpoint, diagnostics, flops, losses, metrics, prng, profiling, trackers
 from tfm.training.evaluate import evaluate, jit_eval_step
 from tfm.training.experiment import (
     Experiment,
@@ -39,6 +40,7 @@ from tfm.training.experiment import (
     compute_logits,
     init_state,
     make_checkpointer,
+    parse_config,
     restore_newest_readable,
     setup,
     state_shardings,
@@ -215,7 +217,9 @@ def train_and_evaluate(
     config: ml_collections.ConfigDict | ExperimentConfig, workdir: str | Path
 ) -> dict[str, Any]:
     """Trains `config` in `workdir`, resuming from its latest checkpoint; returns final metrics."""
-    experiment = setup(config, workdir)
+    sections = config if isinstance(config, ExperimentConfig) else parse_config(config)
+    trackers.TRACKERS[sections.train.tracker].check_installed()  # before data and compiling
+    experiment = setup(sections, workdir)
     if experiment.platform == "cpu":  # each step then reuses its temporaries' pages
         cpu_memory.keep_freed_memory()
     options = experiment.train
@@ -340,8 +344,9 @@ def _checked_metrics(
 
 
 class _Log:
-    """The loop's outputs: metrics.jsonl / TensorBoard, a progress bar and console lines (on
-    process 0), throughput and MFU since the last log, and the latest value of every metric."""
+    """The loop's outputs: metrics.jsonl and the tracker (train.tracker), a progress bar and
+    console lines (on process 0), throughput and MFU since the last log, and the latest value
+    of every metric."""
 
     def __init__(self, experiment: Experiment, start_step: int) -> None:
         data_config, process_zero = experiment.data.config, jax.process_index() == 0
@@ -354,8 +359,10 @@ class _Log:
             jax.devices()[0], experiment.model_config.compute_dtype
         )
         self.writer = metrics.MetricWriter(
-            experiment.workdir, jax.process_index(), resume_step=start_step
+            experiment.workdir, jax.process_index(), resume_step=start_step,
+            tracker=experiment.train.tracker, run=experiment.train.tracker_run,
         )
+        self.writer.write_config(json.loads(experiment.config_json()))
         self.bar = metrics.progress_bar(
             experiment.train.num_steps, initial_step=start_step,
             enabled=experiment.train.progress_bar and process_zero,
