@@ -234,11 +234,7 @@ def train_and_evaluate(
     batch_sharding = sharding.batch_sharding(experiment.mesh, experiment.rules)
     step = int(state.step)
     log = _Log(experiment, step)
-    diagnose = jit_diagnostics(experiment, shardings)
-    jit_train = profiling.MemoryOnFirstCall(jit_train, abstract, log.say)
-    trace = profiling.StepTrace(
-        experiment.workdir / "profile", options.profile_start, options.profile_steps
-    )
+    jit_train, diagnose, trace = _instrumented(experiment, jit_train, abstract, shardings, log)
     pending: list[dict[str, jax.Array]] = []  # step metrics not yet fetched from the devices
 
     def save(step: int, state: TrainState, eval_metrics: dict | None, force: bool) -> None:
@@ -295,6 +291,19 @@ def train_and_evaluate(
         if hasattr(train_iter, "close"):  # stops grain's prefetch thread before exit
             train_iter.close()
     return {**log.last, "step": step}
+
+
+def _instrumented(
+    experiment: Experiment, jit_train: Callable, abstract: Any, shardings: Any, log: _Log
+) -> tuple[Callable, Callable | None, profiling.StepTrace]:
+    """(the train step, logging its compiled memory on its first call; the diagnostics step
+    or None when train.diagnostics_every is 0; the profiler's step trace)."""
+    options = experiment.train
+    trace = profiling.StepTrace(
+        experiment.workdir / "profile", options.profile_start, options.profile_steps
+    )
+    return (profiling.MemoryOnFirstCall(jit_train, abstract, log.say),
+            jit_diagnostics(experiment, shardings), trace)
 
 
 def _start_state(
