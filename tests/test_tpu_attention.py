@@ -253,3 +253,21 @@ def test_under_a_mesh_a_batch_the_mesh_does_not_divide_stays_whole():
         got = jax.jit(lambda q: kernels.attention(q, q, q, backend="splash",
                                                   structure=structure))(query)
     np.testing.assert_allclose(got, want, atol=2e-5)
+
+
+def test_under_a_mesh_kv_heads_the_tensor_axis_cannot_split_stay_with_their_queries():
+    """8 query heads over 4 tensor devices but 2 kv heads: splitting only the queries would
+    pair each device's query heads with the wrong kv heads."""
+    from tfm.parallel import sharding
+
+    mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 4}, jax.devices()[:4])
+    rng = np.random.default_rng(8)
+    query = jnp.asarray(rng.normal(size=(1, 128, 8, 16)), jnp.float32)
+    key, value = (jnp.asarray(rng.normal(size=(1, 128, 2, 16)), jnp.float32) for _ in "kv")
+    structure = MaskStructure(causal=True)
+    want = kernels.attention(query, key, value, backend="reference",
+                             mask=_dense_mask(structure, 128, 128))
+    with sharding.sharding_context(mesh):
+        got = jax.jit(lambda q, k, v: kernels.attention(q, k, v, backend="splash",
+                                                        structure=structure))(query, key, value)
+    np.testing.assert_allclose(got, want, atol=2e-5)

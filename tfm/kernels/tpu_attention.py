@@ -76,6 +76,9 @@ def attention(
     query_spec = _divisible(query_spec, query.shape, mesh)
     kv_spec = _divisible(kv_spec, key.shape, mesh)
     rows_spec = _divisible(rows_spec, query.shape[:2], mesh)
+    if query_spec[2] != kv_spec[2]:  # heads split one way, kv heads another: keep both whole,
+        query_spec = PartitionSpec(*query_spec[:2], None, *query_spec[3:])  # so each device's
+        kv_spec = PartitionSpec(*kv_spec[:2], None, *kv_spec[3:])  # query heads meet their kv
     return jax.shard_map(
         per_shard, mesh=mesh, check_vma=False,
         in_specs=(query_spec, kv_spec, kv_spec, None if segments is None else (rows_spec,) * 2),
