@@ -6,7 +6,9 @@ removes are skipped. Same values as the reference (tfm.nn.attention) at every re
 It serves calls that describe their mask (`AttentionCall.structure`) and read no KV cache;
 cached decoding steps (a few queries against the cache) use the reference maths, whose score
 rows are small. No logit bias (ALiBi, T5, Shaw), no dropout, no returned weights.
-Off TPU it runs in Pallas interpret mode (slow; for tests).
+Off TPU it runs in Pallas interpret mode (slow; for tests). Mosaic refuses float32 contract
+precision on 16-bit operands, so a process that sets jax_default_matmul_precision="highest"
+cannot compile it for TPU with bfloat16 activations.
 """
 
 from __future__ import annotations
