@@ -12,9 +12,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import jax
 import pytest
-from jax.experimental.compilation_cache import compilation_cache
+from compile_cache import persistent_compilation_cache
 from test_metrics import _read_events as tensorboard_scalars
 
 from configs import synthetic_lm
@@ -29,16 +28,8 @@ NUM_STEPS = 4
 @pytest.fixture(scope="module", autouse=True)
 def compilation_cache_dir(tmp_path_factory):
     """The module's runs share one model: later runs load its compiled steps."""
-    previous = (
-        jax.config.jax_compilation_cache_dir,
-        jax.config.jax_persistent_cache_min_compile_time_secs,
-    )
-    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("jax_cache")))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    yield
-    jax.config.update("jax_compilation_cache_dir", previous[0])
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", previous[1])
-    compilation_cache.reset_cache()
+    with persistent_compilation_cache(tmp_path_factory.mktemp("jax_cache")):
+        yield
 
 
 @pytest.fixture(scope="module")

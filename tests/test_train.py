@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
-from jax.experimental.compilation_cache import compilation_cache
+from compile_cache import persistent_compilation_cache
 
 from configs import char_lm, synthetic_lm, synthetic_seq2seq, translate
 from tfm.checks import ConfigError
@@ -64,16 +64,8 @@ LABEL_SMOOTHING = 0.1
 @pytest.fixture(scope="module", autouse=True)
 def compilation_cache_dir(tmp_path_factory):
     """jax's persistent compilation cache for this module's runs, restored afterwards."""
-    previous = (
-        jax.config.jax_compilation_cache_dir,
-        jax.config.jax_persistent_cache_min_compile_time_secs,
-    )
-    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("jax_cache")))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    yield
-    jax.config.update("jax_compilation_cache_dir", previous[0])
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", previous[1])
-    compilation_cache.reset_cache()
+    with persistent_compilation_cache(tmp_path_factory.mktemp("jax_cache")):
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -115,42 +115,45 @@ def platform() -> str:
     return jax.default_backend() if mesh.empty else mesh.abstract_device.platform
 
 
-def _unmet(
-    backend: Backend, needs_weights: bool, needs_dropout: bool, bias: str | None,
-    dtype: str | None, head_dim: int | None,
-) -> str | None:
-    """Why `backend` cannot serve a model with these needs, or None."""
-    if needs_weights and not backend.weights:
-        return ("relative_values=True needs the attention weights (Shaw et al.'s value term), "
-                "which it never materialises (or set relative_values=False)")
-    if needs_dropout and not backend.dropout:
-        return "attention_dropout_rate > 0 drops attention weights, which it fuses away"
-    if bias is not None and bias not in backend.biases:
-        taken = " or ".join(backend.biases) or "no"
-        return f"the position scheme adds a {bias} logit bias, and it takes {taken} bias"
-    if dtype is not None and backend.dtypes is not None and dtype not in backend.dtypes:
-        return f"dtype={dtype!r}, and it takes {' or '.join(backend.dtypes)}"
-    if head_dim is not None and (head_dim % backend.head_dim_multiple or (
-            backend.max_head_dim is not None and head_dim > backend.max_head_dim)):
-        return (f"head_dim={head_dim}, and it takes multiples of {backend.head_dim_multiple} "
-                f"up to {backend.max_head_dim}")
-    return None
+@dataclasses.dataclass(frozen=True)
+class Needs:
+    """What a model asks of its attention backend (ModelConfig.attention_needs): the weights
+    returned (Shaw's value term), dropout on them, a logit bias (None, "fixed" or "learned":
+    BIAS_KINDS), a compute dtype and head size (None: any)."""
+
+    needs_weights: bool = False
+    needs_dropout: bool = False
+    bias: str | None = None
+    dtype: str | None = None
+    head_dim: int | None = None
+
+    def unmet(self, backend: Backend) -> str | None:
+        """Why `backend` cannot serve them, or None."""
+        if self.needs_weights and not backend.weights:
+            return ("relative_values=True needs the attention weights (Shaw et al.'s value "
+                    "term), which it never materialises (or set relative_values=False)")
+        if self.needs_dropout and not backend.dropout:
+            return "attention_dropout_rate > 0 drops attention weights, which it fuses away"
+        if self.bias is not None and self.bias not in backend.biases:
+            taken = " or ".join(backend.biases) or "no"
+            return f"the position scheme adds a {self.bias} logit bias, and it takes {taken} bias"
+        if (self.dtype is not None and backend.dtypes is not None
+                and self.dtype not in backend.dtypes):
+            return f"dtype={self.dtype!r}, and it takes {' or '.join(backend.dtypes)}"
+        head_dim = self.head_dim
+        if head_dim is not None and (head_dim % backend.head_dim_multiple or (
+                backend.max_head_dim is not None and head_dim > backend.max_head_dim)):
+            return (f"head_dim={head_dim}, and it takes multiples of "
+                    f"{backend.head_dim_multiple} up to {backend.max_head_dim}")
+        return None
 
 
-def auto_choice(
-    on_platform: str | None = None,
-    *,
-    needs_weights: bool = False,
-    needs_dropout: bool = False,
-    bias: str | None = None,
-    dtype: str | None = None,
-    head_dim: int | None = None,
-) -> tuple[Backend, str | None]:
-    """(the backend "auto" picks, and why it is not AUTO[platform] when it is not). bias: the
-    position scheme's logit-bias kind (None, "fixed" or "learned"); dtype: the compute dtype."""
+def auto_choice(on_platform: str | None = None, **needs: Any) -> tuple[Backend, str | None]:
+    """(the backend "auto" picks, and why it is not AUTO[platform] when it is not). `needs`:
+    the fields of Needs. `on_platform` defaults to the platform being compiled for."""
     on_platform = on_platform or platform()
     preferred = BACKENDS[AUTO.get(on_platform, "reference")]
-    reason = _unmet(preferred, needs_weights, needs_dropout, bias, dtype, head_dim)
+    reason = Needs(**needs).unmet(preferred)
     if reason is None:
         return preferred, None
     return BACKENDS["reference"], (
@@ -159,37 +162,24 @@ def auto_choice(
     )
 
 
-def resolve(
-    name: str,
-    on_platform: str | None = None,
-    *,
-    needs_weights: bool = False,
-    needs_dropout: bool = False,
-    bias: str | None = None,
-    dtype: str | None = None,
-    head_dim: int | None = None,
-) -> Backend:
-    """The backend called `name` (one of CHOICES); "auto" as `auto_choice` says. `on_platform`
-    defaults to the platform being compiled for (`platform()`)."""
+def resolve(name: str, on_platform: str | None = None, **needs: Any) -> Backend:
+    """The backend called `name` (one of CHOICES); "auto" as `auto_choice` says."""
     if name not in CHOICES:
         raise ConfigError(
             f"attention_backend={name!r} is unknown; choose one of: {', '.join(CHOICES)}"
         )
     if name != "auto":
         return BACKENDS[name]
-    return auto_choice(on_platform, needs_weights=needs_weights, needs_dropout=needs_dropout,
-                       bias=bias, dtype=dtype, head_dim=head_dim)[0]
+    return auto_choice(on_platform, **needs)[0]
 
 
-def check_config(
-    name: str, *, needs_weights: bool, needs_dropout: bool, bias: str | None = None,
-    dtype: str | None = None, head_dim: int | None = None,
-) -> None:
-    """ConfigError when a model config asks backend `name` for what it cannot do ("auto" always
-    finds one). Starts no jax backend: configs are checked before jax.distributed starts."""
+def check_config(name: str, **needs: Any) -> None:
+    """ConfigError when a model config asks backend `name` for what it cannot do (`needs`: the
+    fields of Needs; "auto" always finds one). Starts no jax backend: configs are checked
+    before jax.distributed starts."""
     if name == "auto":
         return
-    reason = _unmet(resolve(name), needs_weights, needs_dropout, bias, dtype, head_dim)
+    reason = Needs(**needs).unmet(resolve(name))
     if reason is not None:
         raise ConfigError(f"attention_backend={name!r} cannot serve this model: {reason}; use "
                           "'auto' or 'reference'")
