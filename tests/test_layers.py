@@ -133,14 +133,18 @@ def test_position_layers_add_what_the_registry_entry_says(scheme):
     if scheme == "sinusoidal":
         want = x + positions.sinusoidal(token_positions, config.d_model)
     np.testing.assert_allclose(embedded, want, atol=1e-6)
-    bias = PositionBias(config, bidirectional=False).apply({}, token_positions, token_positions)
+    bias, by_blocks = PositionBias(config, bidirectional=False).apply(
+        {}, token_positions, token_positions)
     if scheme == "alibi":
         slopes = positions.alibi_slopes(config.num_heads)
-        np.testing.assert_allclose(
-            bias, positions.alibi_bias(token_positions, token_positions, slopes), atol=1e-6
-        )
+        want = positions.alibi_bias(token_positions, token_positions, slopes)
+        np.testing.assert_allclose(bias, want, atol=1e-6)
+        np.testing.assert_array_equal(positions.dense_from_blocks(
+            by_blocks.function, by_blocks.params, by_blocks.query_positions,
+            by_blocks.key_positions), want)
+        assert not by_blocks.learned
     else:
-        assert bias is None
+        assert bias is None and by_blocks is None
 
 
 def test_gelu_is_the_exact_gelu():

@@ -118,9 +118,10 @@ def test_auto_resolves_per_platform_and_the_cache_follows():
 
 @pytest.mark.parametrize("changes,platform,backend,reason", [
     (dict(position_scheme="rope"), "tpu", "splash", None),
-    (dict(position_scheme="alibi"), "tpu", "reference", "adds a fixed logit bias"),
-    (dict(position_scheme="t5_bias"), "tpu", "reference", "adds a learned logit bias"),
-    (dict(position_scheme="relative", relative_values=False), "tpu", "reference", "learned"),
+    (dict(position_scheme="alibi"), "tpu", "flex", None),
+    (dict(position_scheme="t5_bias"), "tpu", "flex", None),
+    (dict(position_scheme="relative", relative_values=False), "tpu", "reference",
+     "'flex': the position scheme adds a query logit bias"),
     (dict(attention_dropout_rate=0.1), "tpu", "reference", "attention_dropout_rate"),
     (dict(position_scheme="alibi", dtype="bfloat16", head_dim=8), "gpu", "cudnn", None),
     (dict(dtype="bfloat16"), "gpu", "reference", "head_dim=4"),
@@ -131,7 +132,8 @@ def test_auto_resolves_per_platform_and_the_cache_follows():
 ])
 def test_auto_falls_back_to_the_reference_with_the_reason(changes, platform, backend, reason):
     """What each scheme gets on each platform: fused kernels take no bias they cannot
-    serve (splash: none; cuDNN: no learned one, jax-ml/jax#27184), and say why."""
+    serve (splash: none; flex: none computed from queries; cuDNN: no learned one,
+    jax-ml/jax#27184), and say why."""
     config = ModelConfig(**{**TINY, **changes})
     chosen, note = kernels.auto_choice(platform, **config.attention_needs)
     assert chosen.name == backend
@@ -148,6 +150,8 @@ def test_auto_falls_back_to_the_reference_with_the_reason(changes, platform, bac
      "learned"),
     (dict(attention_backend="cudnn", dtype="float32"), "dtype='float32'"),
     (dict(attention_backend="splash", attention_dropout_rate=0.1), "attention_dropout_rate"),
+    (dict(attention_backend="flex", position_scheme="relative", relative_values=False),
+     "query logit bias"),
 ])
 def test_a_named_backend_that_cannot_serve_the_model_fails_in_the_config(changes, message):
     with pytest.raises(ConfigError, match=f"attention_backend='[a-z]+' cannot serve.*{message}"):
@@ -193,9 +197,9 @@ def test_every_kernel_equals_the_reference_forward_and_backward(backend):
 
 
 def test_xla_takes_a_pure_causal_mask_from_the_structure():
-    """With MaskStructure(causal=True) the xla backend drops the dense mask for its own causal
+    """With AttentionStructure(causal=True) the xla backend drops the dense mask for its own causal
     flag: same values, and the dense mask is no longer an input of the program."""
-    from tfm.kernels.call import MaskStructure
+    from tfm.kernels.call import AttentionStructure
 
     rng = np.random.default_rng(5)
     query, key, value = (jnp.asarray(rng.normal(size=(2, 24, 2, 8)), jnp.float32)
@@ -208,28 +212,42 @@ def test_xla_takes_a_pure_causal_mask_from_the_structure():
                                  structure=structure)
 
     want = attend("reference", None, query, key, value, mask)
-    got = attend("xla", MaskStructure(causal=True), query, key, value, mask)
+    got = attend("xla", AttentionStructure(causal=True), query, key, value, mask)
     np.testing.assert_allclose(got, want, atol=1e-5)
     lowered = lambda structure: jax.jit(functools.partial(attend, "xla", structure)).trace(
         query, key, value, mask).lower().as_text()
     assert "i1>" in lowered(None).split("func.func public @main")[1].split("{")[0]
-    assert "i1>" not in lowered(MaskStructure(causal=True)).split(
+    assert "i1>" not in lowered(AttentionStructure(causal=True)).split(
         "func.func public @main")[1].split("{")[0]
 
 
 def test_setup_says_in_one_line_why_auto_takes_the_reference(caplog):
     from tfm.training import experiment
 
-    alibi = ModelConfig(**{**TINY, "position_scheme": "alibi"})
+    shaw = ModelConfig(**{**TINY, "position_scheme": "relative", "relative_values": False})
     with caplog.at_level("INFO", logger=experiment.logger.name):
-        resolved = experiment._model_for_platform(alibi, "tpu")
+        resolved = experiment._model_for_platform(shaw, "tpu")
     assert resolved.attention_backend == "reference"
     notes = [record.getMessage() for record in caplog.records if "attention_backend" in
              record.getMessage()]
-    assert notes == ["attention_backend='auto' uses 'reference' on tpu, not 'splash': the "
-                     "position scheme adds a fixed logit bias, and it takes no bias"]
+    assert notes == ["attention_backend='auto' uses 'reference' on tpu, not 'splash' or "
+                     "'flex': 'splash': the position scheme adds a query logit bias, and it "
+                     "takes no bias; 'flex': the position scheme adds a query logit bias, and it "
+                     "takes fixed or learned bias"]
     caplog.clear()
     with caplog.at_level("INFO", logger=experiment.logger.name):
-        assert experiment._model_for_platform(alibi.replace(position_scheme="rope"),
+        assert experiment._model_for_platform(shaw.replace(position_scheme="alibi"),
+                                              "cpu").attention_backend == "cpu"
+        assert experiment._model_for_platform(
+            shaw.replace(position_scheme="alibi", attention_backend="flex"),
+            "cpu").attention_backend == "flex"
+    notes = [record.getMessage() for record in caplog.records]
+    assert notes == ["attention_backend='flex' runs its Pallas kernel in interpret mode on cpu: "
+                     "exact but slow, for tests and debugging"]
+    caplog.clear()
+    with caplog.at_level("INFO", logger=experiment.logger.name):
+        assert experiment._model_for_platform(shaw.replace(position_scheme="rope"),
                                               "tpu").attention_backend == "splash"
+        assert experiment._model_for_platform(shaw.replace(position_scheme="t5_bias"),
+                                              "tpu").attention_backend == "flex"
     assert not [r for r in caplog.records if "attention_backend" in r.getMessage()]

@@ -13,45 +13,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from attention_cases import dense_mask, segments
 from tiny_model import TINY
 
 from tfm import kernels
-from tfm.kernels.call import MaskStructure
+from tfm.kernels.call import AttentionStructure
 from tfm.nn import attention as reference
 from tfm.nn import models
 from tfm.nn.config import ModelConfig
-
-
-def _segments(kind: str, batch: int, length: int) -> np.ndarray | None:
-    """None, padding (1 real / 0 padded, different lengths per row) or packed ids (0 = pad)."""
-    if kind == "none":
-        return None
-    ids = np.zeros((batch, length), np.int32)
-    if kind == "padding":
-        for row in range(batch):
-            ids[row, : length - 17 * (row + 1)] = 1
-        return ids
-    cuts = sorted(np.random.default_rng(length).choice(np.arange(5, length - 5), 3, False))
-    for row in range(batch):
-        ids[row, : cuts[0]], ids[row, cuts[0]: cuts[1]], ids[row, cuts[1]: cuts[2]] = 1, 2, 3
-    return ids
-
-
-def _dense_mask(
-    structure: MaskStructure, q_len: int, kv_len: int
-) -> jax.Array:  # [batch | 1, 1, q_len, kv_len]
-    """The same mask written out with tfm.nn.attention's mask functions."""
-    q_index = jnp.arange(q_len)[None]
-    kv_index = jnp.arange(kv_len)[None]
-    masks = []
-    if structure.causal:
-        masks.append(reference.causal_mask(q_index, kv_index))
-    if structure.window is not None:
-        masks.append(reference.local_window_mask(q_index, kv_index, structure.window))
-    if structure.query_segments is not None:
-        masks.append(reference.segment_mask(structure.query_segments, structure.key_segments))
-    return reference.combine_masks(*masks)
-
 
 CASES = {
     # name: (q_len, kv_len, heads, kv_heads, causal, window, segments, dtype)
@@ -75,12 +44,12 @@ def test_splash_equals_the_reference_forward_and_backward(case):
                   for _ in "kv")
     if segment_kind == "cross":
         query_segments = jnp.ones((batch, q_len), jnp.int32)
-        key_segments = jnp.asarray(_segments("padding", batch, kv_len))
+        key_segments = jnp.asarray(segments("padding", batch, kv_len))
     else:
-        ids = _segments(segment_kind, batch, q_len)
+        ids = segments(segment_kind, batch, q_len)
         query_segments = key_segments = None if ids is None else jnp.asarray(ids)
-    structure = MaskStructure(causal, window, query_segments, key_segments)
-    mask = _dense_mask(structure, q_len, kv_len)
+    structure = AttentionStructure(causal, window, query_segments, key_segments)
+    mask = dense_mask(structure, q_len, kv_len)
     real = np.ones((batch, q_len), bool) if query_segments is None or segment_kind == "cross" \
         else np.asarray(query_segments) > 0
     probe = jnp.asarray(rng.normal(size=query.shape), jnp.float32) * real[:, :, None, None]
@@ -111,9 +80,9 @@ def test_a_wrong_structure_gives_different_values():
                          for _ in "qkv")
     mask = reference.causal_mask(jnp.arange(128)[None], jnp.arange(128)[None])
     right = kernels.attention(query, key, value, backend="splash", mask=mask,
-                              structure=MaskStructure(causal=True))
+                              structure=AttentionStructure(causal=True))
     wrong = kernels.attention(query, key, value, backend="splash", mask=mask,
-                              structure=MaskStructure(causal=False))
+                              structure=AttentionStructure(causal=False))
     want = kernels.attention(query, key, value, backend="reference", mask=mask)
     np.testing.assert_allclose(right, want, atol=2e-5)
     assert float(jnp.abs(wrong - want).max()) > 0.1
@@ -133,15 +102,15 @@ def test_models_with_splash_equal_the_reference(mode):
     tokens = jnp.asarray(rng.integers(1, TINY["vocab_size"], (2, length)), jnp.int32)
     if mode == "lm":
         changes = dict(num_encoder_layers=0, local_window=11)
-        segment_ids = jnp.asarray(_segments("packed", 2, length))
+        segment_ids = jnp.asarray(segments("packed", 2, length))
         real = np.asarray(segment_ids) > 0
         model_for = lambda backend: models.DecoderLM(_model_config(backend, **changes))
         apply = lambda model, params: model.apply(params, tokens, segment_ids=segment_ids)
         init_args = (tokens,)
     else:
-        source_valid = jnp.asarray(_segments("padding", 2, length + 20)) > 0
+        source_valid = jnp.asarray(segments("padding", 2, length + 20)) > 0
         source = jnp.asarray(rng.integers(1, TINY["vocab_size"], (2, length + 20)), jnp.int32)
-        valid = jnp.asarray(_segments("padding", 2, length)) > 0
+        valid = jnp.asarray(segments("padding", 2, length)) > 0
         real = np.asarray(valid)
         model_for = lambda backend: models.EncoderDecoder(_model_config(backend))
         apply = lambda model, params: model.apply(params, source, tokens, source_valid=source_valid,
@@ -216,9 +185,9 @@ def test_under_a_mesh_each_device_runs_its_rows_and_heads():
     rng = np.random.default_rng(6)
     query = jnp.asarray(rng.normal(size=(4, 128, 4, 16)), jnp.float32)
     key, value = (jnp.asarray(rng.normal(size=(4, 128, 2, 16)), jnp.float32) for _ in "kv")
-    ids = jnp.asarray(np.concatenate([_segments("packed", 2, 128)] * 2))
-    structure = MaskStructure(True, None, ids, ids)
-    mask = _dense_mask(structure, 128, 128)
+    ids = jnp.asarray(np.concatenate([segments("packed", 2, 128)] * 2))
+    structure = AttentionStructure(True, None, ids, ids)
+    mask = dense_mask(structure, 128, 128)
     real = np.asarray(ids) > 0
     probe = jnp.asarray(rng.normal(size=query.shape), jnp.float32) * real[:, :, None, None]
 
@@ -246,9 +215,9 @@ def test_under_a_mesh_a_batch_the_mesh_does_not_divide_stays_whole():
 
     mesh = sharding.make_mesh({"data": 4, "fsdp": 1, "tensor": 1}, jax.devices()[:4])
     query = jnp.asarray(np.random.default_rng(7).normal(size=(1, 128, 2, 16)), jnp.float32)
-    structure = MaskStructure(causal=True)
+    structure = AttentionStructure(causal=True)
     want = kernels.attention(query, query, query, backend="reference",
-                             mask=_dense_mask(structure, 128, 128))
+                             mask=dense_mask(structure, 128, 128))
     with sharding.sharding_context(mesh):
         got = jax.jit(lambda q: kernels.attention(q, q, q, backend="splash",
                                                   structure=structure))(query)
@@ -264,9 +233,9 @@ def test_under_a_mesh_kv_heads_the_tensor_axis_cannot_split_stay_with_their_quer
     rng = np.random.default_rng(8)
     query = jnp.asarray(rng.normal(size=(1, 128, 8, 16)), jnp.float32)
     key, value = (jnp.asarray(rng.normal(size=(1, 128, 2, 16)), jnp.float32) for _ in "kv")
-    structure = MaskStructure(causal=True)
+    structure = AttentionStructure(causal=True)
     want = kernels.attention(query, key, value, backend="reference",
-                             mask=_dense_mask(structure, 128, 128))
+                             mask=dense_mask(structure, 128, 128))
     with sharding.sharding_context(mesh):
         got = jax.jit(lambda q, k, v: kernels.attention(q, k, v, backend="splash",
                                                         structure=structure))(query, key, value)

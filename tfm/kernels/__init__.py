@@ -6,11 +6,13 @@ Each registered backend says which implementation serves each one; None means th
 maths in tfm/nn (attention.dot_product_attention, dense.linear, the model-layout cache), which
 is the specification every other implementation is tested against.
 
-`model.attention_backend="auto"` (the default) resolves per platform (AUTO): "cpu" on CPU
-(blocked causal attention, hand-written 16-bit backward passes, CPU cache layout), "splash" on
-TPU (Pallas splash attention), "cudnn" on GPU (cuDNN flash attention); the reference when that
-backend cannot serve the model (a logit bias it does not take, a dtype, dropout, weights), with
-the reason (`auto_choice`). A name picks a backend on any platform it runs on.
+`model.attention_backend="auto"` (the default) resolves per platform (AUTO, in order of
+preference): "cpu" on CPU (blocked causal attention, hand-written 16-bit backward passes, CPU
+cache layout); on TPU "splash" (Pallas splash attention), or "flex" for position schemes with a
+logit bias (tfm.kernels.flex_attention: the bias computed per block in the kernel); "cudnn" on
+GPU (cuDNN flash attention); the reference when none of them can serve the model (a logit
+bias it does not take, a dtype, dropout, weights), with the reason (`auto_choice`). A name
+picks a backend on any platform it runs on.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 import jax
 
 from tfm.checks import ConfigError
-from tfm.kernels import cpu_attention, cpu_dense, jax_attention, tpu_attention
+from tfm.kernels import cpu_attention, cpu_dense, flex_attention, jax_attention, tpu_attention
 from tfm.kernels.cache_layouts import REFERENCE, CacheLayout
 from tfm.kernels.call import AttentionCall
 from tfm.kernels.cpu_cache import CPU_LAYOUT
@@ -31,8 +33,9 @@ from tfm.nn import dense
 
 PLATFORMS = ("cpu", "gpu", "tpu")
 # Logit biases of position schemes (tfm.nn.positions.PositionScheme.logit_bias_kind): "fixed"
-# (ALiBi: no gradient) or "learned" (T5 buckets, Shaw tables: their gradient flows through it).
-BIAS_KINDS = ("fixed", "learned")
+# (ALiBi: no gradient), "learned" (T5 buckets: their gradient flows through it) or "query"
+# (Shaw: computed from the queries and a learned table).
+BIAS_KINDS = ("fixed", "learned", "query")
 
 
 def _no_check(query: jax.Array, bias: jax.Array | None, kv_len: int, platform: str) -> None:
@@ -101,10 +104,16 @@ BACKENDS: dict[str, Backend] = {
         Backend("splash", "Pallas splash attention: masks built per block (TPU; interpret mode "
                 "on CPU, for tests)", attention=tpu_attention.attention,
                 platforms=("tpu", "cpu"), biases=()),
+        Backend("flex", "Pallas flash attention with the position scheme's bias and the mask "
+                "computed per block (TPU; interpret mode on CPU, for tests)",
+                attention=flex_attention.attention, platforms=("tpu", "cpu"),
+                biases=("fixed", "learned")),
     )
 }
-# What "auto" means on each platform.
-AUTO = {"cpu": "cpu", "tpu": "splash", "gpu": "cudnn"}
+# What "auto" means on each platform: the first of these that can serve the model.
+AUTO = {"cpu": ("cpu",), "tpu": ("splash", "flex"), "gpu": ("cudnn",)}
+# Backends that run a Pallas kernel in interpret mode on CPU: correct, slow.
+INTERPRETED_ON_CPU = ("splash", "flex")
 CHOICES = ("auto", *BACKENDS)
 
 
@@ -149,17 +158,35 @@ class Needs:
 
 
 def auto_choice(on_platform: str | None = None, **needs: Any) -> tuple[Backend, str | None]:
-    """(the backend "auto" picks, and why it is not AUTO[platform] when it is not). `needs`:
-    the fields of Needs. `on_platform` defaults to the platform being compiled for."""
+    """(the backend "auto" picks, and why it is not AUTO[platform]'s first when it is not).
+    `needs`: the fields of Needs. `on_platform` defaults to the platform being compiled for."""
     on_platform = on_platform or platform()
-    preferred = BACKENDS[AUTO.get(on_platform, "reference")]
-    reason = Needs(**needs).unmet(preferred)
-    if reason is None:
-        return preferred, None
+    preferred = [BACKENDS[name] for name in AUTO.get(on_platform, ("reference",))]
+    reasons = []
+    for backend in preferred:
+        reason = Needs(**needs).unmet(backend)
+        if reason is None:
+            return backend, None
+        reasons.append(f"{backend.name!r}: {reason}" if len(preferred) > 1 else reason)
+    names = " or ".join(repr(backend.name) for backend in preferred)
     return BACKENDS["reference"], (
-        f"attention_backend='auto' uses 'reference' on {on_platform}, not {preferred.name!r}: "
-        f"{reason}"
+        f"attention_backend='auto' uses 'reference' on {on_platform}, not {names}: "
+        f"{'; '.join(reasons)}"
     )
+
+
+def setup_note(name: str, on_platform: str, **needs: Any) -> str | None:
+    """The line to log at setup about backend `name` on `on_platform`, or None: why "auto"
+    falls back to the reference, or that a Pallas backend runs interpreted (slow) on CPU."""
+    if name == "auto":
+        backend, note = auto_choice(on_platform, **needs)
+        if note is not None:
+            return note
+        name = backend.name
+    if on_platform == "cpu" and name in INTERPRETED_ON_CPU:
+        return (f"attention_backend={name!r} runs its Pallas kernel in interpret mode on cpu: "
+                "exact but slow, for tests and debugging")
+    return None
 
 
 def resolve(name: str, on_platform: str | None = None, **needs: Any) -> Backend:

@@ -5,16 +5,39 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import jax
 
 
-@functools.partial(jax.tree_util.register_dataclass, meta_fields=("causal", "window"),
-                   data_fields=("query_segments", "key_segments"))
+@functools.partial(jax.tree_util.register_dataclass, meta_fields=("function", "learned"),
+                   data_fields=("params", "query_positions", "key_positions"))
 @dataclasses.dataclass(frozen=True)
-class MaskStructure:
-    """The attention mask described by its parts, for kernels that build it per block instead
-    of reading a dense [batch, 1, q_len, kv_len] mask (splash attention, cuDNN).
+class BlockBias:
+    """A position scheme's logit bias in the form a fused kernel evaluates per block
+    (tfm.nn.positions.BlockBiasFn): bias[b, h, i, j] = function(params' row h,
+    query_positions[b, i:i+1, None], key_positions[b, None, j:j+1]).
+
+    params: pytree of [num_heads, P] float arrays; query_positions: [batch, q_len] int32;
+    key_positions: [batch, kv_len] int32. learned: whether params take a gradient (T5's
+    table; not ALiBi's fixed slopes).
+    """
+
+    function: Callable[..., jax.Array]
+    params: Any
+    query_positions: jax.Array
+    key_positions: jax.Array
+    learned: bool = False
+
+
+@functools.partial(jax.tree_util.register_dataclass, meta_fields=("causal", "window"),
+                   data_fields=("query_segments", "key_segments", "bias"))
+@dataclasses.dataclass(frozen=True)
+class AttentionStructure:
+    """The attention mask, and a position scheme's logit bias, described by their parts, for
+    kernels that build them per block instead of reading a dense [batch, 1, q_len, kv_len] mask
+    or [batch, heads, q_len, kv_len] bias (splash and flex attention, cuDNN).
 
     Query i attends key j iff query_segments[b, i] == key_segments[b, j], and j <= i when
     causal, and |i - j| <= window when window is set (indices, so the caller promises that
@@ -22,14 +45,16 @@ class MaskStructure:
     The description must equal the dense mask at every real query; outputs at padding queries
     (those that share a segment id with padding keys) are unspecified, as no loss reads them.
 
-    query_segments: [batch, q_len] int32; key_segments: [batch, kv_len] int32. A pytree (the
-    segments are its leaves), so it travels through nn.scan with the layers' shared inputs.
+    query_segments: [batch, q_len] int32; key_segments: [batch, kv_len] int32. bias: the same
+    values as the call's dense bias, by blocks (None: no bias, or only the dense one). A pytree
+    (arrays are its leaves), so it travels through nn.scan with the layers' shared inputs.
     """
 
     causal: bool = False
     window: int | None = None
     query_segments: jax.Array | None = None
     key_segments: jax.Array | None = None
+    bias: BlockBias | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +67,7 @@ class AttentionCall:
     causal: the caller promises query i attends to no key after i (the mask still says so), so
     a kernel may skip that work. cache_layout: key and value come in the backend's KV cache
     layout (`tfm.kernels.cache_layout(backend)`), not [batch, kv_len, kv_heads, head_dim].
-    structure: the mask's parts (MaskStructure), or None when only the dense mask says it.
+    structure: the mask's parts (AttentionStructure), or None when only the dense mask says it.
     """
 
     bias: jax.Array | None = None
@@ -53,7 +78,7 @@ class AttentionCall:
     return_weights: bool = False
     causal: bool = False
     cache_layout: bool = False
-    structure: MaskStructure | None = None
+    structure: AttentionStructure | None = None
 
     def spec_options(self) -> dict:
         """The keyword arguments of tfm.nn.attention.dot_product_attention (the reference)."""

@@ -14,16 +14,14 @@ cannot compile it for TPU with bfloat16 activations.
 from __future__ import annotations
 
 import functools
-import math
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
-from jax.sharding import PartitionSpec
 
 from tfm.checks import ConfigError
+from tfm.kernels import per_device
 from tfm.kernels.call import AttentionCall
 from tfm.nn import attention as reference
 
@@ -47,8 +45,7 @@ def attention(
     call: AttentionCall,
 ) -> jax.Array:  # [batch, q_len, num_heads, head_dim]
     """The reference's softmax(Q K^T * scale) V by splash attention, under shard_map when a
-    multi-device mesh is set (jax.set_mesh): batch and heads shard as the layers' logical
-    axis rules say, each device runs the kernel on its own rows and heads."""
+    multi-device mesh is set (jax.set_mesh; tfm.kernels.per_device)."""
     if call.bias is not None:
         raise ConfigError("attention_backend='splash' takes no logit bias (ALiBi, T5, Shaw); "
                           "use 'auto' or 'reference'")
@@ -65,50 +62,7 @@ def attention(
         segments = None
     local = functools.partial(_attend_local, causal=structure.causal, window=structure.window,
                               scale=scale)
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:  # the platform is known when lowering: Mosaic on TPU, interpreted elsewhere
-        return jax.lax.platform_dependent(
-            query, key, value, segments, tpu=functools.partial(local, interpret=False),
-            default=functools.partial(local, interpret=True),
-        )
-    per_shard = functools.partial(local, interpret=mesh.abstract_device.platform != "tpu")
-    if mesh.size == 1:
-        return per_shard(query, key, value, segments)
-    query_spec, kv_spec, rows_spec = _specs()
-    query_spec = _divisible(query_spec, query.shape, mesh)
-    kv_spec = _divisible(kv_spec, key.shape, mesh)
-    rows_spec = _divisible(rows_spec, query.shape[:2], mesh)
-    if query_spec[2] != kv_spec[2]:  # heads split one way, kv heads another: keep both whole,
-        query_spec = PartitionSpec(*query_spec[:2], None, *query_spec[3:])  # so each device's
-        kv_spec = PartitionSpec(*kv_spec[:2], None, *kv_spec[3:])  # query heads meet their kv
-    return jax.shard_map(
-        per_shard, mesh=mesh, check_vma=False,
-        in_specs=(query_spec, kv_spec, kv_spec, None if segments is None else (rows_spec,) * 2),
-        out_specs=query_spec,
-    )(query, key, value, segments)
-
-
-def _specs() -> tuple[PartitionSpec, PartitionSpec, PartitionSpec]:
-    """shard_map specs of query, key/value and segment ids from the logical axis rules."""
-    query_spec = nn.logical_to_mesh_axes(("batch", "length", "heads", "head_dim"))
-    kv_spec = nn.logical_to_mesh_axes(("batch", "length", "kv_heads", "head_dim"))
-    rows_spec = nn.logical_to_mesh_axes(("batch", "length"))
-    return query_spec, kv_spec, rows_spec
-
-
-def _divisible(
-    spec: PartitionSpec, shape: tuple[int, ...], mesh: jax.sharding.AbstractMesh
-) -> PartitionSpec:
-    """`spec` without the mesh axes that do not divide their dimension (e.g. the one-row
-    batch of parameter initialisation): those dimensions stay whole on every device."""
-    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
-
-    def fits(axes: str | tuple[str, ...] | None, length: int) -> bool:
-        names = (axes,) if isinstance(axes, str) else tuple(axes or ())
-        return length % math.prod(sizes[name] for name in names) == 0
-
-    return PartitionSpec(*(axes if fits(axes, length) else None
-                           for axes, length in zip(spec, shape, strict=False)))
+    return per_device.run(local, query, key, value, segments)
 
 
 def _round_up(length: int) -> int:
@@ -155,7 +109,8 @@ def _attend_local(
     key: jax.Array,  # [batch, kv_len, num_kv_heads, head_dim]
     value: jax.Array,  # like key
     segments: tuple[jax.Array, jax.Array] | None,  # ([batch, q_len], [batch, kv_len]) int
-    *, causal: bool, window: int | None, scale: float, interpret: bool,
+    heads: None = None,
+    *, causal: bool, window: int | None, scale: float, interpret: bool | None,
 ) -> jax.Array:  # [batch, q_len, num_heads, head_dim]
     """Splash attention over local arrays: lengths padded to whole 128-lane blocks, one
     kernel call per batch row (vmap)."""
@@ -176,16 +131,18 @@ def _attend_local(
         block_q_dkv=block_q, block_kv_dkv=block_kv, block_kv_dkv_compute=block_kv,
         block_q_dq=block_q, block_kv_dq=block_kv,
     )
-    kernel = splash.make_splash_mha(
-        _static_mask(num_heads, q_padded, kv_padded, causal, window),
-        block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret,
-    )
+    mask = _static_mask(num_heads, q_padded, kv_padded, causal, window)
+
+    def run(args, segments, *, interpret: bool):
+        kernel = splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
+                                        interpret=interpret)
+        if segments is None:
+            return jax.vmap(kernel)(*args)
+        return jax.vmap(lambda q, k, v, q_ids, kv_ids: kernel(
+            q, k, v, segment_ids=splash.SegmentIds(q_ids, kv_ids)))(*args, *segments)
+
     args = (heads_major(scaled, q_padded), heads_major(key, kv_padded),
             heads_major(value, kv_padded))
-    if segments is None:
-        out = jax.vmap(kernel)(*args)
-    else:
-        out = jax.vmap(lambda q, k, v, q_ids, kv_ids: kernel(
-            q, k, v, segment_ids=splash.SegmentIds(q_ids, kv_ids)))(*args, *segments)
+    out = per_device.by_platform(run, interpret, args, segments)
     return out.transpose(0, 2, 1, 3)[:, :q_len].astype(query.dtype)
 

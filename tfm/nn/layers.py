@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tfm import kernels
-from tfm.kernels.call import MaskStructure
+from tfm.kernels.call import AttentionStructure, BlockBias
 from tfm.nn import positions
 from tfm.nn.cache import DecoderCache
 from tfm.nn.config import ModelConfig
@@ -211,20 +211,38 @@ class PositionEmbedding(nn.Module):
 
 class PositionBias(nn.Module):
     """Additive attention-logit biases from relative positions, for schemes with a logit_bias
-    hook (T5 buckets, ALiBi). Returns None for schemes that add no bias."""
+    hook (T5 buckets, ALiBi): the dense bias, and the same by blocks for fused kernels (None
+    where the scheme has no block form). (None, None) for schemes that add no bias."""
 
     config: ModelConfig
     bidirectional: bool
 
     @nn.compact
-    def __call__(self, query_positions: Array, key_positions: Array) -> Array | None:
+    def __call__(
+        self, query_positions: Array, key_positions: Array
+    ) -> tuple[Array | None, BlockBias | None]:
         # query_positions: [batch, q_len]; key_positions: [batch, kv_len]
-        # returns [batch, heads, q_len, kv_len] or None
-        logit_bias = self.config.scheme.logit_bias
-        if logit_bias is None:
-            return None
-        param = _param_fn(self, self.config)
-        return logit_bias(self.config, query_positions, key_positions, self.bidirectional, param)
+        # returns ([batch, heads, q_len, kv_len] or None, BlockBias or None)
+        scheme = self.config.scheme
+        if scheme.logit_bias is None:
+            return None, None
+        created: dict[str, Array] = {}
+        make = _param_fn(self, self.config)
+
+        def param(name: str, *args: Any) -> Array:  # both forms read the same parameters
+            if name not in created:
+                created[name] = make(name, *args)
+            return created[name]
+
+        dense = scheme.logit_bias(self.config, query_positions, key_positions,
+                                  self.bidirectional, param)
+        if scheme.block_bias is None:
+            return dense, None
+        function, params = scheme.block_bias(self.config, self.bidirectional, param)
+        by_blocks = BlockBias(function, params, jnp.asarray(query_positions, jnp.int32),
+                              jnp.asarray(key_positions, jnp.int32),
+                              learned=scheme.logit_bias_kind == "learned")
+        return dense, by_blocks
 
 
 class MultiHeadAttention(nn.Module):
@@ -261,7 +279,7 @@ class MultiHeadAttention(nn.Module):
         layer: Array | int = 0,  # which layer's slots are this module's
         write_index: Array | None = None,  # [batch] slot where new self-attention keys go
         causal: bool = False,  # self-attention without a cache: query i sees no key after i
-        structure: MaskStructure | None = None,  # `mask` by its parts, for fused kernels
+        structure: AttentionStructure | None = None,  # mask and bias by parts, for fused kernels
         deterministic: bool = True,
     ) -> tuple[Array, DecoderCache | None]:
         config = self.config
@@ -307,7 +325,7 @@ class MultiHeadAttention(nn.Module):
     def _attend(
         self, query: Array, key: Array, value: Array, mask: Array | None, bias: Array | None,
         query_positions: Array, key_positions: Array, *, causal: bool, cache_layout: bool,
-        structure: MaskStructure | None, deterministic: bool,
+        structure: AttentionStructure | None, deterministic: bool,
     ) -> Array:  # [batch, q_len, heads, head_dim]
         """The attention core, with a Shaw relative scheme's logit bias and value term."""
         config = self.config

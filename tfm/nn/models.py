@@ -8,6 +8,7 @@ decoding) and `segment_ids` (packed examples; 0 = padding). A decoder accepts an
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import flax.linen as nn
@@ -15,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from tfm.kernels.call import MaskStructure
+from tfm.kernels.call import AttentionStructure, BlockBias
 from tfm.nn import attention
 from tfm.nn import cache as cache_lib
 from tfm.nn import remat as remat_lib
@@ -44,7 +45,7 @@ class LayerContext:
     Cross-attention (encoder-decoder only): encoded [batch, src_len, d_model] (None: read the
     cache), cross_mask [batch, 1, q_len, src_len], source_positions, source_valid [batch,
     src_len]. self_structure / cross_structure: the same masks by their parts, for fused kernels
-    (tfm.kernels.MaskStructure; None where only the dense mask can say it).
+    (tfm.kernels.AttentionStructure; None where only the dense mask can say it).
     """
 
     self_mask: Array | None
@@ -57,8 +58,8 @@ class LayerContext:
     cross_mask: Array | None = None
     source_positions: Array | None = None
     source_valid: Array | None = None
-    self_structure: MaskStructure | None = None
-    cross_structure: MaskStructure | None = None
+    self_structure: AttentionStructure | None = None
+    cross_structure: AttentionStructure | None = None
 
 
 class Block(nn.Module):
@@ -93,11 +94,12 @@ class Block(nn.Module):
                 x + drop(y, deterministic=deterministic)
             ), extra
 
-        self_bias = ctx.self_bias
+        self_bias, self_structure = ctx.self_bias, ctx.self_structure
         if config.scheme.bias_per_layer(config):
-            self_bias = PositionBias(config, self.bidirectional, name="position_bias")(
+            self_bias, by_blocks = PositionBias(config, self.bidirectional, name="position_bias")(
                 ctx.query_positions, ctx.key_positions
             )
+            self_structure = _with_block_bias(self_structure, by_blocks)
         self_attention = MultiHeadAttention(config, name="self_attention")
         x, cache = residual(
             x,
@@ -112,7 +114,7 @@ class Block(nn.Module):
                 layer=layer,
                 write_index=ctx.write_index,
                 causal=ctx.causal,
-                structure=ctx.self_structure,
+                structure=self_structure,
                 deterministic=deterministic,
             ),
             "self_attention",
@@ -252,7 +254,7 @@ def _self_attention_context(
     masks: list[Array | None],
     write_index: Array | None,
     causal: bool,
-    structure: MaskStructure | None = None,
+    structure: AttentionStructure | None = None,
 ) -> LayerContext:
     """Masks and shared position biases for one stack's self-attention. `causal`: no cache
     and causal masking, so query i sees no key after i (attention may skip those blocks).
@@ -261,8 +263,10 @@ def _self_attention_context(
         masks.append(
             attention.local_window_mask(query_positions, key_positions, config.local_window)
         )
-    layer_bias = config.scheme.bias_per_layer(config)
-    shared_bias = None if layer_bias else position_bias(query_positions, key_positions)
+    shared_bias = None
+    if not config.scheme.bias_per_layer(config):
+        shared_bias, by_blocks = position_bias(query_positions, key_positions)
+        structure = _with_block_bias(structure, by_blocks)
     return LayerContext(
         self_mask=attention.combine_masks(*masks),
         self_bias=shared_bias,
@@ -274,13 +278,23 @@ def _self_attention_context(
     )
 
 
+def _with_block_bias(
+    structure: AttentionStructure | None, by_blocks: BlockBias | None
+) -> AttentionStructure | None:
+    """The self-attention structure with the position bias by blocks (None stays None: only the
+    dense mask and bias describe that attention)."""
+    if structure is None or by_blocks is None:
+        return structure
+    return dataclasses.replace(structure, bias=by_blocks)
+
+
 def _self_structure(
     config: ModelConfig,
     causal: bool,
     valid: Array | None,  # [batch, len] bool
     segment_ids: Array | None,  # [batch, len]
     positions_follow_index: bool,
-) -> MaskStructure | None:
+) -> AttentionStructure | None:
     """Self-attention's mask (without a cache) by its parts: causal, the local window, and
     segments (packed ids, else 1 = real / 0 = padding). A window is by positions, so it is
     described only when positions advance by one per token (`positions_follow_index`: the
@@ -290,7 +304,7 @@ def _self_structure(
         return None
     ids = segment_ids if segment_ids is not None else valid
     ids = None if ids is None else jnp.asarray(ids).astype(jnp.int32)
-    return MaskStructure(causal, window, ids, ids)
+    return AttentionStructure(causal, window, ids, ids)
 
 
 def _causal_inputs(
@@ -367,7 +381,7 @@ def _with_cross_attention(
         key_segments = jnp.asarray(source_segment_ids).astype(jnp.int32)
     structure = None
     if encoded is not None:
-        structure = MaskStructure(False, None, query_segments, key_segments)
+        structure = AttentionStructure(False, None, query_segments, key_segments)
     return ctx.replace(
         encoded=encoded,
         cross_mask=attention.combine_masks(*cross_masks),

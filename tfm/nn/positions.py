@@ -8,6 +8,7 @@ Nothing here holds parameters; tables (learned, T5, Shaw) are passed in by the l
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -317,6 +318,60 @@ def shaw_value_term(weights: Array, value_table: Array, rel_idx: Array) -> Array
 
 
 # ---------------------------------------------------------------------------------------------
+# Logit biases by blocks: the form a fused kernel evaluates per [block_q, block_k] tile
+# (tfm.kernels.flex_attention), so no [batch, heads, T, S] bias reaches memory. A block bias
+# function is fn(head_params, query_positions [bq, 1] int32, key_positions [1, bk] int32)
+# -> [bq, bk] float32, where head_params holds one head's row of each parameter ([1, P]).
+# Inside a TPU kernel it may use elementwise maths, broadcasts and reductions only (no gather),
+# and so may its gradient with respect to head_params.
+
+BlockBiasFn = Callable[[Any, Array, Array], Array]
+
+
+def pick_column(row: Array, index: int) -> Array:
+    """row[:, index] kept [rows, 1], by a masked sum instead of a slice, so its gradient is a
+    broadcast (a TPU kernel cannot scatter into a lane)."""
+    columns = jax.lax.broadcasted_iota(jnp.int32, row.shape, row.ndim - 1)
+    return jnp.sum(jnp.where(columns == index, row, 0.0), axis=-1, keepdims=True)
+
+
+def alibi_block_bias(head_params: tuple[Array], query_positions: Array,
+                     key_positions: Array) -> Array:
+    """-slope * |k - q| for one head; head_params: ([1, 1] slope,) -> [bq, bk] (alibi_bias)."""
+    (slope,) = head_params
+    distance = jnp.abs(key_positions - query_positions).astype(jnp.float32)
+    return -slope.astype(jnp.float32) * distance
+
+
+def t5_block_bias(head_params: tuple[Array], query_positions: Array, key_positions: Array, *,
+                  bidirectional: bool, num_buckets: int, max_distance: int) -> Array:
+    """table[bucket(k - q), head] for one head; head_params: ([1, num_buckets] table row,)
+    -> [bq, bk] (t5_bias), by one select per bucket: the table lookup without a gather."""
+    (table_row,) = head_params
+    buckets = t5_relative_bucket(key_positions - query_positions, bidirectional=bidirectional,
+                                 num_buckets=num_buckets, max_distance=max_distance)
+    bias = jnp.zeros(buckets.shape, jnp.float32)
+    for bucket in range(num_buckets):
+        bias = bias + jnp.where(buckets == bucket, pick_column(table_row, bucket), 0.0)
+    return bias
+
+
+def dense_from_blocks(function: BlockBiasFn, params: Any, query_positions: ArrayLike,
+                      key_positions: ArrayLike) -> Array:
+    """A block bias function evaluated on whole rows: [B, N, T, S] (the reference's form).
+    params: leaves [num_heads, P]; query_positions: [B, T]; key_positions: [B, S]."""
+    query_positions = _int_positions(query_positions, "query_positions")
+    key_positions = _int_positions(key_positions, "key_positions")
+
+    def one(head_params: Any, query_row: Array, key_row: Array) -> Array:
+        head_params = jax.tree.map(lambda leaf: leaf[None], head_params)
+        return function(head_params, query_row[:, None], key_row[None, :])
+
+    per_head = jax.vmap(one, in_axes=(0, None, None))  # [N, T, S]
+    return jax.vmap(per_head, in_axes=(None, 0, 0))(params, query_positions, key_positions)
+
+
+# ---------------------------------------------------------------------------------------------
 # The registry: what each scheme adds to the model. Layers call these hooks and never compare
 # scheme names, so a new scheme is one entry here (and its test).
 
@@ -352,6 +407,9 @@ class PositionScheme:
       and keys.
     relative(config, query [B, T, N, H], query_positions, key_positions, scale, param)
       -> RelativeTerm, a logit bias from the queries plus an optional value term.
+    block_bias(config, bidirectional, param) -> (BlockBiasFn, params with leaves
+      [num_heads, P]): the logit bias in the form fused kernels evaluate per block. A scheme
+      that gives block_bias and no logit_bias gets its dense bias from it (dense_from_blocks).
     """
 
     name: str
@@ -361,15 +419,21 @@ class PositionScheme:
     logit_bias: Callable[..., Array] | None = None
     rotate: Callable[..., Array] | None = None
     relative: Callable[..., RelativeTerm] | None = None
+    block_bias: Callable[..., tuple[BlockBiasFn, Any]] | None = None
     bias_per_layer: Callable[[Any], bool] = _never
     # True: positions must be < config.max_len (a table); others run at any position.
     bounded_by_max_len: bool = False
     check: Callable[[Any], None] = _no_check  # raises ConfigError for invalid settings
     # Whether the layers need the attention weights (Shaw's value term): fused kernels lack them.
     needs_attention_weights: Callable[[Any], bool] = _never
-    # The logit bias it adds: None, "fixed" (no parameters) or "learned" (a gradient flows
-    # through it); fused kernels take some kinds or none (tfm.kernels.Backend.biases).
+    # The logit bias it adds: None, "fixed" (no parameters), "learned" (a gradient flows
+    # through it) or "query" (computed from the queries: Shaw); fused kernels take some kinds
+    # or none (tfm.kernels.Backend.biases), and only in the block form (block_bias).
     logit_bias_kind: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.logit_bias is None and self.block_bias is not None:
+            object.__setattr__(self, "logit_bias", _dense_logit_bias(self.block_bias))
     num_params: Callable[[Any, int], int] = _no_params  # per stack of num_layers layers
 
 
@@ -434,9 +498,7 @@ def _t5_logit_bias(
     config: Any, query_positions: Array, key_positions: Array, bidirectional: bool,
     param: ParamFn,
 ) -> Array:
-    table = param(
-        "t5_bias_table", (config.t5_num_buckets, config.num_heads), 0.1, ("buckets", "heads")
-    )
+    table = _t5_table(config, param)
     return t5_bias(
         table,
         query_positions,
@@ -445,6 +507,35 @@ def _t5_logit_bias(
         num_buckets=config.t5_num_buckets,
         max_distance=config.t5_max_distance,
     )
+
+
+def _t5_table(config: Any, param: ParamFn) -> Array:
+    return param(
+        "t5_bias_table", (config.t5_num_buckets, config.num_heads), 0.1, ("buckets", "heads")
+    )
+
+
+def _t5_block_bias(config: Any, bidirectional: bool, param: ParamFn) -> tuple[BlockBiasFn, Any]:
+    function = functools.partial(
+        t5_block_bias, bidirectional=bidirectional, num_buckets=config.t5_num_buckets,
+        max_distance=config.t5_max_distance,
+    )
+    return function, (_t5_table(config, param).T,)
+
+
+def _alibi_block_bias(config: Any, bidirectional: bool, param: ParamFn) -> tuple[BlockBiasFn, Any]:
+    return alibi_block_bias, (jnp.asarray(alibi_slopes(config.num_heads))[:, None],)
+
+
+def _dense_logit_bias(block_bias: Callable[..., tuple[BlockBiasFn, Any]]) -> Callable[..., Array]:
+    """A logit_bias hook from a block_bias hook."""
+
+    def logit_bias(config: Any, query_positions: Array, key_positions: Array,
+                   bidirectional: bool, param: ParamFn) -> Array:
+        function, params = block_bias(config, bidirectional, param)
+        return dense_from_blocks(function, params, query_positions, key_positions)
+
+    return logit_bias
 
 
 def _alibi_logit_bias(
@@ -474,7 +565,7 @@ SCHEMES: dict[str, PositionScheme] = {
         ),
         PositionScheme(
             "relative", "relative", "Shaw et al. clipped relative keys/values",
-            relative=_shaw_relative, logit_bias_kind="learned",
+            relative=_shaw_relative, logit_bias_kind="query",
             needs_attention_weights=lambda config: config.relative_values,
             # Tables shared by heads, one or two per self-attention layer.
             num_params=lambda config, layers: layers * (1 + config.relative_values) * (
@@ -482,7 +573,7 @@ SCHEMES: dict[str, PositionScheme] = {
         ),
         PositionScheme(
             "t5_bias", "bias", "T5 bucketed relative attention bias",
-            logit_bias=_t5_logit_bias, logit_bias_kind="learned",
+            logit_bias=_t5_logit_bias, block_bias=_t5_block_bias, logit_bias_kind="learned",
             bias_per_layer=lambda config: not config.t5_shared_across_layers,
             num_params=lambda config, layers: (
                 1 if config.t5_shared_across_layers else layers
@@ -490,7 +581,7 @@ SCHEMES: dict[str, PositionScheme] = {
         ),
         PositionScheme(
             "alibi", "bias", "ALiBi linear distance penalty per head",
-            logit_bias=_alibi_logit_bias, logit_bias_kind="fixed",
+            logit_bias=_alibi_logit_bias, block_bias=_alibi_block_bias, logit_bias_kind="fixed",
         ),
     )
 }

@@ -495,11 +495,12 @@ def setup(
 
 def _model_for_platform(model_config: ModelConfig, platform: str) -> ModelConfig:
     """`model_config` with "auto" kernels resolved for `platform` (logging why when "auto"
-    falls back to the reference), its remat policy checked there."""
-    if model_config.attention_backend == "auto" and jax.process_index() == 0:
-        _, note = kernels.auto_choice(platform, **model_config.attention_needs)
-        if note:
-            logger.info(note)
+    falls back to the reference, or that a Pallas kernel runs interpreted on CPU), its remat
+    policy checked there."""
+    note = kernels.setup_note(model_config.attention_backend, platform,
+                              **model_config.attention_needs)
+    if note and jax.process_index() == 0:
+        logger.info(note)
     model_config = model_config.for_platform(platform)
     remat.check_platform(model_config.remat, platform)
     return model_config

@@ -1,0 +1,300 @@
+"""Flex attention (tfm.kernels.flex_attention: the position bias and the mask computed per block
+in a Pallas kernel) against the reference maths, run here in Pallas interpret mode: values and
+every gradient (q, k, v, the T5 table, learned ALiBi slopes) with packing, padding, GQA,
+windows, decoder-only and cross-attention, float32 and bfloat16; whole models, cached decoding,
+a scheme added with only a block bias function, a mesh, and the TPU program it lowers to."""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from attention_cases import dense_mask, segments
+from tiny_model import TINY
+
+from tfm import kernels
+from tfm.kernels.call import AttentionStructure, BlockBias
+from tfm.nn import models
+from tfm.nn import positions as P
+from tfm.nn.config import ModelConfig
+
+
+def _positions(ids: np.ndarray | None, batch: int, length: int) -> jax.Array:
+    """Positions that restart at every packed segment (else 0..length-1)."""
+    if ids is None:
+        return jnp.broadcast_to(jnp.arange(length), (batch, length))
+    starts = np.concatenate([np.ones((batch, 1), bool), ids[:, 1:] != ids[:, :-1]], axis=1)
+    index = np.broadcast_to(np.arange(length), (batch, length))
+    return jnp.asarray(index - np.maximum.accumulate(np.where(starts, index, 0), axis=1))
+
+
+def _bias(kind: str, heads: int, causal: bool, rng: np.random.Generator):
+    """(block bias function, parameters [heads, P]) of a T5 table or learned ALiBi slopes."""
+    if kind == "t5":
+        function = functools.partial(P.t5_block_bias, bidirectional=not causal, num_buckets=16,
+                                     max_distance=64)
+        return function, (jnp.asarray(rng.normal(size=(heads, 16)), jnp.float32),)
+    slopes = P.alibi_slopes(heads) * rng.uniform(0.5, 2.0, heads)
+    return P.alibi_block_bias, (jnp.asarray(slopes, jnp.float32)[:, None],)
+
+
+CASES = {
+    # name: (q_len, kv_len, heads, kv_heads, causal, window, segments, bias, dtype)
+    "causal_gqa_t5_f32": (200, 200, 4, 2, True, None, "none", "t5", "float32"),
+    "causal_packed_t5_bf16": (256, 256, 4, 2, True, None, "packed", "t5", "bfloat16"),
+    "causal_window_packed_alibi": (150, 150, 2, 1, True, 9, "packed", "alibi", "float32"),
+    "bidirectional_window_padded_t5": (130, 130, 4, 2, False, 20, "padding", "t5", "float32"),
+    "bidirectional_padded_alibi_bf16": (300, 300, 4, 4, False, None, "padding", "alibi",
+                                        "bfloat16"),
+    "cross_padded_t5": (70, 260, 4, 2, False, None, "cross", "t5", "float32"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_flex_equals_the_reference_forward_and_backward(case):
+    q_len, kv_len, heads, kv_heads, causal, window, segment_kind, bias_kind, dtype = CASES[case]
+    rng = np.random.default_rng(1)
+    batch, head_dim = 2, 16
+    query = jnp.asarray(rng.normal(size=(batch, q_len, heads, head_dim)), dtype)
+    key, value = (jnp.asarray(rng.normal(size=(batch, kv_len, kv_heads, head_dim)), dtype)
+                  for _ in "kv")
+    if segment_kind == "cross":
+        query_segments = jnp.ones((batch, q_len), jnp.int32)
+        key_segments = jnp.asarray(segments("padding", batch, kv_len))
+        query_positions, key_positions = (_positions(None, batch, n) for n in (q_len, kv_len))
+    else:
+        ids = segments(segment_kind, batch, q_len)
+        query_segments = key_segments = None if ids is None else jnp.asarray(ids)
+        query_positions = key_positions = _positions(
+            ids if segment_kind == "packed" else None, batch, q_len)
+    function, params = _bias(bias_kind, heads, causal, rng)
+    mask = dense_mask(AttentionStructure(causal, window, query_segments, key_segments),
+                      q_len, kv_len)
+    real = np.ones((batch, q_len), bool) if query_segments is None or segment_kind == "cross" \
+        else np.asarray(query_segments) > 0
+    probe = jnp.asarray(rng.normal(size=query.shape), jnp.float32) * real[:, :, None, None]
+
+    def loss(backend, query, key, value, params):
+        by_blocks = BlockBias(function, params, query_positions, key_positions, learned=True)
+        structure = AttentionStructure(causal, window, query_segments, key_segments, by_blocks)
+        bias = P.dense_from_blocks(function, params, query_positions, key_positions)
+        out = kernels.attention(query, key, value, backend=backend, bias=bias, mask=mask,
+                                causal=causal, structure=structure)
+        return jnp.sum(out.astype(jnp.float32) * probe), out
+
+    grad = jax.jit(jax.value_and_grad(loss, (1, 2, 3, 4), has_aux=True), static_argnums=0)
+    (want, want_out), want_grads = grad("reference", query, key, value, params)
+    (got, got_out), got_grads = grad("flex", query, key, value, params)
+    tolerance = 2e-5 if dtype == "float32" else 3e-2
+    np.testing.assert_allclose(np.asarray(got_out, np.float32)[real],
+                               np.asarray(want_out, np.float32)[real], atol=tolerance)
+    np.testing.assert_allclose(got, want, rtol=tolerance, atol=tolerance)
+    for name, g, w in zip(["q", "k", "v", "bias parameters"], jax.tree.leaves(got_grads),
+                          jax.tree.leaves(want_grads), strict=True):
+        scale = float(jnp.abs(w.astype(jnp.float32)).max())
+        assert scale > 0, name
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                                   atol=tolerance * max(scale, 1.0), err_msg=name)
+    # The bias matters here (so the equality is not vacuous): without it the output moves.
+    unbiased = kernels.attention(query, key, value, backend="reference", mask=mask)
+    assert float(jnp.abs(unbiased.astype(jnp.float32) - want_out.astype(jnp.float32))[
+        real].max()) > 0.05
+
+
+def test_fixed_bias_parameters_get_no_gradient_and_a_query_without_keys_reads_nothing():
+    """ALiBi's slopes are constants (learned=False: zero gradient, no work); a query whose
+    segment has no key gets a zero output and zero gradient, as in the reference."""
+    rng = np.random.default_rng(2)
+    query, key, value = (jnp.asarray(rng.normal(size=(1, 128, 2, 16)), jnp.float32)
+                         for _ in "qkv")
+    positions = jnp.broadcast_to(jnp.arange(128), (1, 128))
+    query_segments = jnp.asarray(np.r_[np.ones(100), np.full(28, 7)][None], jnp.int32)
+    key_segments = jnp.asarray(np.r_[np.ones(100), np.zeros(28)][None], jnp.int32)
+    slopes = (jnp.asarray(P.alibi_slopes(2))[:, None],)
+
+    def out(query, slopes):
+        structure = AttentionStructure(True, None, query_segments, key_segments, BlockBias(
+            P.alibi_block_bias, slopes, positions, positions, learned=False))
+        return kernels.attention(query, key, value, backend="flex", structure=structure)
+
+    result = out(query, slopes)
+    assert float(jnp.abs(result[:, 100:]).max()) == 0.0
+    query_grad, slopes_grad = jax.grad(lambda q, s: jnp.sum(out(q, s)), (0, 1))(query, slopes)
+    assert float(jnp.abs(query_grad[:, 100:]).max()) == 0.0
+    assert float(jnp.abs(query_grad[:, :100]).max()) > 0
+    assert float(jnp.abs(slopes_grad[0]).max()) == 0.0
+
+
+def _model_config(backend: str, **changes) -> ModelConfig:
+    return ModelConfig(**{**TINY, "max_len": 256, "attention_backend": backend, **changes})
+
+
+@pytest.mark.parametrize("mode,scheme", [("lm", "t5_bias"), ("seq2seq", "alibi"),
+                                         ("seq2seq", "t5_bias")])
+def test_models_with_flex_equal_the_reference(mode, scheme):
+    """Logits at real tokens and every parameter gradient (the T5 tables' included): a packed
+    LM with a local window and per-layer T5 tables, encoder-decoders with padded rows (the
+    encoder's bias bidirectional, the decoder's causal)."""
+    rng = np.random.default_rng(3)
+    length = 140
+    tokens = jnp.asarray(rng.integers(1, TINY["vocab_size"], (2, length)), jnp.int32)
+    if mode == "lm":
+        changes = dict(num_encoder_layers=0, local_window=11, position_scheme=scheme,
+                       t5_shared_across_layers=False)
+        segment_ids = jnp.asarray(segments("packed", 2, length))
+        real = np.asarray(segment_ids) > 0
+        model_for = lambda backend: models.DecoderLM(_model_config(backend, **changes))
+        apply = lambda model, params: model.apply(params, tokens, segment_ids=segment_ids)
+        init_args = (tokens,)
+    else:
+        source_valid = jnp.asarray(segments("padding", 2, length + 20)) > 0
+        source = jnp.asarray(rng.integers(1, TINY["vocab_size"], (2, length + 20)), jnp.int32)
+        valid = jnp.asarray(segments("padding", 2, length)) > 0
+        real = np.asarray(valid)
+        model_for = lambda backend: models.EncoderDecoder(
+            _model_config(backend, position_scheme=scheme))
+        apply = lambda model, params: model.apply(params, source, tokens, source_valid=source_valid,
+                                                  valid=valid)
+        init_args = (source, tokens)
+    params = {"params": model_for("reference").init(jax.random.key(0), *init_args)["params"]}
+    weights = jnp.asarray(real, jnp.float32)[..., None]
+
+    def loss(params, backend):
+        logits = apply(model_for(backend), params)
+        logits = logits[0] if isinstance(logits, tuple) else logits
+        return jnp.sum(jnp.sin(logits) * weights), logits
+
+    grad = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)
+    (want, want_logits), want_grads = grad(params, "reference")
+    (got, got_logits), got_grads = grad(params, "flex")
+    np.testing.assert_allclose(np.asarray(got_logits)[real], np.asarray(want_logits)[real],
+                               atol=2e-5)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    paths = []
+    for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got_grads),
+                            jax.tree.leaves(want_grads), strict=True):
+        paths.append(jax.tree_util.keystr(path))
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=5e-5, err_msg=paths[-1])
+    assert (scheme == "t5_bias") == any("t5_bias_table" in path for path in paths)
+
+
+def test_cached_decoding_with_flex_equals_the_full_pass():
+    """The full pass runs the kernel; cached steps (few queries against the cache) the
+    reference, with the same T5 bias."""
+    from tfm.nn.cache import init_cache
+
+    config = _model_config("flex", num_encoder_layers=0, position_scheme="t5_bias")
+    model = models.DecoderLM(config)
+    tokens = jnp.asarray(np.random.default_rng(4).integers(1, 13, (2, 20)), jnp.int32)
+    params = {"params": model.init(jax.random.key(0), tokens)["params"]}
+    full = model.apply(params, tokens)
+    cache = init_cache(config, 2, 32)
+    logits, cache = model.apply(params, tokens[:, :12], cache=cache)
+    steps = [logits]
+    for index in range(12, 20):
+        logits, cache = model.apply(params, tokens[:, index: index + 1], cache=cache)
+        steps.append(logits)
+    np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, atol=2e-5)
+
+
+def _log_distance_block_bias(head_params, query_positions, key_positions):
+    """-slope_h * log(1 + |k - q|): a scheme the kernel has never seen."""
+    (slope,) = head_params
+    distance = jnp.abs(key_positions - query_positions).astype(jnp.float32)
+    return -slope * jnp.log1p(distance)
+
+
+def _log_distance(config, bidirectional, param):
+    slopes = param("log_distance_slope", (config.num_heads, 1), 1.0, ("heads", None))
+    return _log_distance_block_bias, (slopes,)
+
+
+def test_a_scheme_with_a_new_bias_is_one_block_function(monkeypatch):
+    """Registering a scheme with only a block_bias hook gives it a dense bias for the
+    reference (dense_from_blocks) and the fused kernel without a kernel change: both give the
+    same logits and slope gradients, and the slopes change the logits."""
+    entry = P.PositionScheme("log_distance", "bias", "learned log-distance slopes",
+                             block_bias=_log_distance, logit_bias_kind="learned")
+    monkeypatch.setitem(P.SCHEMES, "log_distance", entry)
+    tokens = jnp.asarray(np.random.default_rng(5).integers(1, 13, (2, 130)), jnp.int32)
+    model_for = lambda backend: models.DecoderLM(_model_config(
+        backend, num_encoder_layers=0, position_scheme="log_distance"))
+    params = {"params": nn.unbox(model_for("reference").init(jax.random.key(0), tokens)["params"])}
+    slopes = params["params"]["decoder"]["position_bias"]["log_distance_slope"]
+    assert slopes.shape == (TINY["num_heads"], 1)
+    loss = lambda params, backend: jnp.sum(jnp.sin(model_for(backend).apply(params, tokens)))
+    grad = jax.jit(jax.value_and_grad(loss), static_argnums=1)
+    want, want_grads = grad(params, "reference")
+    got, got_grads = grad(params, "flex")
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    slope_grad = lambda grads: grads["params"]["decoder"]["position_bias"]["log_distance_slope"]
+    np.testing.assert_allclose(slope_grad(got_grads), slope_grad(want_grads), rtol=1e-4,
+                               atol=1e-6)
+    assert float(jnp.abs(slope_grad(want_grads)).max()) > 0
+
+
+def _lowered_lm_grad(backend: str, length: int, scheme: str) -> str:
+    config = _model_config(backend, num_encoder_layers=0, dtype="bfloat16", max_len=length,
+                           position_scheme=scheme)
+    model = models.DecoderLM(config)
+    tokens = jax.ShapeDtypeStruct((2, length), jnp.int32)
+    params = jax.eval_shape(
+        lambda: {"params": model.init(jax.random.key(0), jnp.ones((2, length), int))["params"]})
+    loss = lambda params, tokens: jnp.sum(model.apply(params, tokens))
+    traced = jax.jit(jax.grad(loss)).trace(params, tokens)
+    return traced.lower(lowering_platforms=("tpu",)).as_text()
+
+
+@pytest.mark.parametrize("scheme", ["t5_bias", "alibi"])
+def test_the_tpu_program_is_a_mosaic_kernel_without_bias_or_score_arrays(scheme):
+    """Lowered for TPU (no libtpu needed), the train gradient calls the Mosaic kernels and holds
+    no [.., T, T] array (no bias, mask or scores); the reference's program does."""
+    length = 256
+    square = re.compile(rf"x{length}x{length}x")
+    flex_text = _lowered_lm_grad("flex", length, scheme)
+    assert flex_text.count("tpu_custom_call") >= 3  # forward, dq, dk/dv
+    assert not square.search(flex_text)
+    assert square.search(_lowered_lm_grad("reference", length, scheme))
+
+
+def test_under_a_mesh_each_device_runs_its_rows_and_heads_with_their_bias_rows():
+    """Data x tensor mesh: batch over data, heads (and their T5 table rows) over tensor;
+    values and gradients, the table's included, equal the reference."""
+    from tfm.parallel import sharding
+
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 1, "tensor": 2}, jax.devices()[:4])
+    rng = np.random.default_rng(6)
+    query = jnp.asarray(rng.normal(size=(4, 128, 4, 16)), jnp.float32)
+    key, value = (jnp.asarray(rng.normal(size=(4, 128, 2, 16)), jnp.float32) for _ in "kv")
+    ids = np.concatenate([segments("packed", 2, 128)] * 2)
+    positions = _positions(ids, 4, 128)
+    function, params = _bias("t5", 4, True, rng)
+    ids = jnp.asarray(ids)
+    mask = dense_mask(AttentionStructure(True, None, ids, ids), 128, 128)
+    real = np.asarray(ids) > 0
+    probe = jnp.asarray(rng.normal(size=query.shape), jnp.float32) * real[:, :, None, None]
+
+    def loss(backend, query, key, value, params):
+        structure = AttentionStructure(True, None, ids, ids, BlockBias(
+            function, params, positions, positions, learned=True))
+        bias = P.dense_from_blocks(function, params, positions, positions)
+        out = kernels.attention(query, key, value, backend=backend, bias=bias, mask=mask,
+                                structure=structure)
+        return jnp.sum(out * probe)
+
+    want, want_grads = jax.value_and_grad(functools.partial(loss, "reference"), (0, 1, 2, 3))(
+        query, key, value, params)
+    with sharding.sharding_context(mesh):
+        grad = jax.jit(jax.value_and_grad(functools.partial(loss, "flex"), (0, 1, 2, 3)))
+        traced = grad.trace(query, key, value, params)
+        got, got_grads = grad(query, key, value, params)
+    assert "shard_map" in str(traced.jaxpr)
+    np.testing.assert_allclose(got, want, rtol=2e-5)
+    for name, g, w in zip(["q", "k", "v", "table"], jax.tree.leaves(got_grads),
+                          jax.tree.leaves(want_grads), strict=True):
+        np.testing.assert_allclose(g, w, atol=2e-5, err_msg=name)
