@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -66,6 +67,10 @@ def test_cpu_target_compiles_and_counts_like_the_formula(tmp_path):
     assert report["platform"] == "cpu" and report["attention_backend"] == "cpu"
     assert report["params_bytes"] > 0 and report["optimizer_bytes"] >= 2 * report["params_bytes"]
     assert report["temp_bytes"] > 0 and "fits" not in report  # no CPU memory table
+    decode = report["decode"]  # the LM generates: its decode loop compiled too
+    assert decode["method"] == "greedy" and decode["temp_bytes"] > 0  # the config's method
+    assert decode["params_bytes"] == report["params_bytes"]
+    assert "decode loop (greedy, " in compile_report.format_report(report)
     if report.get("compiled_flops_per_chip"):
         ratio = report["compiled_flops_per_chip"] / report["analytic_flops_per_chip"]
         assert 0.5 < ratio < 2.0, ratio
@@ -148,8 +153,10 @@ SCHEMES = ("none", "sinusoidal", "learned", "rope", "relative", "t5_bias", "alib
 @pytest.mark.skipif(not HAS_LIBTPU, reason='needs libtpu: pip install -e ".[tpu]"')
 @pytest.mark.parametrize("mode", ["lm", "seq2seq"])
 def test_every_position_scheme_compiles_for_tpu_on_a_data_fsdp_mesh(tmp_path, mode):
-    """Each scheme's train step compiles for a v5e 2x2 slice with data x fsdp sharding; where
-    splash serves the scheme, the compiled step holds no [.., T, T] array."""
+    """Each scheme's train step and decode loop compile for a v5e 2x2 slice with data x fsdp
+    sharding; where
+    a fused kernel serves the scheme (splash; flex for ALiBi and T5's biases), the compiled step
+    holds no [.., T, T] array."""
     length = 256
     for scheme in SCHEMES:
         source = synthetic_lm if mode == "lm" else synthetic_seq2seq
@@ -163,7 +170,38 @@ def test_every_position_scheme_compiles_for_tpu_on_a_data_fsdp_mesh(tmp_path, mo
         # operands (splash), as it would in a user's process that set it.
         with jax.default_matmul_precision("default"):
             report = compile_report.compile_for(config, tmp_path / scheme, "v5e-4")
-        assert report["fits"], scheme
-        fused = scheme not in ("relative", "t5_bias", "alibi")
-        assert report["attention_backend"] == ("splash" if fused else "reference"), scheme
-        assert bool(report["score_arrays"]) != fused, (scheme, report["score_arrays"])
+        assert report["fits"] and report["decode"]["fits"], scheme  # train step, decode loop
+        backend = {"relative": "reference", "t5_bias": "flex", "alibi": "flex"}.get(
+            scheme, "splash")
+        assert report["attention_backend"] == backend, scheme
+        assert bool(report["score_arrays"]) == (backend == "reference"), (
+            scheme, report["score_arrays"])
+
+
+@pytest.mark.skipif(not HAS_LIBTPU, reason='needs libtpu: pip install -e ".[tpu]"')
+@pytest.mark.parametrize("scheme", ["t5_bias", "alibi"])
+def test_at_8192_tokens_flex_needs_less_than_one_score_matrix(tmp_path, scheme):
+    """A bias scheme at 8,192 tokens on v5e: with flex attention the step's temporaries stay
+    below the size of one [batch, heads, T, T] float32 buffer, which the reference needs many
+    of (so the check can fail: the reference's temporaries exceed it)."""
+    length, heads = 8192, 4
+    config = synthetic_lm.get_config("runlocal")
+    config.model.update(d_model=128, num_heads=heads, d_ff=256, num_decoder_layers=2,
+                        position_scheme=scheme, max_len=length, dtype="bfloat16")
+    config.data.update(data_dir=str(tmp_path / "data"), batch_size=4, seq_len=length,
+                       eval_seq_len=length, num_train_examples=8, num_eval_examples=4)
+    one_score_matrix = 1 * heads * length * length * 4  # one row per chip: 1.07 GB
+    config.model.attention_backend = "flex"
+    with jax.default_matmul_precision("default"):
+        report = compile_report.compile_for(config, tmp_path / "flex", "v5e-4")
+    assert report["temp_bytes"] < one_score_matrix, report["temp_bytes"]
+    assert not report["score_arrays"]
+    config.model.attention_backend = "reference"
+    with jax.default_matmul_precision("default"):
+        text, failure = compile_report.run(config, tmp_path / "reference", "v5e-4")
+    if failure is None:  # fits the chip (ALiBi's fixed bias): read its temporaries
+        reference_temporaries = float(re.search(r"temporaries ([0-9.]+) GB", text).group(1))
+        assert reference_temporaries * 1e9 > one_score_matrix, text
+    else:  # does not fit (T5's bias and its gradient): the compiler says how much it wanted
+        temporaries = re.search(r"temporaries \(([0-9.]+)G\)", failure)
+        assert temporaries and float(temporaries.group(1)) * 2**30 > one_score_matrix, failure

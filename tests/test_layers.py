@@ -154,3 +154,25 @@ def test_gelu_is_the_exact_gelu():
     np.testing.assert_allclose(layers.gelu(jnp.asarray(x, jnp.float32)),
                                jax.nn.gelu(jnp.asarray(x, jnp.float32), approximate=False),
                                atol=2e-6)
+
+
+def test_ffn_activation_dtype_rounds_the_hidden_layer_where_asked(monkeypatch):
+    """"float32" applies the activation to the float32 accumulator, "compute" to the bf16
+    output (GELU of a rounded input: different values); "auto" is float32 on CPU and
+    compute on TPU; with float32 compute all three agree exactly."""
+    from tfm import kernels
+
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 5, 16)), jnp.float32)
+
+    def run(dtype: str, choice: str) -> jax.Array:
+        module = FeedForward(tiny(dtype=dtype, ffn_activation_dtype=choice, activation="gelu"))
+        params = module.init(jax.random.key(0), x)
+        return module.apply(params, x.astype(dtype)).astype(jnp.float32)
+
+    np.testing.assert_array_equal(run("float32", "compute"), run("float32", "float32"))
+    np.testing.assert_array_equal(run("bfloat16", "auto"), run("bfloat16", "float32"))
+    assert float(jnp.abs(run("bfloat16", "compute") - run("bfloat16", "float32")).max()) > 0
+    monkeypatch.setattr(kernels, "platform", lambda: "tpu")
+    np.testing.assert_array_equal(run("bfloat16", "auto"), run("bfloat16", "compute"))
+    with pytest.raises(Exception, match="ffn_activation_dtype='half' is unknown"):
+        tiny(ffn_activation_dtype="half")

@@ -570,6 +570,35 @@ def test_char_lm_extrapolation_fits_learned_positions_at_context_128(data_dir, t
     assert {len(w["inputs"]) for w in windows} == {128}
 
 
+@pytest.mark.parametrize("scheme", ["alibi", "t5_bias"])
+def test_char_lm_extrapolation_with_flex_attention_gives_the_reference_metrics(
+        data_dir, tmp_path, scheme):
+    """The extrapolation recipe, shrunk, trained with the fused bias kernel (interpret mode
+    here) and with the reference maths: the same train losses at every step and the same
+    eval loss at twice the training context."""
+    corpus = tmp_path / "corpus.txt"
+    write_text_corpus(corpus)
+    results, losses = {}, {}
+    for backend in ("reference", "flex"):
+        config = char_lm.get_config(f"{scheme},extrapolation")
+        tiny_model(config, encoder_layers=0)
+        config.model.update(attention_backend=backend, dropout_rate=0.0)
+        config.data.update(data_dir=str(data_dir), path=str(corpus), batch_size=16,
+                           eval_seq_len=256, eval_batch_size=16)
+        config.optimizer.update(total_steps=6, warmup_steps=2)
+        config.train.update(num_steps=6, log_every=1, eval_every=0, checkpoint_every=6,
+                            progress_bar=False)
+        config.eval.max_batches = 1
+        config.generate.max_new_tokens = 4
+        results[backend] = train.train_and_evaluate(config, tmp_path / backend)
+        losses[backend] = train_losses(tmp_path / backend)
+    assert losses["flex"].keys() == losses["reference"].keys() and len(losses["flex"]) == 6
+    np.testing.assert_allclose(list(losses["flex"].values()),
+                               list(losses["reference"].values()), rtol=1e-5)
+    np.testing.assert_allclose(results["flex"]["eval_loss"], results["reference"]["eval_loss"],
+                               rtol=1e-5)
+
+
 def write_parallel_corpus(directory, num_train: int = 320, num_eval: int = 16) -> dict[str, str]:
     """German -> English word-for-word sentences (a learnable task); plain and gzipped files."""
     subjects = [("der hund", "the dog"), ("die katze", "the cat"), ("der mann", "the man"),

@@ -32,6 +32,7 @@ NORM_PLACEMENTS = ("post", "pre")
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "swiglu", "geglu")
 GATED_ACTIVATIONS = ("swiglu", "geglu")
 BIAS_GROUPS = ("qkv", "attention_out", "mlp", "lm_head")
+FFN_ACTIVATION_DTYPES = ("auto", "float32", "compute")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -129,6 +130,12 @@ class ModelConfig:
     # activations, "full" recomputes them all, the others keep some. True / False (the
     # old bool) mean "full" / "none".
     remat: str = "none"
+    # The dtype the FFN's activation runs in: "float32" (on the first matmul's float32
+    # accumulator, then rounded once for the second matmul), "compute" (`dtype`: the matmul's
+    # output rounded first, as most mixed-precision codebases do; a TPU step then writes and
+    # reads its [tokens, d_ff] arrays at half the bytes), "auto" = "float32" on CPU (measured
+    # faster there: one fusion) and "compute" on TPU and GPU. Same values when dtype=float32.
+    ffn_activation_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "remat", remat_lib.resolve(self.remat))  # frozen: set once
@@ -232,6 +239,8 @@ class ModelConfig:
         kernels.check_config(self.attention_backend, **self.attention_needs)
         check_choice("dtype", self.dtype, DTYPES)
         check_choice("param_dtype", self.param_dtype, DTYPES)
+        check_choice("ffn_activation_dtype", self.ffn_activation_dtype,
+                     FFN_ACTIVATION_DTYPES)
 
     # Derived values: read these, never recompute them elsewhere.
     @property

@@ -387,24 +387,26 @@ class FeedForward(nn.Module):
     """Position-wise FFN (Vaswani et al. 2017 eq. 2): ReLU as in the paper, GELU (exact erf, or
     the tanh approximation of GPT-2's "gelu_new"), or the gated SwiGLU / GEGLU (Shazeer 2020;
     T5 v1.1's gated GELU uses the tanh approximation), whose gate makes it three matrices.
-    The activation runs on the first matmul's float32 accumulator, whatever the compute dtype;
-    the second matmul casts its input (one rounding instead of one per elementwise op; with
-    bfloat16 activations XLA's CPU backend split GELU into several fusions, each rounding and
-    re-reading [tokens, d_ff])."""
+    The activation runs in config.ffn_activation_dtype: on CPU ("auto") on the first matmul's
+    float32 accumulator, the second matmul casting its input (one rounding instead of one per
+    elementwise op; with bfloat16 activations XLA's CPU backend split GELU into several
+    fusions, each rounding and re-reading [tokens, d_ff]); on TPU and GPU in the compute dtype,
+    so the [tokens, d_ff] arrays kept for the backward pass are half the bytes."""
 
     config: ModelConfig
 
     @nn.compact
     def __call__(self, x: Array) -> Array:  # x: [batch, len, d_model]
         config = self.config
+        hidden_dtype = _ffn_activation_dtype(config)
         wi = _dense(config, config.d_model, config.d_ff, ("embed", "mlp"), "wi")
         if config.activation in ("swiglu", "geglu"):
             wi_gate = _dense(config, config.d_model, config.d_ff, ("embed", "mlp"), "wi_gate")
-            hidden, gate = project_together(config, x, [wi, wi_gate], out_dtype=jnp.float32)
+            hidden, gate = project_together(config, x, [wi, wi_gate], out_dtype=hidden_dtype)
             gate = nn.silu(gate) if config.activation == "swiglu" else nn.gelu(gate, True)
             hidden = gate * hidden
         else:
-            hidden = project_together(config, x, [wi], out_dtype=jnp.float32)[0]
+            hidden = project_together(config, x, [wi], out_dtype=hidden_dtype)[0]
             if config.activation == "relu":
                 hidden = nn.relu(hidden)
             elif config.activation == "gelu":
@@ -412,6 +414,14 @@ class FeedForward(nn.Module):
             else:  # gelu_tanh (GPT-2's "gelu_new")
                 hidden = nn.gelu(hidden, approximate=True)
         return _dense(config, config.d_ff, config.d_model, ("mlp", "embed"), "wo")(hidden)
+
+
+def _ffn_activation_dtype(config: ModelConfig) -> jnp.dtype:
+    """config.ffn_activation_dtype, with "auto" resolved for the platform compiled for."""
+    choice = config.ffn_activation_dtype
+    if choice == "auto":
+        choice = "float32" if kernels.platform() == "cpu" else "compute"
+    return jnp.dtype(jnp.float32) if choice == "float32" else config.compute_dtype
 
 
 def gelu(x: jax.Array) -> jax.Array:

@@ -1,4 +1,5 @@
-"""`./launch.sh compile CONFIG --target NAME`: compile a config's train step for an accelerator
+"""`./launch.sh compile CONFIG --target NAME`: compile a config's train step (and, for configs
+that generate, its decode loop) for an accelerator
 this machine does not have (jax compiles for TPU topologies without the chips, given libtpu:
 `pip install -e ".[tpu]"`), and report per chip what it needs and how fast it can be.
 
@@ -188,6 +189,64 @@ def compile_report(experiment: Experiment, target: Target) -> dict[str, Any]:
     return report
 
 
+def decode_report(experiment: Experiment, target: Target) -> dict[str, Any]:
+    """Compiles `experiment`'s generation loop (the `generate` section's method and
+    max_new_tokens; an LM continues prompts of half the training rows, an encoder-decoder
+    translates training-length sources) for one training batch of rows, parameters placed as
+    the train step's; returns its memory per chip and, where the compiler gives one, its cost
+    (XLA counts a while loop's body once: prefill plus one decoding step)."""
+    from tfm.decode import generate
+
+    abstract, shardings = state_shardings(experiment)
+    batch = _abstract_batch(experiment)
+    rows, seq_len = batch["inputs"].shape
+    decode = experiment.generate.decode_config(experiment.mode)
+    config = experiment.model_config
+    replicated = jax.sharding.NamedSharding(experiment.mesh, jax.sharding.PartitionSpec())
+    rows_where = batch["inputs"].sharding  # rows split over the data axes, as in training
+    lengths = jax.ShapeDtypeStruct((rows,), np.int32, sharding=jax.sharding.NamedSharding(
+        experiment.mesh, jax.sharding.PartitionSpec(rows_where.spec[0])))
+    rng = jax.ShapeDtypeStruct((2,), np.uint32, sharding=replicated)
+    params = jax.tree.map(
+        lambda leaf, where: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=where),
+        abstract.params, shardings.params)
+    special = generate.special_ids(experiment.data.tokenizer, experiment.mode)
+    if experiment.mode == "seq2seq":
+        source_len = batch["source"].shape[1]
+        if decode.max_new_tokens is None:
+            decode = dataclasses.replace(decode, max_new_tokens=source_len + decode.extra_len)
+        tokens = jax.ShapeDtypeStruct((rows, source_len), np.int32, sharding=rows_where)
+        loop = jax.jit(generate._translate_jit.__wrapped__, static_argnums=(4, 5, 6, 7))
+        arguments = (params, tokens, lengths, rng, config,
+                     decode, special["bos_id"], special["eos_id"])
+        shape = f"{rows} x {source_len}-token sources, up to {decode.max_new_tokens} new tokens"
+    else:
+        prompt_len = max(1, seq_len // 2)
+        decode = dataclasses.replace(
+            decode, max_new_tokens=min(decode.max_new_tokens or seq_len, seq_len - prompt_len))
+        tokens = jax.ShapeDtypeStruct((rows, prompt_len), np.int32, sharding=rows_where)
+        loop = jax.jit(generate._lm_generate_jit.__wrapped__, static_argnums=(4, 5, 6))
+        arguments = (params, tokens, lengths, rng, config,
+                     decode, special["eos_id"])
+        shape = f"{rows} x {prompt_len}-token prompts, {decode.max_new_tokens} new tokens"
+    with sharding.sharding_context(experiment.mesh, experiment.rules):
+        compiled = loop.lower(*arguments).compile()
+    memory = compiled.memory_analysis()
+    report: dict[str, Any] = {"method": decode.method, "shape": shape,
+                              "params_bytes": profiling.bytes_per_device(abstract.params)}
+    if memory is not None:
+        report.update(temp_bytes=memory.temp_size_in_bytes, needed_bytes=(
+            memory.argument_size_in_bytes + memory.output_size_in_bytes
+            - memory.alias_size_in_bytes + memory.temp_size_in_bytes))
+    cost = _cost(compiled)
+    if cost is not None:
+        report.update(flops_per_chip=cost.get("flops"), bytes_per_chip=cost.get("bytes accessed"))
+    chip = CHIPS.get(target.chip) if target.chip else None
+    if chip is not None and "needed_bytes" in report:
+        report["fits"] = report["needed_bytes"] <= chip.hbm_bytes
+    return report
+
+
 def _roofline(report: dict[str, Any], chip: Chip) -> dict[str, Any]:
     """HBM fit and, where the compiler gave a cost analysis, the roofline step time and MFU."""
     figures: dict[str, Any] = {
@@ -248,6 +307,17 @@ def format_report(report: dict[str, Any]) -> str:
                  + (", ".join(report["score_arrays"]) or "none"))
     lines.append("largest arrays: " + "; ".join(
         f"{shape} ({size / 1e9:.2f} GB) x{seen}" for shape, size, seen in report["largest_arrays"]))
+    decode = report.get("decode")
+    if decode is not None:
+        needs = (f"temporaries {_gb(decode['temp_bytes'])}; needs {_gb(decode['needed_bytes'])}"
+                 + ("" if "fits" not in decode else
+                    ": fits" if decode["fits"] else ": DOES NOT FIT")
+                 if "needed_bytes" in decode else "no memory analysis")
+        cost = ("" if decode.get("bytes_per_chip") is None else
+                f"; {decode['flops_per_chip']:.3e} FLOPs and {_gb(decode['bytes_per_chip'])} of "
+                "traffic per chip for the prefill plus one step (XLA counts a loop body once)")
+        lines.append(f"decode loop ({decode['method']}, {decode['shape']}): parameters "
+                     f"{_gb(decode['params_bytes'])}, {needs}{cost}")
     lines.append(hardware_line(report.get("chip")))
     return "\n".join(lines)
 
@@ -267,6 +337,12 @@ def run(
         return "", f"--target={target_name} does not fit: {line.strip()}"
     if json_path:
         Path(json_path).write_text(json.dumps(report, indent=1, default=str) + "\n")
+    decode = report.get("decode") or {}
+    if report.get("fits") is not False and decode.get("fits") is False:
+        return format_report(report), (
+            f"--target={target_name} does not fit: the decode loop needs "
+            f"{decode['needed_bytes'] / 1e9:.2f} GB per chip, over the "
+            f"{report['hbm_bytes'] / 1e9:.1f} GB of HBM of a {report['chip']}")
     if report.get("fits") is False:
         return format_report(report), (
             f"--target={target_name} does not fit: the step needs "
@@ -280,4 +356,7 @@ def compile_for(config: Any, workdir: Any, target_name: str) -> dict[str, Any]:
     step; returns the report. Raises ConfigError before compiling for a bad target."""
     target, devices = target_devices(target_name)
     experiment = setup(config, workdir, devices=devices)
-    return compile_report(experiment, target)
+    report = compile_report(experiment, target)
+    if experiment.mode == "seq2seq" or experiment.generate.decode.max_new_tokens:
+        report["decode"] = decode_report(experiment, target)
+    return report
