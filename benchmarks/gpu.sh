@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The speed issue's GPU checks as one prepared run (cuDNN vs xla attention, GPT-2-small training
+# The speed issue's GPU checks as one prepared run (cuDNN vs xla attention, cuDNN's learned-bias
+# gradient, the flex kernel (Triton) against the reference and cuDNN, GPT-2-small training
 # MFU, batch-1 decode vs the HBM bound). On the lent GPU machine (jax, flax, optax preinstalled):
 #   bash benchmarks/gpu.sh            # results in $OUT/gpu.json (or benchmarks/results/gpu.json)
 # If a package is missing there, carry wheels in .whl/ (see the device notes) and they are

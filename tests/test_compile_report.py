@@ -60,6 +60,14 @@ def test_roofline_is_the_slower_of_compute_and_traffic():
     assert figures["bound"] == "memory"
     assert figures["roofline_seconds"] == pytest.approx(0.03)
     assert figures["roofline_mfu"] == pytest.approx(0.3)
+    # A causal kernel does fewer FLOPs than the full-matrix count: MFU counts what it does,
+    # so a compute-bound step never reads above 100%.
+    causal = {**report, "compiled_flops_per_chip": 197e12 * 0.05,
+              "analytic_flops_per_chip": 197e12 * 0.08}
+    figures = compile_report._roofline(causal, chip)
+    assert figures["bound"] == "compute"
+    assert figures["roofline_mfu"] == pytest.approx(1.0)
+    assert figures["roofline_mfu_full_attention"] == pytest.approx(1.6)
 
 
 def test_cpu_target_compiles_and_counts_like_the_formula(tmp_path):
@@ -123,6 +131,21 @@ def test_gpu_target_compiles_with_cudnn_and_reports_memory_only(tmp_path):
     assert report["chips"] == 8 and report["platform"] == "gpu"
     assert report["attention_backend"] == "cudnn" and report["fits"]
     assert "compiled_flops_per_chip" not in report  # XLA:GPU gives no cost analysis
+
+
+@pytest.mark.skipif(not HAS_CUDA_PLUGIN or not os.environ.get("JAX_SKIP_CUDA_CONSTRAINTS_CHECK"),
+                    reason='needs pip install -e ".[gpu]" and JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1')
+@pytest.mark.parametrize("scheme", ["t5_bias", "alibi"])
+def test_gpu_target_compiles_bias_schemes_with_the_triton_flex_kernel(tmp_path, scheme):
+    """T5's and ALiBi's biases go to the flex kernel on GPU (Triton), train step and decode
+    loop, with no [.., T, T] array."""
+    config = _config(tmp_path / "data", d_model=64, num_heads=2, dtype="bfloat16",
+                     position_scheme=scheme)
+    config.data.update(seq_len=256, eval_seq_len=256)
+    config.model.max_len = 256
+    report = compile_report.compile_for(config, tmp_path / "run", "h100-8")
+    assert report["attention_backend"] == "flex" and report["fits"] and report["decode"]["fits"]
+    assert not report["score_arrays"]
 
 
 @pytest.mark.skipif(not HAS_LIBTPU, reason='needs libtpu: pip install -e ".[tpu]"')

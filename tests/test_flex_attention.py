@@ -238,7 +238,7 @@ def test_a_scheme_with_a_new_bias_is_one_block_function(monkeypatch):
     assert float(jnp.abs(slope_grad(want_grads)).max()) > 0
 
 
-def _lowered_lm_grad(backend: str, length: int, scheme: str) -> str:
+def _lowered_lm_grad(backend: str, length: int, scheme: str, platform: str) -> str:
     config = _model_config(backend, num_encoder_layers=0, dtype="bfloat16", max_len=length,
                            position_scheme=scheme)
     model = models.DecoderLM(config)
@@ -247,19 +247,25 @@ def _lowered_lm_grad(backend: str, length: int, scheme: str) -> str:
         lambda: {"params": model.init(jax.random.key(0), jnp.ones((2, length), int))["params"]})
     loss = lambda params, tokens: jnp.sum(model.apply(params, tokens))
     traced = jax.jit(jax.grad(loss)).trace(params, tokens)
-    return traced.lower(lowering_platforms=("tpu",)).as_text()
+    return traced.lower(lowering_platforms=(platform,)).as_text()
 
 
-@pytest.mark.parametrize("scheme", ["t5_bias", "alibi"])
-def test_the_tpu_program_is_a_mosaic_kernel_without_bias_or_score_arrays(scheme):
-    """Lowered for TPU (no libtpu needed), the train gradient calls the Mosaic kernels and holds
-    no [.., T, T] array (no bias, mask or scores); the reference's program does."""
+@pytest.mark.parametrize("scheme,platform,kernel", [
+    ("t5_bias", "tpu", "tpu_custom_call"), ("alibi", "tpu", "tpu_custom_call"),
+    ("t5_bias", "cuda", "@__gpu$xla.gpu.triton"),
+])
+def test_the_accelerator_program_is_a_pallas_kernel_without_bias_or_score_arrays(
+        scheme, platform, kernel):
+    """Lowered for TPU (Mosaic) or a CUDA GPU (Triton), no device or plugin needed: the train
+    gradient calls the kernels (forward, dq, dk/dv: in each of the 2 layers, or once in the
+    shared body) and holds no [.., T, T] array (no bias, mask or scores); the reference's
+    program does."""
     length = 256
     square = re.compile(rf"x{length}x{length}x")
-    flex_text = _lowered_lm_grad("flex", length, scheme)
-    assert flex_text.count("tpu_custom_call") >= 3  # forward, dq, dk/dv
+    flex_text = _lowered_lm_grad("flex", length, scheme, platform)
+    assert flex_text.count(kernel) >= 3
     assert not square.search(flex_text)
-    assert square.search(_lowered_lm_grad("reference", length, scheme))
+    assert square.search(_lowered_lm_grad("reference", length, scheme, platform))
 
 
 def test_under_a_mesh_each_device_runs_its_rows_and_heads_with_their_bias_rows():

@@ -123,17 +123,20 @@ def test_auto_resolves_per_platform_and_the_cache_follows():
     (dict(position_scheme="relative", relative_values=False), "tpu", "reference",
      "'flex': the position scheme adds a query logit bias"),
     (dict(attention_dropout_rate=0.1), "tpu", "reference", "attention_dropout_rate"),
-    (dict(position_scheme="alibi", dtype="bfloat16", head_dim=8), "gpu", "cudnn", None),
+    (dict(dtype="bfloat16", head_dim=8), "gpu", "cudnn", None),
+    (dict(position_scheme="alibi", dtype="bfloat16", head_dim=8), "gpu", "flex", None),
+    (dict(position_scheme="t5_bias", dtype="bfloat16", head_dim=8), "gpu", "flex", None),
+    (dict(position_scheme="relative", relative_values=False, dtype="bfloat16", head_dim=8),
+     "gpu", "reference", "'cudnn': the position scheme adds a query logit bias"),
     (dict(dtype="bfloat16"), "gpu", "reference", "head_dim=4"),
-    (dict(position_scheme="t5_bias", dtype="bfloat16", head_dim=8), "gpu", "reference",
-     "learned"),
     (dict(dtype="float32"), "gpu", "reference", "dtype='float32'"),
     (dict(position_scheme="alibi"), "cpu", "cpu", None),
 ])
 def test_auto_falls_back_to_the_reference_with_the_reason(changes, platform, backend, reason):
-    """What each scheme gets on each platform: fused kernels take no bias they cannot
-    serve (splash: none; flex: none computed from queries; cuDNN: no learned one,
-    jax-ml/jax#27184), and say why."""
+    """What each scheme gets on each platform: bias schemes go to the kernel that computes
+    their bias per block (flex), others to the platform's first choice; fused kernels take no
+    bias they cannot serve (splash: none; flex: none computed from queries; cuDNN: no learned
+    one, jax-ml/jax#27184), and say why; flex serves only bias schemes under auto."""
     config = ModelConfig(**{**TINY, **changes})
     chosen, note = kernels.auto_choice(platform, **config.attention_needs)
     assert chosen.name == backend
@@ -230,10 +233,10 @@ def test_setup_says_in_one_line_why_auto_takes_the_reference(caplog):
     assert resolved.attention_backend == "reference"
     notes = [record.getMessage() for record in caplog.records if "attention_backend" in
              record.getMessage()]
-    assert notes == ["attention_backend='auto' uses 'reference' on tpu, not 'splash' or "
-                     "'flex': 'splash': the position scheme adds a query logit bias, and it "
-                     "takes no bias; 'flex': the position scheme adds a query logit bias, and it "
-                     "takes fixed or learned bias"]
+    assert notes == ["attention_backend='auto' uses 'reference' on tpu, not 'flex' or "
+                     "'splash': 'flex': the position scheme adds a query logit bias, and it "
+                     "takes fixed or learned bias; 'splash': the position scheme adds a query "
+                     "logit bias, and it takes no bias"]
     caplog.clear()
     with caplog.at_level("INFO", logger=experiment.logger.name):
         assert experiment._model_for_platform(shaw.replace(position_scheme="alibi"),

@@ -9,10 +9,10 @@ is the specification every other implementation is tested against.
 `model.attention_backend="auto"` (the default) resolves per platform (AUTO, in order of
 preference): "cpu" on CPU (blocked causal attention, hand-written 16-bit backward passes, CPU
 cache layout); on TPU "splash" (Pallas splash attention), or "flex" for position schemes with a
-logit bias (tfm.kernels.flex_attention: the bias computed per block in the kernel); "cudnn" on
-GPU (cuDNN flash attention); the reference when none of them can serve the model (a logit
-bias it does not take, a dtype, dropout, weights), with the reason (`auto_choice`). A name
-picks a backend on any platform it runs on.
+logit bias (tfm.kernels.flex_attention: the bias computed per block in the kernel); on GPU
+"cudnn" (cuDNN flash attention), or "flex" (Triton) for those schemes; the reference when none
+of them can serve the model (a logit bias it does not take, a dtype, dropout, weights), with
+the reason (`auto_choice`). A name picks a backend on any platform it runs on.
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ class Backend:
     linear: like tfm.nn.dense.linear; None = the reference.
     cache: the KV cache layout its attention reads with cache_layout=True.
     platforms: where it runs (None: everywhere). weights / dropout: whether its attention can
-    return the weights / drop them. biases: the logit-bias kinds (BIAS_KINDS) it takes.
+    return the weights / drop them. biases: the logit-bias kinds (BIAS_KINDS) it takes
+    (written out whole, unless bias_by_blocks).
     dtypes: the compute dtypes it takes (None: any). head_dim_multiple / max_head_dim: the
     head sizes it takes. check(query, bias, kv_len, platform) raises ConfigError for inputs it
     cannot take.
@@ -70,6 +71,9 @@ class Backend:
     head_dim_multiple: int = 1
     max_head_dim: int | None = None
     check: Callable[[jax.Array, jax.Array | None, int, str], None] = _no_check
+    # Computes a position scheme's bias per block (no [batch, heads, T, T] bias array): "auto"
+    # prefers it for bias schemes, and takes it only for them.
+    bias_by_blocks: bool = False
 
 
 def _jax_nn(implementation: str) -> Callable[..., jax.Array]:
@@ -105,13 +109,14 @@ BACKENDS: dict[str, Backend] = {
                 "on CPU, for tests)", attention=tpu_attention.attention,
                 platforms=("tpu", "cpu"), biases=()),
         Backend("flex", "Pallas flash attention with the position scheme's bias and the mask "
-                "computed per block (TPU; interpret mode on CPU, for tests)",
-                attention=flex_attention.attention, platforms=("tpu", "cpu"),
-                biases=("fixed", "learned")),
+                "computed per block (Mosaic on TPU, Triton on GPU; interpret mode on CPU, for "
+                "tests)",
+                attention=flex_attention.attention, platforms=("tpu", "gpu", "cpu"),
+                biases=("fixed", "learned"), bias_by_blocks=True),
     )
 }
 # What "auto" means on each platform: the first of these that can serve the model.
-AUTO = {"cpu": ("cpu",), "tpu": ("splash", "flex"), "gpu": ("cudnn",)}
+AUTO = {"cpu": ("cpu",), "tpu": ("splash", "flex"), "gpu": ("cudnn", "flex")}
 # Backends that run a Pallas kernel in interpret mode on CPU: correct, slow.
 INTERPRETED_ON_CPU = ("splash", "flex")
 CHOICES = ("auto", *BACKENDS)
@@ -162,6 +167,10 @@ def auto_choice(on_platform: str | None = None, **needs: Any) -> tuple[Backend, 
     `needs`: the fields of Needs. `on_platform` defaults to the platform being compiled for."""
     on_platform = on_platform or platform()
     preferred = [BACKENDS[name] for name in AUTO.get(on_platform, ("reference",))]
+    if needs.get("bias") is None:
+        preferred = [backend for backend in preferred if not backend.bias_by_blocks]
+    else:  # a kernel that computes the bias per block before one that reads it written out
+        preferred.sort(key=lambda backend: not backend.bias_by_blocks)
     reasons = []
     for backend in preferred:
         reason = Needs(**needs).unmet(backend)

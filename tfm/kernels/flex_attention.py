@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as plgpu
 
 from tfm.checks import ConfigError
 from tfm.kernels import per_device
@@ -38,6 +39,7 @@ from tfm.nn import attention as reference
 
 LANES = 128  # TPU lane width: key blocks are multiples of it
 BLOCK_CHOICES = (512, 256, LANES)  # the largest that divides the padded length is used
+TRITON_BLOCK = 64  # query and key blocks on GPU
 PADDING_KEY_SEGMENT = -1  # no query has it, so padded keys are never attended
 MASKED = reference.MASKED_LOGIT
 NO_KEY_LSE = 1e30  # log-sum-exp of a query that sees no key: every weight exp(s - it) is 0
@@ -121,7 +123,7 @@ class _Spec:
     learned: bool  # whether the bias parameters take a gradient
     params_tree: Any  # treedef of the bias parameters
     precision: jax.lax.Precision
-    interpret: bool | None
+    compiler: str  # one of per_device.COMPILERS
 
     @property
     def reach(self) -> tuple[int | None, int | None]:
@@ -161,19 +163,25 @@ class _Spec:
 
 
 def _scores(spec: _Spec, query: jax.Array, key: jax.Array, rows: tuple, params: Any,
-            first_row: Any, first_key: Any) -> tuple[jax.Array, jax.Array]:
+            first_query: Any, first_key: Any, transposed: bool = False,
+            ) -> tuple[jax.Array, jax.Array]:
     """Scaled scores plus bias [block_q, block_k] float32 and which pairs may attend.
     query: [block_q, head_dim]; key: [block_k, head_dim]; rows: (query positions [block_q, 1],
-    key positions [1, block_k], query segments [block_q, 1], key segments [1, block_k])."""
+    key positions [1, block_k], query segments [block_q, 1], key segments [1, block_k]).
+    transposed: [block_k, block_q] instead, from query rows [1, block_q] and key columns
+    [block_k, 1] (the block function is elementwise in the positions, so broadcasting the
+    other way round gives its transpose)."""
     query_positions, key_positions, query_segments, key_segments = rows
-    scores = jax.lax.dot_general(query, key, (((1,), (1,)), ((), ())),
+    first, second = (key, query) if transposed else (query, key)
+    scores = jax.lax.dot_general(first, second, (((1,), (1,)), ((), ())),
                                  preferred_element_type=jnp.float32, precision=spec.precision)
     scores = scores * jnp.float32(spec.scale)
     if spec.function is not None:
         scores = scores + spec.function(params, query_positions, key_positions)
     shape = scores.shape
-    query_index = first_row + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
-    key_index = first_key + jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+    query_axis, key_axis = (1, 0) if transposed else (0, 1)
+    query_index = first_query + jax.lax.broadcasted_iota(jnp.int32, shape, query_axis)
+    key_index = first_key + jax.lax.broadcasted_iota(jnp.int32, shape, key_axis)
     mask = query_segments == key_segments
     back, ahead = spec.reach
     if back is not None:
@@ -224,13 +232,15 @@ def _forward_kernel(spec: _Spec, *refs: Any) -> None:
 
 
 def _weights_and_score_grads(spec: _Spec, query, key, value, out_grad, lse, delta, rows, params,
-                             first_row, first_key) -> tuple[jax.Array, jax.Array]:
+                             first_query, first_key, transposed: bool = False,
+                             ) -> tuple[jax.Array, jax.Array]:
     """The block's softmax weights and d loss / d scores (= d loss / d bias), both
-    [block_q, block_k] float32, from the saved log-sum-exp [block_q, 1] and
-    delta = rowsum(dO * O) [block_q, 1]."""
-    scores, mask = _scores(spec, query, key, rows, params, first_row, first_key)
+    [block_q, block_k] float32 ([block_k, block_q] when transposed), from the saved
+    log-sum-exp and delta = rowsum(dO * O), [block_q, 1] (rows [1, block_q] when transposed)."""
+    scores, mask = _scores(spec, query, key, rows, params, first_query, first_key, transposed)
     weights = jnp.where(mask, jnp.exp(scores - lse), 0.0)
-    weight_grads = jax.lax.dot_general(out_grad, value, (((1,), (1,)), ((), ())),
+    first, second = (value, out_grad) if transposed else (out_grad, value)
+    weight_grads = jax.lax.dot_general(first, second, (((1,), (1,)), ((), ())),
                                        preferred_element_type=jnp.float32,
                                        precision=spec.precision)
     return weights, weights * (weight_grads - delta)
@@ -275,12 +285,16 @@ def _query_grad_kernel(spec: _Spec, num_params: int, *refs: Any) -> None:
 
 
 def _key_value_grad_kernel(spec: _Spec, *refs: Any) -> None:
+    """dk, dv of one key block of one query head, over the query blocks that can see it,
+    in the transposed orientation ([block_k, block_q] tiles): the per-query figures (positions,
+    segments, log-sum-exp, delta) are then lane-dense rows [1, q_len] held whole on chip."""
     (query_ref, key_ref, value_ref, out_grad_ref, lse_ref, delta_ref, query_pos_ref,
      key_pos_ref, query_seg_ref, key_seg_ref, *rest) = refs
     param_refs, (key_grad_ref, value_grad_ref) = rest[:-2], rest[-2:]
     k_block = pl.program_id(2)
     block_q = spec.block_q
     key, value = key_ref[...], value_ref[...]
+    key_columns = (key_pos_ref[...], key_seg_ref[...])  # [block_k, 1]
     params = jax.tree.unflatten(spec.params_tree, [ref[...] for ref in param_refs])
 
     def visit(q_block, carry):
@@ -288,13 +302,13 @@ def _key_value_grad_kernel(spec: _Spec, *refs: Any) -> None:
         start = pl.multiple_of(q_block * block_q, block_q)
         queries = pl.ds(start, block_q)
         query, out_grad = query_ref[queries, :], out_grad_ref[queries, :]
-        rows = (query_pos_ref[queries, :], key_pos_ref[...], query_seg_ref[queries, :],
-                key_seg_ref[...])
+        rows = (query_pos_ref[:, queries], key_columns[0], query_seg_ref[:, queries],
+                key_columns[1])
         weights, score_grads = _weights_and_score_grads(
-            spec, query, key, value, out_grad, lse_ref[queries, :], delta_ref[queries, :],
-            rows, params, start, k_block * spec.block_k)
-        value_grad = value_grad + _dot(spec, weights.T.astype(out_grad.dtype), out_grad)
-        key_grad = key_grad + _dot(spec, score_grads.T.astype(query.dtype), query)
+            spec, query, key, value, out_grad, lse_ref[:, queries], delta_ref[:, queries],
+            rows, params, start, k_block * spec.block_k, transposed=True)
+        value_grad = value_grad + _dot(spec, weights.astype(out_grad.dtype), out_grad)
+        key_grad = key_grad + _dot(spec, score_grads.astype(query.dtype), query)
         return key_grad, value_grad
 
     first, end = spec.query_blocks(k_block)
@@ -346,15 +360,19 @@ def _pallas(spec: _Spec, kernel: Callable[..., None], grid: tuple[int, ...],
             vmem_bytes: int, *args: Any) -> Any:
     limit = int(min(max(2 * vmem_bytes + 8 * 2**20, 32 * 2**20), VMEM_LIMIT))
 
-    def call(*args: Any, interpret: bool) -> Any:
+    def call(*args: Any, compiler: str) -> Any:
+        if compiler == "triton":
+            params = plgpu.CompilerParams(num_warps=4, num_stages=2)
+        else:
+            params = pltpu.CompilerParams(dimension_semantics=("parallel",) * len(grid),
+                                          vmem_limit_bytes=limit)
         return pl.pallas_call(
             kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-            interpret=interpret, cost_estimate=cost, name="tfm_flex_attention",
-            compiler_params=pltpu.CompilerParams(
-                dimension_semantics=("parallel",) * len(grid), vmem_limit_bytes=limit),
+            interpret=compiler == "interpret", cost_estimate=cost, name="tfm_flex_attention",
+            compiler_params=params,
         )(*args)
 
-    return per_device.by_platform(call, spec.interpret, *args)
+    return call(*args, compiler=spec.compiler)
 
 
 def _nbytes(*arrays: Any) -> int:
@@ -425,20 +443,26 @@ def _backward(spec: _Spec, query, key, value, rows, params, out, lse, out_grad):
         *inputs,
     )
     per_query_head = jax.ShapeDtypeStruct((batch, heads, kv_padded, head_dim), key.dtype)
+    as_row = lambda column: column.reshape(*column.shape[:-2], 1, column.shape[-2])
+    as_column = lambda row: row.reshape(*row.shape[:-2], row.shape[-1], 1)
+    whole_rows = pl.BlockSpec((None, None, 1, q_padded), lambda b, h, j: (b, h, 0, 0))
+    transposed_inputs = (query, key, value, out_grad, as_row(lse), as_row(delta),
+                         as_row(query_pos), as_column(key_pos), as_row(query_seg),
+                         as_column(key_seg), *param_leaves)
     key_grad, value_grad = _pallas(
         spec, functools.partial(_key_value_grad_kernel, spec),
         (batch, heads, kv_padded // spec.block_k),
         [_whole_head(q_padded, head_dim), _key_block(spec, head_dim, spec.groups),
          _key_block(spec, head_dim, spec.groups), _whole_head(q_padded, head_dim),
-         _row_stats(spec, q_padded, False), _row_stats(spec, q_padded, False),
-         _column(q_padded, False), _row(spec.block_k, True), _column(q_padded, False),
-         _row(spec.block_k, True), *(_per_head_row(leaf) for leaf in param_leaves)],
+         whole_rows, whole_rows, _row(q_padded, False), _column(spec.block_k, True),
+         _row(q_padded, False), _column(spec.block_k, True),
+         *(_per_head_row(leaf) for leaf in param_leaves)],
         [_key_block(spec, head_dim), _key_block(spec, head_dim)],
         [per_query_head, per_query_head],
         pl.CostEstimate(flops=8 * pairs * head_dim, transcendentals=pairs,
                         bytes_accessed=_nbytes(*inputs, key, value)),
         _resident_bytes(q_padded, head_dim, query.dtype, 2),
-        *inputs,
+        *transposed_inputs,
     )
 
     def per_kv_head(grad: jax.Array) -> jax.Array:  # sum the query heads of each kv head
@@ -492,7 +516,7 @@ def _attend_local(
     # kv_len], query segments [batch, q_len], key segments [batch, kv_len]; int32
     params: Any,  # pytree of [num_heads, P]
     *, causal: bool, window: int | None, scale: float,
-    function: Callable[..., jax.Array] | None, learned: bool, interpret: bool | None,
+    function: Callable[..., jax.Array] | None, learned: bool, compiler: str | None,
 ) -> jax.Array:  # [batch, q_len, num_heads, head_dim]
     """The kernel over local arrays: lengths padded to whole blocks, heads-major layout."""
     batch, q_len, num_heads, head_dim = query.shape
@@ -515,13 +539,20 @@ def _attend_local(
         lambda leaf: leaf.astype(jnp.float32)[:, None, :], params)  # [heads, 1, P]
     precision = (jax.lax.Precision.HIGHEST if jnp.dtype(query.dtype) == jnp.float32
                  else jax.lax.Precision.DEFAULT)
-    spec = _Spec(
-        block_q=_block(q_padded), block_k=_block(kv_padded), q_len=q_len, kv_len=kv_len,
-        causal=causal, window=window, scale=scale, groups=num_heads // kv_heads,
-        function=function, learned=learned, params_tree=jax.tree.structure(params),
-        precision=precision, interpret=interpret,
-    )
-    out = _flex(spec, heads_major(query, q_padded), heads_major(key, kv_padded),
-                heads_major(value, kv_padded), padded_rows, params)
+
+    def run(*arrays: Any, compiler: str) -> jax.Array:
+        triton = compiler == "triton"  # a GPU block's tiles live in 228 kB of shared memory
+        spec = _Spec(
+            block_q=TRITON_BLOCK if triton else _block(q_padded),
+            block_k=TRITON_BLOCK if triton else _block(kv_padded), q_len=q_len, kv_len=kv_len,
+            causal=causal, window=window, scale=scale, groups=num_heads // kv_heads,
+            function=function, learned=learned, params_tree=jax.tree.structure(params),
+            precision=precision, compiler=compiler,
+        )
+        return _flex(spec, *arrays)
+
+    out = per_device.by_platform(
+        run, compiler, heads_major(query, q_padded), heads_major(key, kv_padded),
+        heads_major(value, kv_padded), padded_rows, params)
     return out.transpose(0, 2, 1, 3)[:, :q_len]
 

@@ -1,6 +1,7 @@
 """Running a per-device attention kernel (Pallas) over a mesh: under `jax.shard_map`, batch and
 heads split as the layers' logical axis rules say, each device computing its own rows and
-heads; without a mesh, Mosaic when lowering for TPU and Pallas interpret mode elsewhere."""
+heads; without a mesh, the compiler is picked when lowering: Mosaic for TPU, Triton for GPU,
+Pallas interpret mode elsewhere."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ import flax.linen as nn
 import jax
 from jax.sharding import PartitionSpec
 
+COMPILERS = ("mosaic", "triton", "interpret")  # how a Pallas kernel is compiled
+COMPILER_OF_PLATFORM = {"tpu": "mosaic", "gpu": "triton", "cuda": "triton"}
+
 
 def run(
     local: Callable[..., jax.Array],
@@ -21,15 +25,15 @@ def run(
     rows: Any = None,  # pytree of [batch, length] arrays (segment ids, positions)
     heads: Any = None,  # pytree of [num_heads, ...] arrays (per-head parameters)
 ) -> jax.Array:  # [batch, q_len, num_heads, head_dim]
-    """local(query, key, value, rows, heads, interpret=...) on every device's share, where
-    interpret is None when the platform is only known at lowering (no mesh: the kernel picks
-    by jax.lax.platform_dependent), else whether the mesh's devices are not TPUs."""
+    """local(query, key, value, rows, heads, compiler=...) on every device's share, where
+    compiler (COMPILERS) is None when the platform is only known at lowering (no mesh: the
+    kernel picks by jax.lax.platform_dependent, `by_platform`), else the mesh's devices'."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
-        return local(query, key, value, rows, heads, interpret=None)
-    interpret = mesh.abstract_device.platform != "tpu"
+        return local(query, key, value, rows, heads, compiler=None)
+    compiler = COMPILER_OF_PLATFORM.get(mesh.abstract_device.platform, "interpret")
     if mesh.size == 1:
-        return local(query, key, value, rows, heads, interpret=interpret)
+        return local(query, key, value, rows, heads, compiler=compiler)
     query_spec = nn.logical_to_mesh_axes(("batch", "length", "heads", "head_dim"))
     kv_spec = nn.logical_to_mesh_axes(("batch", "length", "kv_heads", "head_dim"))
     rows_spec = nn.logical_to_mesh_axes(("batch", "length"))
@@ -43,7 +47,7 @@ def run(
         lambda array: PartitionSpec(query_spec[2], *([None] * (array.ndim - 1))), heads)
 
     def per_shard(query, key, value, rows, heads):
-        return local(query, key, value, rows, heads, interpret=interpret)
+        return local(query, key, value, rows, heads, compiler=compiler)
 
     return jax.shard_map(
         per_shard, mesh=mesh, check_vma=False,
@@ -67,13 +71,15 @@ def divisible(
                            for axes, length in zip(spec, shape, strict=False)))
 
 
-def by_platform(call: Callable[..., Any], interpret: bool | None, *args: Any) -> Any:
-    """call(*args, interpret=...): Mosaic on TPU, interpret mode elsewhere; when `interpret`
-    is None, chosen at lowering by jax.lax.platform_dependent."""
-    if interpret is not None:
-        return call(*args, interpret=interpret)
+def by_platform(call: Callable[..., Any], compiler: str | None, *args: Any) -> Any:
+    """call(*args, compiler=...) with compiler one of COMPILERS; when `compiler` is None,
+    chosen at lowering by jax.lax.platform_dependent (Mosaic for TPU, Triton for CUDA GPUs,
+    interpret mode elsewhere)."""
+    if compiler is not None:
+        return call(*args, compiler=compiler)
     return jax.lax.platform_dependent(
         *args,
-        tpu=lambda *a: call(*a, interpret=False),
-        default=lambda *a: call(*a, interpret=True),
+        tpu=lambda *a: call(*a, compiler="mosaic"),
+        cuda=lambda *a: call(*a, compiler="triton"),
+        default=lambda *a: call(*a, compiler="interpret"),
     )

@@ -110,7 +110,7 @@ def _attend_local(
     value: jax.Array,  # like key
     segments: tuple[jax.Array, jax.Array] | None,  # ([batch, q_len], [batch, kv_len]) int
     heads: None = None,
-    *, causal: bool, window: int | None, scale: float, interpret: bool | None,
+    *, causal: bool, window: int | None, scale: float, compiler: str | None,
 ) -> jax.Array:  # [batch, q_len, num_heads, head_dim]
     """Splash attention over local arrays: lengths padded to whole 128-lane blocks, one
     kernel call per batch row (vmap)."""
@@ -133,9 +133,9 @@ def _attend_local(
     )
     mask = _static_mask(num_heads, q_padded, kv_padded, causal, window)
 
-    def run(args, segments, *, interpret: bool):
+    def run(args, segments, *, compiler: str):  # a Mosaic kernel: interpreted off TPU
         kernel = splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
-                                        interpret=interpret)
+                                        interpret=compiler != "mosaic")
         if segments is None:
             return jax.vmap(kernel)(*args)
         return jax.vmap(lambda q, k, v, q_ids, kv_ids: kernel(
@@ -143,6 +143,6 @@ def _attend_local(
 
     args = (heads_major(scaled, q_padded), heads_major(key, kv_padded),
             heads_major(value, kv_padded))
-    out = per_device.by_platform(run, interpret, args, segments)
+    out = per_device.by_platform(run, compiler, args, segments)
     return out.transpose(0, 2, 1, 3)[:, :q_len].astype(query.dtype)
 

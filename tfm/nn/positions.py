@@ -322,8 +322,10 @@ def shaw_value_term(weights: Array, value_table: Array, rel_idx: Array) -> Array
 # (tfm.kernels.flex_attention), so no [batch, heads, T, S] bias reaches memory. A block bias
 # function is fn(head_params, query_positions [bq, 1] int32, key_positions [1, bk] int32)
 # -> [bq, bk] float32, where head_params holds one head's row of each parameter ([1, P]).
-# Inside a TPU kernel it may use elementwise maths, broadcasts and reductions only (no gather),
-# and so may its gradient with respect to head_params.
+# Inside a TPU kernel it may use elementwise maths, broadcasts and reductions over the
+# parameter row only (no gather), and so may its gradient with respect to head_params; it must
+# be elementwise in the positions, so that given query positions [1, bq] and key positions
+# [bk, 1] it returns the transposed tile (the kernel's dk/dv pass does that).
 
 BlockBiasFn = Callable[[Any, Array, Array], Array]
 
