@@ -1,9 +1,11 @@
 """Flash attention with the position scheme's logit bias computed per block inside the kernel
-(Pallas; Mosaic on TPU, interpret mode elsewhere): ALiBi, T5 buckets, or any scheme that
-gives a block bias function (tfm.nn.positions.BlockBiasFn), with the mask built per block from
-its parts (causal, local window, packed segments, padding). No [batch, heads, q_len, kv_len]
-score, bias or mask array reaches memory, in the forward or the backward pass; the backward
-accumulates the bias parameters' gradient (the T5 table) block by block.
+(Pallas: Mosaic on TPU, Triton on GPU, interpret mode elsewhere): ALiBi, T5 buckets, or any
+scheme that gives a block bias function (tfm.nn.positions.BlockBiasFn), with the mask built
+per block from its parts (causal, local window, packed segments, padding). No [batch, heads,
+q_len, kv_len] score, bias or mask array reaches memory, in the forward or the backward pass;
+the backward accumulates the bias parameters' gradient (the T5 table) block by block. Shaw's
+relative positions do not fit this form (their bias is q_i . r[k - q], a function of the
+query vector, not of positions): they keep the reference.
 
 In the spirit of FlexAttention (Dong et al. 2024, arXiv 2412.05496: a score modification
 compiled into one flash kernel). Online softmax over key blocks (Dao et al. 2022,
@@ -12,7 +14,10 @@ FlashAttention; the backward recomputes scores from the saved log-sum-exp, Flash
 Layout inside: heads-major [batch, heads, length, head_dim], lengths padded to 128-lane
 blocks (padded keys get a segment no query has). Grid (batch, head, query block) with a loop
 over the key blocks the mask can reach (causal and window ranges are skipped, as are padded
-blocks), keys and values of the head resident in on-chip memory. GQA: query head h reads kv
+blocks); on TPU the head's keys and values stay in on-chip memory (VMEM: up to VMEM_LIMIT, so
+the longest contexts need a chip with that much), on GPU 64-row tiles are read from HBM. The
+dk/dv pass works on transposed [block_k, block_q] tiles, so that its per-query rows (positions,
+segments, log-sum-exp) are lane-dense [1, q_len] arrays. GQA: query head h reads kv
 head h // (heads / kv_heads). Same values as the reference (tfm.nn.attention) at every real
 query, including zero output for a query that sees no key. Calls that read a KV cache
 (decoding steps: a few queries) use the reference maths.
