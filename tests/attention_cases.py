@@ -40,3 +40,69 @@ def dense_mask(
     if structure.query_segments is not None:
         masks.append(reference.segment_mask(structure.query_segments, structure.key_segments))
     return reference.combine_masks(*masks)
+
+
+def assert_model_matches_reference(backend: str, mode: str, config_for) -> list[str]:
+    """Logits at real tokens and every parameter gradient of `backend` equal the reference's:
+    mode "lm" a packed decoder-only row pair, "seq2seq" an encoder-decoder with padded source
+    and target rows. config_for(backend) -> the ModelConfig. Returns the gradients' paths."""
+    from tfm.nn import models
+
+    rng = np.random.default_rng(3)
+    length = 140
+    vocab = config_for("reference").vocab_size
+    tokens = jnp.asarray(rng.integers(1, vocab, (2, length)), jnp.int32)
+    if mode == "lm":
+        segment_ids = jnp.asarray(segments("packed", 2, length))
+        real = np.asarray(segment_ids) > 0
+        model_for = lambda backend: models.DecoderLM(config_for(backend))
+        apply = lambda model, params: model.apply(params, tokens, segment_ids=segment_ids)
+        init_args = (tokens,)
+    else:
+        source_valid = jnp.asarray(segments("padding", 2, length + 20)) > 0
+        source = jnp.asarray(rng.integers(1, vocab, (2, length + 20)), jnp.int32)
+        valid = jnp.asarray(segments("padding", 2, length)) > 0
+        real = np.asarray(valid)
+        model_for = lambda backend: models.EncoderDecoder(config_for(backend))
+        apply = lambda model, params: model.apply(params, source, tokens, source_valid=source_valid,
+                                                  valid=valid)
+        init_args = (source, tokens)
+    params = {"params": model_for("reference").init(jax.random.key(0), *init_args)["params"]}
+    weights = jnp.asarray(real, jnp.float32)[..., None]
+
+    def loss(params, backend):
+        logits = apply(model_for(backend), params)
+        logits = logits[0] if isinstance(logits, tuple) else logits
+        return jnp.sum(jnp.sin(logits) * weights), logits
+
+    grad = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)
+    (want, want_logits), want_grads = grad(params, "reference")
+    (got, got_logits), got_grads = grad(params, backend)
+    np.testing.assert_allclose(np.asarray(got_logits)[real], np.asarray(want_logits)[real],
+                               atol=2e-5)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    paths = []
+    for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got_grads),
+                            jax.tree.leaves(want_grads), strict=True):
+        paths.append(jax.tree_util.keystr(path))
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=5e-5, err_msg=paths[-1])
+    return paths
+
+
+def assert_cached_decoding_matches_full_pass(config) -> None:
+    """A decoder-only model of `config`: a 12-token prefill then 8 one-token steps through the
+    KV cache give the logits of one full pass over the 20 tokens."""
+    from tfm.nn import models
+    from tfm.nn.cache import init_cache
+
+    model = models.DecoderLM(config)
+    tokens = jnp.asarray(np.random.default_rng(4).integers(1, 13, (2, 20)), jnp.int32)
+    params = {"params": model.init(jax.random.key(0), tokens)["params"]}
+    full = model.apply(params, tokens)
+    cache = init_cache(config, 2, 32)
+    logits, cache = model.apply(params, tokens[:, :12], cache=cache)
+    steps = [logits]
+    for index in range(12, 20):
+        logits, cache = model.apply(params, tokens[:, index: index + 1], cache=cache)
+        steps.append(logits)
+    np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, atol=2e-5)

@@ -13,7 +13,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from attention_cases import dense_mask, segments
+from attention_cases import (
+    assert_cached_decoding_matches_full_pass,
+    assert_model_matches_reference,
+    dense_mask,
+    segments,
+)
 from tiny_model import TINY
 
 from tfm import kernels
@@ -97,60 +102,14 @@ def _model_config(backend: str, **changes) -> ModelConfig:
 def test_models_with_splash_equal_the_reference(mode):
     """Logits at real tokens and every parameter gradient: a packed LM with a local window,
     an encoder-decoder with padded source and target."""
-    rng = np.random.default_rng(3)
-    length = 140
-    tokens = jnp.asarray(rng.integers(1, TINY["vocab_size"], (2, length)), jnp.int32)
-    if mode == "lm":
-        changes = dict(num_encoder_layers=0, local_window=11)
-        segment_ids = jnp.asarray(segments("packed", 2, length))
-        real = np.asarray(segment_ids) > 0
-        model_for = lambda backend: models.DecoderLM(_model_config(backend, **changes))
-        apply = lambda model, params: model.apply(params, tokens, segment_ids=segment_ids)
-        init_args = (tokens,)
-    else:
-        source_valid = jnp.asarray(segments("padding", 2, length + 20)) > 0
-        source = jnp.asarray(rng.integers(1, TINY["vocab_size"], (2, length + 20)), jnp.int32)
-        valid = jnp.asarray(segments("padding", 2, length)) > 0
-        real = np.asarray(valid)
-        model_for = lambda backend: models.EncoderDecoder(_model_config(backend))
-        apply = lambda model, params: model.apply(params, source, tokens, source_valid=source_valid,
-                                                  valid=valid)
-        init_args = (source, tokens)
-    params = {"params": model_for("reference").init(jax.random.key(0), *init_args)["params"]}
-    weights = jnp.asarray(real, jnp.float32)[..., None]
-
-    def loss(params, backend):
-        logits = apply(model_for(backend), params)
-        logits = logits[0] if isinstance(logits, tuple) else logits
-        return jnp.sum(jnp.sin(logits) * weights), logits
-
-    grad = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)
-    (want, want_logits), want_grads = grad(params, "reference")
-    (got, got_logits), got_grads = grad(params, "splash")
-    np.testing.assert_allclose(np.asarray(got_logits)[real], np.asarray(want_logits)[real],
-                               atol=2e-5)
-    np.testing.assert_allclose(got, want, rtol=1e-5)
-    for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got_grads),
-                            jax.tree.leaves(want_grads), strict=True):
-        np.testing.assert_allclose(g, w, rtol=2e-5, atol=5e-5, err_msg=jax.tree_util.keystr(path))
+    changes = dict(num_encoder_layers=0, local_window=11) if mode == "lm" else {}
+    assert_model_matches_reference(
+        "splash", mode, lambda backend: _model_config(backend, **changes))
 
 
 def test_cached_decoding_with_splash_equals_the_full_pass():
     """The full pass runs splash; cached steps (few queries against the cache) the reference."""
-    from tfm.nn.cache import init_cache
-
-    config = _model_config("splash", num_encoder_layers=0)
-    model = models.DecoderLM(config)
-    tokens = jnp.asarray(np.random.default_rng(4).integers(1, 13, (2, 20)), jnp.int32)
-    params = {"params": model.init(jax.random.key(0), tokens)["params"]}
-    full = model.apply(params, tokens)
-    cache = init_cache(config, 2, 32)
-    logits, cache = model.apply(params, tokens[:, :12], cache=cache)
-    steps = [logits]
-    for index in range(12, 20):
-        logits, cache = model.apply(params, tokens[:, index: index + 1], cache=cache)
-        steps.append(logits)
-    np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, atol=2e-5)
+    assert_cached_decoding_matches_full_pass(_model_config("splash", num_encoder_layers=0))
 
 
 def _lowered_lm_grad(backend: str, length: int, platform: str = "tpu") -> str:

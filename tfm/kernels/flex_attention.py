@@ -42,10 +42,7 @@ from tfm.kernels import per_device
 from tfm.kernels.call import AttentionCall
 from tfm.nn import attention as reference
 
-LANES = 128  # TPU lane width: key blocks are multiples of it
-BLOCK_CHOICES = (512, 256, LANES)  # the largest that divides the padded length is used
 TRITON_BLOCK = 64  # query and key blocks on GPU
-PADDING_KEY_SEGMENT = -1  # no query has it, so padded keys are never attended
 MASKED = reference.MASKED_LOGIT
 NO_KEY_LSE = 1e30  # log-sum-exp of a query that sees no key: every weight exp(s - it) is 0
 VMEM_LIMIT = 96 * 2**20  # the most on-chip memory a call asks for (v5e/v6e have 128 MiB)
@@ -54,12 +51,9 @@ VMEM_LIMIT = 96 * 2**20  # the most on-chip memory a call asks for (v5e/v6e have
 def serves(call: AttentionCall, q_len: int, kv_len: int) -> bool:
     """Whether this kernel computes the call (else the reference does): calls that describe
     their mask, and their bias if any, by parts, and read no KV cache."""
-    structure = call.structure
-    if call.cache_layout or structure is None:
+    if not per_device.described_by_parts(call, q_len, kv_len):
         return False
-    if call.bias is not None and structure.bias is None:
-        return False
-    return q_len == kv_len or not (structure.causal or structure.window is not None)
+    return call.bias is None or call.structure.bias is not None
 
 
 def attention(
@@ -387,7 +381,7 @@ def _nbytes(*arrays: Any) -> int:
 def _resident_bytes(length: int, head_dim: int, dtype: Any, count: int) -> int:
     """On-chip bytes of `count` whole-head [length, head_dim] arrays, double-buffered, lanes
     padded to 128, plus their [1, length] position and segment rows."""
-    lanes = -(-head_dim // LANES) * LANES
+    lanes = per_device.round_up(head_dim)
     return 2 * count * length * (lanes * jnp.dtype(dtype).itemsize + 2 * 8 * 4)
 
 
@@ -505,14 +499,6 @@ def _flex_backward(spec: _Spec, residuals, out_grad):
 _flex.defvjp(_flex_forward, _flex_backward)
 
 
-def _round_up(length: int) -> int:
-    return -(-length // LANES) * LANES
-
-
-def _block(length: int) -> int:
-    return next(size for size in BLOCK_CHOICES if length % size == 0)
-
-
 def _attend_local(
     query: jax.Array,  # [batch, q_len, num_heads, head_dim], this device's rows and heads
     key: jax.Array,  # [batch, kv_len, num_kv_heads, head_dim]
@@ -526,7 +512,7 @@ def _attend_local(
     """The kernel over local arrays: lengths padded to whole blocks, heads-major layout."""
     batch, q_len, num_heads, head_dim = query.shape
     kv_len, kv_heads = key.shape[1], key.shape[2]
-    q_padded, kv_padded = _round_up(q_len), _round_up(kv_len)
+    q_padded, kv_padded = per_device.round_up(q_len), per_device.round_up(kv_len)
     query_pos, key_pos, query_seg, key_seg = rows
 
     def pad(ids: jax.Array, padded: int, fill: int = 0) -> jax.Array:
@@ -534,7 +520,7 @@ def _attend_local(
 
     padded_rows = (pad(query_pos, q_padded)[:, :, None], pad(key_pos, kv_padded)[:, None, :],
                    pad(query_seg, q_padded)[:, :, None],
-                   pad(key_seg, kv_padded, PADDING_KEY_SEGMENT)[:, None, :])
+                   pad(key_seg, kv_padded, per_device.PADDING_KEY_SEGMENT)[:, None, :])
 
     def heads_major(x: jax.Array, padded: int) -> jax.Array:  # -> [batch, heads, padded, hd]
         x = jnp.pad(x, ((0, 0), (0, padded - x.shape[1]), (0, 0), (0, 0)))
@@ -548,8 +534,9 @@ def _attend_local(
     def run(*arrays: Any, compiler: str) -> jax.Array:
         triton = compiler == "triton"  # a GPU block's tiles live in 228 kB of shared memory
         spec = _Spec(
-            block_q=TRITON_BLOCK if triton else _block(q_padded),
-            block_k=TRITON_BLOCK if triton else _block(kv_padded), q_len=q_len, kv_len=kv_len,
+            block_q=TRITON_BLOCK if triton else per_device.block_size(q_padded),
+            block_k=TRITON_BLOCK if triton else per_device.block_size(kv_padded),
+            q_len=q_len, kv_len=kv_len,
             causal=causal, window=window, scale=scale, groups=num_heads // kv_heads,
             function=function, learned=learned, params_tree=jax.tree.structure(params),
             precision=precision, compiler=compiler,

@@ -15,6 +15,29 @@ from jax.sharding import PartitionSpec
 
 COMPILERS = ("mosaic", "triton", "interpret")  # how a Pallas kernel is compiled
 COMPILER_OF_PLATFORM = {"tpu": "mosaic", "gpu": "triton", "cuda": "triton"}
+LANES = 128  # TPU lane width: kernels pad lengths to whole multiples of it
+BLOCK_CHOICES = (512, 256, LANES)  # the largest that divides the padded length is used
+PADDING_KEY_SEGMENT = -1  # no query has it, so padded keys are never attended
+
+
+def described_by_parts(call: Any, q_len: int, kv_len: int) -> bool:
+    """Whether an AttentionCall's mask is described by its parts (call.structure) in a form a
+    blocked kernel can build: no KV cache read, and causal or windowed only when queries and
+    keys are the same positions (self-attention)."""
+    structure = call.structure
+    if call.cache_layout or structure is None:
+        return False
+    return q_len == kv_len or not (structure.causal or structure.window is not None)
+
+
+def round_up(length: int) -> int:
+    """`length` padded to whole 128-lane blocks."""
+    return -(-length // LANES) * LANES
+
+
+def block_size(padded: int) -> int:
+    """The largest of BLOCK_CHOICES that divides a padded length."""
+    return next(size for size in BLOCK_CHOICES if padded % size == 0)
 
 
 def run(

@@ -25,17 +25,10 @@ from tfm.kernels import per_device
 from tfm.kernels.call import AttentionCall
 from tfm.nn import attention as reference
 
-LANES = 128  # splash's key blocks are multiples of the TPU's 128 lanes
-BLOCK_CHOICES = (512, 256, LANES)  # the largest that divides the padded length is used
-PADDING_KEY_SEGMENT = -1  # no query has it, so padded keys are never attended
-
 
 def serves(call: AttentionCall, q_len: int, kv_len: int) -> bool:
     """Whether splash attention computes this call (else the reference does)."""
-    structure = call.structure
-    if call.cache_layout or structure is None:
-        return False
-    return q_len == kv_len or not (structure.causal or structure.window is not None)
+    return per_device.described_by_parts(call, q_len, kv_len)
 
 
 def attention(
@@ -65,14 +58,6 @@ def attention(
     return per_device.run(local, query, key, value, segments)
 
 
-def _round_up(length: int) -> int:
-    return -(-length // LANES) * LANES
-
-
-def _block(length: int) -> int:
-    return next(size for size in BLOCK_CHOICES if length % size == 0)
-
-
 def _static_mask(
     num_heads: int, q_len: int, kv_len: int, causal: bool, window: int | None
 ) -> splash_mask.MultiHeadMask:
@@ -100,7 +85,7 @@ def _padded_segments(
     query_segments, key_segments = (ids.astype(jnp.int32) for ids in segments)
     query_segments = jnp.pad(query_segments, ((0, 0), (0, q_padded - q_len)))
     key_segments = jnp.pad(key_segments, ((0, 0), (0, kv_padded - kv_len)),
-                           constant_values=PADDING_KEY_SEGMENT)
+                           constant_values=per_device.PADDING_KEY_SEGMENT)
     return query_segments, key_segments
 
 
@@ -116,7 +101,7 @@ def _attend_local(
     kernel call per batch row (vmap)."""
     batch, q_len, num_heads, _ = query.shape
     kv_len = key.shape[1]
-    q_padded, kv_padded = _round_up(q_len), _round_up(kv_len)
+    q_padded, kv_padded = per_device.round_up(q_len), per_device.round_up(kv_len)
     segments = _padded_segments(segments, batch, q_len, kv_len, q_padded, kv_padded)
 
     def heads_major(x: jax.Array, padded: int) -> jax.Array:  # -> [batch, heads, padded, hd]
@@ -125,7 +110,7 @@ def _attend_local(
 
     # Splash takes pre-scaled queries (Q K^T * scale = (Q * scale) K^T).
     scaled = (query.astype(jnp.float32) * scale).astype(query.dtype)
-    block_q, block_kv = _block(q_padded), _block(kv_padded)
+    block_q, block_kv = per_device.block_size(q_padded), per_device.block_size(kv_padded)
     sizes = splash.BlockSizes(
         block_q=block_q, block_kv=block_kv, block_kv_compute=block_kv,
         block_q_dkv=block_q, block_kv_dkv=block_kv, block_kv_dkv_compute=block_kv,
