@@ -106,3 +106,22 @@ def assert_cached_decoding_matches_full_pass(config) -> None:
         logits, cache = model.apply(params, tokens[:, index: index + 1], cache=cache)
         steps.append(logits)
     np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, atol=2e-5)
+
+
+def random_inputs(rng: np.random.Generator, q_len: int, kv_len: int, heads: int, kv_heads: int,
+                  dtype: str, batch: int = 2, head_dim: int = 16) -> tuple[jax.Array, ...]:
+    """query [batch, q_len, heads, head_dim], key and value [batch, kv_len, kv_heads, head_dim]."""
+    query = jnp.asarray(rng.normal(size=(batch, q_len, heads, head_dim)), dtype)
+    key, value = (jnp.asarray(rng.normal(size=(batch, kv_len, kv_heads, head_dim)), dtype)
+                  for _ in "kv")
+    return query, key, value
+
+
+def case_segments(kind: str, batch: int, q_len: int, kv_len: int):
+    """(query segments, key segments) of a case: "cross" = every query real against padded
+    keys; else `segments(kind)` shared by queries and keys (None for "none")."""
+    if kind == "cross":
+        return jnp.ones((batch, q_len), jnp.int32), jnp.asarray(segments("padding", batch, kv_len))
+    ids = segments(kind, batch, q_len)
+    ids = None if ids is None else jnp.asarray(ids)
+    return ids, ids

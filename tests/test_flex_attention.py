@@ -17,7 +17,9 @@ import pytest
 from attention_cases import (
     assert_cached_decoding_matches_full_pass,
     assert_model_matches_reference,
+    case_segments,
     dense_mask,
+    random_inputs,
     segments,
 )
 from tiny_model import TINY
@@ -64,19 +66,12 @@ CASES = {
 def test_flex_equals_the_reference_forward_and_backward(case):
     q_len, kv_len, heads, kv_heads, causal, window, segment_kind, bias_kind, dtype = CASES[case]
     rng = np.random.default_rng(1)
-    batch, head_dim = 2, 16
-    query = jnp.asarray(rng.normal(size=(batch, q_len, heads, head_dim)), dtype)
-    key, value = (jnp.asarray(rng.normal(size=(batch, kv_len, kv_heads, head_dim)), dtype)
-                  for _ in "kv")
-    if segment_kind == "cross":
-        query_segments = jnp.ones((batch, q_len), jnp.int32)
-        key_segments = jnp.asarray(segments("padding", batch, kv_len))
-        query_positions, key_positions = (_positions(None, batch, n) for n in (q_len, kv_len))
-    else:
-        ids = segments(segment_kind, batch, q_len)
-        query_segments = key_segments = None if ids is None else jnp.asarray(ids)
-        query_positions = key_positions = _positions(
-            ids if segment_kind == "packed" else None, batch, q_len)
+    batch = 2
+    query, key, value = random_inputs(rng, q_len, kv_len, heads, kv_heads, dtype, batch)
+    query_segments, key_segments = case_segments(segment_kind, batch, q_len, kv_len)
+    packed = None if segment_kind != "packed" else np.asarray(query_segments)
+    query_positions = _positions(packed, batch, q_len)
+    key_positions = _positions(packed, batch, kv_len)
     function, params = _bias(bias_kind, heads, causal, rng)
     mask = dense_mask(AttentionStructure(causal, window, query_segments, key_segments),
                       q_len, kv_len)

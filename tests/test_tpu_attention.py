@@ -16,7 +16,9 @@ import pytest
 from attention_cases import (
     assert_cached_decoding_matches_full_pass,
     assert_model_matches_reference,
+    case_segments,
     dense_mask,
+    random_inputs,
     segments,
 )
 from tiny_model import TINY
@@ -43,16 +45,9 @@ CASES = {
 def test_splash_equals_the_reference_forward_and_backward(case):
     q_len, kv_len, heads, kv_heads, causal, window, segment_kind, dtype = CASES[case]
     rng = np.random.default_rng(1)
-    batch, head_dim = 2, 16
-    query = jnp.asarray(rng.normal(size=(batch, q_len, heads, head_dim)), dtype)
-    key, value = (jnp.asarray(rng.normal(size=(batch, kv_len, kv_heads, head_dim)), dtype)
-                  for _ in "kv")
-    if segment_kind == "cross":
-        query_segments = jnp.ones((batch, q_len), jnp.int32)
-        key_segments = jnp.asarray(segments("padding", batch, kv_len))
-    else:
-        ids = segments(segment_kind, batch, q_len)
-        query_segments = key_segments = None if ids is None else jnp.asarray(ids)
+    batch = 2
+    query, key, value = random_inputs(rng, q_len, kv_len, heads, kv_heads, dtype, batch)
+    query_segments, key_segments = case_segments(segment_kind, batch, q_len, kv_len)
     structure = AttentionStructure(causal, window, query_segments, key_segments)
     mask = dense_mask(structure, q_len, kv_len)
     real = np.ones((batch, q_len), bool) if query_segments is None or segment_kind == "cross" \
