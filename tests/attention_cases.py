@@ -125,3 +125,17 @@ def case_segments(kind: str, batch: int, q_len: int, kv_len: int):
     ids = segments(kind, batch, q_len)
     ids = None if ids is None else jnp.asarray(ids)
     return ids, ids
+
+
+def lowered_lm_grad(config, length: int, platform: str) -> str:
+    """The train gradient of a decoder-only model of `config` over [2, length] tokens, lowered
+    for `platform` (no device or plugin needed), as text."""
+    from tfm.nn import models
+
+    model = models.DecoderLM(config)
+    tokens = jax.ShapeDtypeStruct((2, length), jnp.int32)
+    params = jax.eval_shape(
+        lambda: {"params": model.init(jax.random.key(0), jnp.ones((2, length), int))["params"]})
+    loss = lambda params, tokens: jnp.sum(model.apply(params, tokens))
+    traced = jax.jit(jax.grad(loss)).trace(params, tokens)
+    return traced.lower(lowering_platforms=(platform,)).as_text()

@@ -19,6 +19,7 @@ from attention_cases import (
     assert_model_matches_reference,
     case_segments,
     dense_mask,
+    lowered_lm_grad,
     random_inputs,
     segments,
 )
@@ -194,13 +195,7 @@ def test_a_scheme_with_a_new_bias_is_one_block_function(monkeypatch):
 def _lowered_lm_grad(backend: str, length: int, scheme: str, platform: str) -> str:
     config = _model_config(backend, num_encoder_layers=0, dtype="bfloat16", max_len=length,
                            position_scheme=scheme)
-    model = models.DecoderLM(config)
-    tokens = jax.ShapeDtypeStruct((2, length), jnp.int32)
-    params = jax.eval_shape(
-        lambda: {"params": model.init(jax.random.key(0), jnp.ones((2, length), int))["params"]})
-    loss = lambda params, tokens: jnp.sum(model.apply(params, tokens))
-    traced = jax.jit(jax.grad(loss)).trace(params, tokens)
-    return traced.lower(lowering_platforms=(platform,)).as_text()
+    return lowered_lm_grad(config, length, platform)
 
 
 @pytest.mark.parametrize("scheme,platform,kernel", [

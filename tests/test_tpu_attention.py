@@ -18,6 +18,7 @@ from attention_cases import (
     assert_model_matches_reference,
     case_segments,
     dense_mask,
+    lowered_lm_grad,
     random_inputs,
     segments,
 )
@@ -26,7 +27,6 @@ from tiny_model import TINY
 from tfm import kernels
 from tfm.kernels.call import AttentionStructure
 from tfm.nn import attention as reference
-from tfm.nn import models
 from tfm.nn.config import ModelConfig
 
 CASES = {
@@ -109,13 +109,7 @@ def test_cached_decoding_with_splash_equals_the_full_pass():
 
 def _lowered_lm_grad(backend: str, length: int, platform: str = "tpu") -> str:
     config = _model_config(backend, num_encoder_layers=0, dtype="bfloat16")
-    model = models.DecoderLM(config)
-    tokens = jax.ShapeDtypeStruct((2, length), jnp.int32)
-    params = jax.eval_shape(
-        lambda: {"params": model.init(jax.random.key(0), jnp.ones((2, length), int))["params"]})
-    loss = lambda params, tokens: jnp.sum(model.apply(params, tokens))
-    traced = jax.jit(jax.grad(loss)).trace(params, tokens)
-    return traced.lower(lowering_platforms=(platform,)).as_text()
+    return lowered_lm_grad(config, length, platform)
 
 
 def test_the_tpu_program_is_a_mosaic_kernel_without_score_arrays():
