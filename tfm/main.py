@@ -43,6 +43,9 @@ _TARGET = flags.DEFINE_string(
     "cpu; see tfm.training.compile_report.TARGETS)"
 )
 _JSON = flags.DEFINE_string("json", None, "compile: also write the report to this JSON file")
+_LARGEST_BATCH = flags.DEFINE_bool(
+    "largest_batch", False, "compile: find the largest data.batch_size whose train step fits the "
+    "target's memory (a few compiles) and report that step")
 _PROMPT_IDS = flags.DEFINE_bool(
     "prompt_ids", False, "generate --pretrained: prompts and outputs are space-separated ids"
 )
@@ -79,6 +82,8 @@ def main(argv: list[str]) -> None:
         raise app.UsageError("average needs --output=NEW_WORKDIR")
     if command == "compile" and not _TARGET.value:
         raise app.UsageError("compile needs --target=NAME (e.g. v5e-8)")
+    if _LARGEST_BATCH.value and command != "compile":
+        raise app.UsageError("--largest_batch goes with compile --target=NAME")
 
     # Heavy imports after flag parsing, so usage errors are instant.
     from tfm.checks import ConfigError
@@ -175,7 +180,8 @@ def _compile(config: Any, workdir: Path) -> None:
     fit the chip's memory."""
     from tfm.training import compile_report
 
-    text, failure = compile_report.run(config, workdir, _TARGET.value, _JSON.value)
+    text, failure = compile_report.run(config, workdir, _TARGET.value, _JSON.value,
+                                       largest_batch=_LARGEST_BATCH.value)
     if text:
         _print(text)
     if failure:

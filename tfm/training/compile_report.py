@@ -17,6 +17,7 @@ import dataclasses
 import json
 import math
 import re
+import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -339,11 +340,15 @@ def format_report(report: dict[str, Any]) -> str:
 
 
 def run(
-    config: Any, workdir: Any, target_name: str, json_path: str | None = None
+    config: Any, workdir: Any, target_name: str, json_path: str | None = None,
+    largest_batch: bool = False,
 ) -> tuple[str, str | None]:
     """What `./launch.sh compile` prints: (the report's lines, or "" when the compiler refused
     the step; one line saying why the step does not fit, or None). Writes the report to
-    `json_path` when given."""
+    `json_path` when given. largest_batch: search `data.batch_size` for the largest train step
+    that fits (tfm.training.batch_search) and report that one."""
+    if largest_batch:
+        return _run_search(config, workdir, target_name, json_path)
     try:
         report = compile_for(config, workdir, target_name)
     except Exception as error:  # the compiler's own out-of-memory verdict, in one line
@@ -369,9 +374,17 @@ def run(
     return format_report(report), None
 
 
+def train_report(config: Any, workdir: Any, target_name: str) -> dict[str, Any]:
+    """Sets up `config` with its mesh over `target_name`'s devices and compiles its train
+    step alone; returns the report. Raises ConfigError before compiling for a bad target."""
+    target, devices = target_devices(target_name)
+    return compile_report(setup(config, workdir, devices=devices), target)
+
+
 def compile_for(config: Any, workdir: Any, target_name: str) -> dict[str, Any]:
     """Sets up `config` with its mesh over `target_name`'s devices and compiles its train
-    step; returns the report. Raises ConfigError before compiling for a bad target."""
+    step (and, for configs that generate, its decode loop); returns the report. Raises
+    ConfigError before compiling for a bad target."""
     target, devices = target_devices(target_name)
     experiment = setup(config, workdir, devices=devices)
     report = compile_report(experiment, target)
@@ -384,3 +397,21 @@ def compile_for(config: Any, workdir: Any, target_name: str) -> dict[str, Any]:
             line = next(ln for ln in str(error).splitlines() if "RESOURCE_EXHAUSTED" in ln)
             report["decode"] = {"fits": False, "refused": line.strip()}
     return report
+
+
+def _run_search(config: Any, workdir: Any, target_name: str,
+                json_path: str | None) -> tuple[str, str | None]:
+    """`run` with --largest_batch: the search's line, then the report at the batch found."""
+    from tfm.training import batch_search
+
+    def on_try(rows: int, needed: float | None) -> None:  # progress: compiles take minutes
+        verdict = "refused by the compiler" if needed is None else f"needs {needed / 1e9:.2f} GB"
+        print(f"batch_size={rows}: {verdict}", file=sys.stderr, flush=True)
+
+    result = batch_search.search(config, workdir, target_name, train_report, on_try)
+    line = batch_search.summary(result, target_name)
+    if json_path:
+        Path(json_path).write_text(json.dumps(result, indent=1, default=str) + "\n")
+    if result["largest"] is None:
+        return "", f"--target={target_name} does not fit: {line}"
+    return line + "\n" + format_report(result["report"]), None
