@@ -228,3 +228,33 @@ def test_at_8192_tokens_flex_needs_less_than_one_score_matrix(tmp_path, scheme):
     else:  # does not fit (T5's bias and its gradient): the compiler says how much it wanted
         temporaries = re.search(r"temporaries \(([0-9.]+)G\)", failure)
         assert temporaries and float(temporaries.group(1)) * 2**30 > one_score_matrix, failure
+
+
+@pytest.mark.skipif(not HAS_LIBTPU, reason='needs libtpu: pip install -e ".[tpu]"')
+def test_largest_batch_search_compiles_both_sides_of_the_answer(tmp_path, monkeypatch):
+    """--largest_batch with real compiles for v5e-4, on a chip made small enough that a tiny
+    model fills it at a few dozen rows: the batch reported fits, the multiple above does not,
+    both as compiled (not as the line guessed)."""
+    import dataclasses
+
+    from tfm.training import batch_search
+
+    config = _config(tmp_path / "data")
+    config.data.num_train_examples = 1024
+    needed = {rows: compile_report.train_report(_with_batch(config, rows), tmp_path / "run",
+                                                "v5e-4")["needed_bytes"] for rows in (8, 16)}
+    capacity = needed[8] + 5.5 * (needed[16] - needed[8])
+    small_v5e = dataclasses.replace(CHIPS["TPU v5e"], hbm_bytes=capacity)
+    monkeypatch.setitem(CHIPS, "TPU v5e", small_v5e)
+    result = batch_search.search(config, tmp_path / "run", "v5e-4", compile_report.train_report)
+    largest, above = result["largest"], result["smallest_not"]
+    assert above == largest + 4, result["tried"]
+    assert result["tried"][largest] <= capacity < (result["tried"][above] or float("inf"))
+    assert result["report"]["needed_bytes"] == result["tried"][largest]
+    assert 16 < largest < 200  # the capacity was set between those
+
+
+def _with_batch(config, rows):
+    trial = config.copy_and_resolve_references()
+    trial.data.batch_size = rows
+    return trial
