@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from tfm.checks import ConfigError
+
 MAX_COMPILES = 16
 GROWTH = 4  # the most a guess may multiply the largest batch known to fit
 # Above this share of the chip's memory XLA may already be rematerialising to fit (TPU: the
@@ -101,8 +103,6 @@ def search(config: Any, workdir: Any, target_name: str,
     target, devices = compile_report.target_devices(target_name)
     chip = compile_report.CHIPS.get(target.chip) if target.chip else None
     if chip is None:
-        from tfm.checks import ConfigError
-
         raise ConfigError(f"--largest_batch needs a target with a known memory size; "
                           f"{target_name!r} has none")
     reports: dict[int, dict[str, Any]] = {}
