@@ -33,6 +33,7 @@ ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "swiglu", "geglu")
 GATED_ACTIVATIONS = ("swiglu", "geglu")
 BIAS_GROUPS = ("qkv", "attention_out", "mlp", "lm_head")
 FFN_ACTIVATION_DTYPES = ("auto", "float32", "compute")
+LOSS_BACKENDS = ("auto", "reference", "fused")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -136,6 +137,12 @@ class ModelConfig:
     # reads its [tokens, d_ff] arrays at half the bytes), "auto" = "float32" on CPU (measured
     # faster there: one fusion) and "compute" on TPU and GPU. Same values when dtype=float32.
     ffn_activation_dtype: str = "auto"
+    # How training and evaluation compute the output projection and cross-entropy:
+    # "reference" writes the [tokens, vocab] logits and takes their log-softmax; "fused" runs
+    # tfm.kernels.fused_cross_entropy (one Pallas kernel, no logits in memory; interpret mode
+    # off TPU, for tests); "auto" = "fused" on TPU, "reference" elsewhere. Same values up to
+    # summation order; decoding always computes logits.
+    loss_backend: str = "auto"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "remat", remat_lib.resolve(self.remat))  # frozen: set once
@@ -241,6 +248,7 @@ class ModelConfig:
         check_choice("param_dtype", self.param_dtype, DTYPES)
         check_choice("ffn_activation_dtype", self.ffn_activation_dtype,
                      FFN_ACTIVATION_DTYPES)
+        check_choice("loss_backend", self.loss_backend, LOSS_BACKENDS)
 
     # Derived values: read these, never recompute them elsewhere.
     @property

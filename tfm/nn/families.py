@@ -36,14 +36,17 @@ class Family:
         *,
         deterministic: bool,
         dropout_rng: jax.Array | None = None,
-    ) -> jax.Array:  # [batch, len, vocab] float32
-        """The model's logits for a batch of the data pipeline."""
+        return_hidden: bool = False,
+    ) -> jax.Array:  # [batch, len, vocab] float32 (return_hidden: [batch, len, d_model])
+        """The model's logits for a batch of the data pipeline; return_hidden: the output
+        projection's input instead (tfm.nn.models.output_projection)."""
         rngs = None if dropout_rng is None else {"dropout": dropout_rng}
         return model.apply(
             {"params": params},
             *(batch[key] for key in self.inputs),
             **{keyword: batch[key] for keyword, key in self.keywords},
             deterministic=deterministic,
+            return_hidden=return_hidden,
             rngs=rngs,
         )
 

@@ -461,6 +461,7 @@ class Decoder(nn.Module):
         source_segment_ids: Array | None = None,  # [batch, src_len]
         deterministic: bool = True,
         output_kernel: Array | None = None,  # [d_model, vocab], tied output only
+        return_hidden: bool = False,  # the output projection's input instead of the logits
     ) -> tuple[Array, DecoderCache | None]:
         config = self.config
         if output_kernel is not None and not config.tie_output:
@@ -506,6 +507,10 @@ class Decoder(nn.Module):
         )(x, cache, ctx, deterministic)
         if config.output_scale is not None:
             x = x * jnp.asarray(config.output_scale, x.dtype)
+        if return_hidden:
+            if cache is not None:
+                raise ValueError("return_hidden=True is for full passes (a loss), not cached calls")
+            return x, None
         if config.tie_output:
             logits = self.embedding.attend(x, output_kernel)
         else:
@@ -547,6 +552,7 @@ class DecoderLM(nn.Module):
         cache: DecoderCache | None = None,
         deterministic: bool = True,
         output_kernel: Array | None = None,  # [d_model, vocab]: `output_kernel(params, config)`
+        return_hidden: bool = False,  # [batch, len, d_model] instead: `output_projection`'s input
     ) -> Array | tuple[Array, DecoderCache]:  # logits [batch, len, vocab] float32
         config = self.config
         embedding = TokenEmbedding(config, config.vocab_size, name="embed")
@@ -558,6 +564,7 @@ class DecoderLM(nn.Module):
             cache=cache,
             deterministic=deterministic,
             output_kernel=output_kernel,
+            return_hidden=return_hidden,
         )
         return logits if cache is None else (logits, new_cache)
 
@@ -610,6 +617,7 @@ class EncoderDecoder(nn.Module):
         cache: DecoderCache | None = None,
         deterministic: bool = True,
         output_kernel: Array | None = None,  # [d_model, vocab]: `output_kernel(params, config)`
+        return_hidden: bool = False,  # [batch, len, d_model] instead: `output_projection`'s input
     ) -> Array | tuple[Array, DecoderCache]:  # logits [batch, len, vocab] float32
         logits, new_cache = self.decoder(
             tokens,
@@ -622,6 +630,7 @@ class EncoderDecoder(nn.Module):
             source_segment_ids=source_segment_ids,
             deterministic=deterministic,
             output_kernel=output_kernel,
+            return_hidden=return_hidden,
         )
         return logits if cache is None else (logits, new_cache)
 
@@ -637,6 +646,7 @@ class EncoderDecoder(nn.Module):
         source_valid: Array | None = None,  # [batch, src_len] bool; None = segment ids > 0
         valid: Array | None = None,  # [batch, len] bool; None = segment ids > 0
         deterministic: bool = True,
+        return_hidden: bool = False,  # [batch, len, d_model] instead: `output_projection`'s input
     ) -> Array:  # logits [batch, len, vocab] float32
         source_valid = _resolve_valid(source, source_valid, source_segment_ids)
         encoded = self.encode(
@@ -655,7 +665,19 @@ class EncoderDecoder(nn.Module):
             source_segment_ids=source_segment_ids,
             valid=valid,
             deterministic=deterministic,
+            return_hidden=return_hidden,
         )
+
+
+def output_projection(params: Any, config: ModelConfig) -> tuple[Array, Array | None]:
+    """The output layer as (table [vocab, d_model], bias [vocab] or None): logits = hidden @
+    table.T + bias, where hidden is the model's output with return_hidden=True. The tied
+    embedding's table itself, or the untied projection's kernel transposed; differentiable in
+    `params` (boxed or not)."""
+    if config.tie_output:
+        return nn.meta.unbox(params["embed"]["embedding"]), None
+    projection = nn.meta.unbox(params["decoder"]["output_projection"])
+    return projection["kernel"].T, projection.get("bias")
 
 
 def output_kernel(params: Any, config: ModelConfig) -> Array | None:

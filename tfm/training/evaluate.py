@@ -28,7 +28,7 @@ from tfm.training import losses, metrics
 from tfm.training.experiment import (
     Experiment,
     InShardingContext,
-    compute_logits,
+    loss_sums,
     restore_params,
     setup,
     state_shardings,
@@ -45,9 +45,8 @@ def eval_step(
     params: Any, batch: Mapping[str, jax.Array], *, model: Any, mode: str
 ) -> dict[str, jax.Array]:
     """Loss sums over the real tokens of a batch (unsmoothed: eval reports the true NLL)."""
-    logits = compute_logits(model, params, batch, mode=mode, deterministic=True)
     weights = batch["weights"] * batch["example_weights"][:, None]
-    return losses.cross_entropy(logits, batch["targets"], weights)
+    return loss_sums(model, params, batch, weights, mode=mode, deterministic=True)
 
 
 def jit_eval_step(experiment: Experiment, param_shardings: Any) -> InShardingContext:

@@ -44,8 +44,9 @@ from tfm.kernels import cpu_compile, hardware
 from tfm.nn import positions, remat
 from tfm.nn.config import ModelConfig, from_dict
 from tfm.nn.families import Family, get_family
+from tfm.nn.models import output_projection
 from tfm.parallel import distributed, sharding
-from tfm.training import checkpoint, optim, trackers
+from tfm.training import checkpoint, losses, optim, trackers
 from tfm.training.optim import OptimizerConfig
 
 TOP_LEVEL_SECTIONS = (
@@ -338,6 +339,42 @@ def compute_logits(
     return get_family(mode).logits(
         model, params, batch, deterministic=deterministic, dropout_rng=dropout_rng
     )
+
+
+def uses_fused_loss(config: ModelConfig) -> bool:
+    """Whether `config.loss_backend` ("auto": fused on TPU) picks the fused cross-entropy
+    kernel on the platform being compiled for."""
+    if config.loss_backend == "auto":
+        return kernels.platform() == "tpu"
+    return config.loss_backend == "fused"
+
+
+def loss_sums(
+    model: nn.Module,
+    params: Any,
+    batch: Mapping[str, jax.Array],
+    weights: jax.Array,  # [batch, len]
+    *,
+    mode: str,
+    deterministic: bool,
+    label_smoothing: float = 0.0,
+    dropout_rng: jax.Array | None = None,
+) -> dict[str, jax.Array]:
+    """tfm.training.losses' cross-entropy sums of a batch against batch["targets"]: from the
+    logits, or with the fused loss (ModelConfig.loss_backend) from the model's last hidden
+    states and its output layer, without logits in memory."""
+    config = model.config
+    family = get_family(mode)
+    if not uses_fused_loss(config):
+        logits = family.logits(model, params, batch, deterministic=deterministic,
+                               dropout_rng=dropout_rng)
+        return losses.cross_entropy(logits, batch["targets"], weights,
+                                    label_smoothing=label_smoothing)
+    hidden = family.logits(model, params, batch, deterministic=deterministic,
+                           dropout_rng=dropout_rng, return_hidden=True)
+    table, bias = output_projection(params, config)
+    return losses.fused_cross_entropy_sums(hidden, table, bias, batch["targets"], weights,
+                                           label_smoothing=label_smoothing)
 
 
 @dataclasses.dataclass

@@ -12,6 +12,8 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
+from tfm.kernels import fused_cross_entropy
+
 
 def smoothed_target_entropy(vocab_size: int, label_smoothing: float) -> float:
     """Entropy of the smoothed target q = (1 - eps) * onehot + eps / V: the least loss
@@ -51,22 +53,63 @@ def cross_entropy(
         )
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing={label_smoothing!r} must be in [0, 1)")
-    vocab_size = logits.shape[-1]
     log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    weights = weights.astype(jnp.float32)
     nll = -jnp.take_along_axis(log_probs, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    return _sums(nll, log_probs.mean(axis=-1), jnp.argmax(log_probs, axis=-1) == targets,
+                 weights, logits.shape[-1], label_smoothing)
+
+
+def _sums(
+    nll: jax.Array,  # [batch, length] -log p(target)
+    mean_log_prob: jax.Array,  # [batch, length] mean over the vocabulary of log p
+    correct: jax.Array,  # [batch, length] bool, argmax == target
+    weights: jax.Array,  # [batch, length]
+    vocab_size: int,
+    label_smoothing: float,
+) -> dict[str, jax.Array]:
+    """The weighted sums `cross_entropy` returns, from per-token figures."""
+    weights = weights.astype(jnp.float32)
     # H(q, p) = (1 - eps) * nll + eps * mean_v(-log p_v).
-    loss = (1.0 - label_smoothing) * nll - label_smoothing * log_probs.mean(axis=-1)
-    correct = (jnp.argmax(log_probs, axis=-1) == targets).astype(jnp.float32)
+    loss = (1.0 - label_smoothing) * nll - label_smoothing * mean_log_prob
     weight_sum = weights.sum()
     loss_sum = (weights * loss).sum()
     return {
         "loss_sum": loss_sum,
         "kl_sum": loss_sum - weight_sum * smoothed_target_entropy(vocab_size, label_smoothing),
         "nll_sum": (weights * nll).sum(),
-        "correct_sum": (weights * correct).sum(),
+        "correct_sum": (weights * correct.astype(jnp.float32)).sum(),
         "weight_sum": weight_sum,
     }
+
+
+def fused_cross_entropy_sums(
+    hidden: jax.Array,
+    table: jax.Array,
+    bias: jax.Array | None,
+    targets: jax.Array,
+    weights: jax.Array,
+    *,
+    label_smoothing: float = 0.0,
+) -> dict[str, jax.Array]:
+    """`cross_entropy`'s sums of the logits hidden @ table.T + bias, computed by one Pallas
+    kernel (tfm.kernels.fused_cross_entropy) that never writes the logits.
+
+    hidden: [batch, length, d_model] (compute dtype); table: [vocab, d_model] (cast to hidden's
+    dtype); bias: [vocab] or None; targets, weights: [batch, length]. Same values as
+    `cross_entropy` up to summation order; accuracy counts the first largest logit, as argmax.
+    """
+    if hidden.shape[:-1] != targets.shape or targets.shape != weights.shape:
+        raise ValueError(
+            f"fused_cross_entropy_sums needs hidden [B,T,D], targets [B,T], weights [B,T]; got "
+            f"hidden {hidden.shape}, targets {targets.shape}, weights {weights.shape}"
+        )
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing={label_smoothing!r} must be in [0, 1)")
+    vocab_size = table.shape[0]
+    stats = fused_cross_entropy.softmax_statistics(hidden, table, bias, targets)
+    # mean_v(log p_v) = mean_v(logits) - lse.
+    return _sums(stats.lse - stats.target_logit, stats.logit_sum / vocab_size - stats.lse,
+                 stats.argmax == targets, weights, vocab_size, label_smoothing)
 
 
 def weighted_metrics(sums: Mapping[str, jax.Array]) -> dict[str, jax.Array]:

@@ -37,8 +37,8 @@ from tfm.training.experiment import (
     TrainConfig,
     TrainingError,
     TrainState,
-    compute_logits,
     init_state,
+    loss_sums,
     make_checkpointer,
     parse_config,
     restore_newest_readable,
@@ -134,12 +134,8 @@ def _grads_and_sums(
     """(gradient of loss_sum / total_weight, the loss sums) of `batch`."""
 
     def loss_fn(params):
-        logits = compute_logits(
-            model, params, batch, mode=mode, deterministic=False, dropout_rng=dropout_rng
-        )
-        sums = losses.cross_entropy(
-            logits, batch["targets"], batch["weights"], label_smoothing=label_smoothing
-        )
+        sums = loss_sums(model, params, batch, batch["weights"], mode=mode, deterministic=False,
+                         label_smoothing=label_smoothing, dropout_rng=dropout_rng)
         return sums["loss_sum"] / total_weight, sums
 
     (_, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
