@@ -94,7 +94,8 @@ def test_remat_policy_override_reaches_the_report(tmp_path):
         env={**os.environ, "PYTHON": sys.executable},
     )
     assert result.returncode == 0, result.stderr
-    assert "), attention_backend='cpu', remat='dots_saveable', " in result.stdout
+    assert ("), attention_backend='cpu', loss_backend='reference', remat='dots_saveable', "
+            in result.stdout)
 
 
 def test_unknown_target_is_one_line(tmp_path):

@@ -22,7 +22,7 @@ from tfm.nn.families import get_family
 from tfm.training import losses
 from tfm.training.experiment import loss_sums
 
-SMALL_BLOCKS = dict(blocks=fce.Blocks(128, 128, 128, fce.BLOCKS.vmem_limit))
+SMALL_BLOCKS = dict(blocks=fce.Blocks(128, 128, 128, 256, fce.BLOCKS.vmem_limit))
 
 
 def _inputs(rng, tokens=(3, 45), d_model=24, vocab=300, dtype=jnp.float32):
@@ -219,7 +219,8 @@ def test_block_sizes_and_shapes_are_checked():
     rng = np.random.default_rng(5)
     hidden, table, bias, targets = _inputs(rng, tokens=(2, 4))
     with pytest.raises(ValueError, match="blocks.vocab=100 must be a positive multiple of 128"):
-        fce.softmax_statistics(hidden, table, bias, targets, blocks=fce.Blocks(128, 100, 128, 0))
+        fce.softmax_statistics(hidden, table, bias, targets,
+                               blocks=fce.Blocks(128, 100, 128, 128, 0))
     with pytest.raises(ValueError, match="targets"):
         fce.softmax_statistics(hidden, table, bias, targets[:, :3])
     with pytest.raises(ConfigError, match="loss_backend='pallas' is unknown"):
@@ -265,3 +266,26 @@ def test_the_tpu_program_holds_no_tokens_by_vocabulary_array():
     assert "tfm_cross_entropy" in fused
     assert not logits_shaped.search(fused)
     assert logits_shaped.search(_lowered_step("tpu", "reference", devices))
+
+
+@pytest.mark.parametrize("platform,resolved", [("tpu", "fused"), ("gpu", "reference"),
+                                               ("cpu", "reference")])
+def test_auto_resolves_per_platform_and_a_named_backend_stays(platform, resolved):
+    assert ModelConfig(**TINY).for_platform(platform).loss_backend == resolved
+    for named in ("fused", "reference"):
+        config = ModelConfig(**{**TINY, "loss_backend": named})
+        assert config.for_platform(platform).loss_backend == named
+
+
+@pytest.mark.parametrize("tokens", [1, 127, 128, 1000, 4096, 5000, 8192, 12_345, 40_000])
+def test_fitted_blocks_cover_the_tokens_with_little_padding(tokens):
+    """Every block size a multiple of 128 lanes and dividing the padded length; padding under
+    128 tokens per token block; no block larger than the input needs."""
+    blocks, padded = fce.fit_blocks(fce.BLOCKS_BY_CHIP["TPU v5 lite"], tokens, 50_304)
+    limit = fce.BLOCKS_BY_CHIP["TPU v5 lite"]
+    for size in (blocks.tokens, blocks.grad_tokens, blocks.vocab, blocks.grad_vocab):
+        assert size % 128 == 0 and size > 0
+    assert padded % blocks.tokens == 0 and padded % blocks.grad_tokens == 0
+    assert blocks.tokens <= limit.tokens and blocks.grad_tokens <= limit.grad_tokens
+    assert tokens <= padded < tokens + 128 * (padded // blocks.tokens)
+    assert blocks.tokens <= -(-tokens // 128) * 128

@@ -37,28 +37,36 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec
 
 from tfm.kernels import per_device
+from tfm.kernels.per_device import LANES
 
 
 @dataclasses.dataclass(frozen=True)
 class Blocks:
-    """Tile sizes: tokens per block of the statistics and d hidden passes, vocabulary rows per
-    block, tokens per block of the d table pass (multiples of 128), and the on-chip memory
-    (VMEM) the calls may take. Larger token blocks read the table fewer times."""
+    """Tile sizes (multiples of 128): tokens and vocabulary rows per block of the statistics
+    and d hidden passes, which read the whole table once per token block (tall blocks); the
+    same for the d table pass, which reads all tokens once per vocabulary block (wide blocks);
+    and the on-chip memory (VMEM) the calls may take."""
 
     tokens: int
     vocab: int
     grad_tokens: int
+    grad_vocab: int
     vmem_limit: int
 
 
-BLOCKS = Blocks(2048, 1024, 512, 64 * 2**20)  # v5e, v5p, v6e: 95-128 MiB of VMEM
-SMALL_VMEM_BLOCKS = Blocks(512, 512, 256, 14 * 2**20)  # 16 MiB of VMEM per core
-SMALL_VMEM_CHIPS = ("TPU v2", "TPU v3", "TPU v4")  # device_kind prefixes
+# By chip (jax Device.device_kind), the largest tiles its VMEM takes (compiled for each): 128
+# MiB on v5e and v6e, 64 MiB usable on v5p, 16 MiB per core on v2-v4.
+BLOCKS = Blocks(2048, 1024, 1024, 2048, 60 * 2**20)  # v5p, and chips not listed
+BLOCKS_BY_CHIP = {
+    "TPU v5 lite": Blocks(4096, 512, 1024, 4096, 64 * 2**20),
+    "TPU v6 lite": Blocks(4096, 512, 1024, 4096, 64 * 2**20),
+    **{f"TPU v{n}": Blocks(512, 512, 256, 512, 14 * 2**20) for n in (2, 3, 4)},
+}
 
 
 def blocks_for(device_kind: str) -> Blocks:
-    """The tile sizes for a chip (jax Device.device_kind)."""
-    return SMALL_VMEM_BLOCKS if device_kind.startswith(SMALL_VMEM_CHIPS) else BLOCKS
+    """The tile sizes for a chip (jax Device.device_kind, e.g. "TPU v5 lite")."""
+    return BLOCKS_BY_CHIP.get(device_kind, BLOCKS)
 
 
 class SoftmaxStatistics(NamedTuple):
@@ -73,11 +81,8 @@ class SoftmaxStatistics(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class _Spec:
-    vocab_size: int  # real vocabulary; the table is padded to whole vocab blocks
-    block_tokens: int
-    block_vocab: int
-    grad_block_tokens: int
-    vmem_limit: int
+    vocab_size: int  # the table's rows; its last block may be partly past them
+    blocks: Blocks  # fitted to the call's sizes
     precision: jax.lax.Precision
     compiler: str  # one of per_device.COMPILERS
 
@@ -106,11 +111,11 @@ def softmax_statistics(
     if blocks is None:
         blocks = blocks_for(jax.devices()[0].device_kind if mesh.empty
                             else mesh.abstract_device.device_kind)
-    for name in ("tokens", "vocab", "grad_tokens"):
+    for name in ("tokens", "vocab", "grad_tokens", "grad_vocab"):
         size = getattr(blocks, name)
-        if size <= 0 or size % per_device.LANES:
+        if size <= 0 or size % LANES:
             raise ValueError(f"blocks.{name}={size} must be a positive multiple of "
-                             f"{per_device.LANES}")
+                             f"{LANES}")
     local = functools.partial(_local, blocks=blocks)
     if mesh.empty:
         return local(hidden, table, bias, targets, compiler=None)
@@ -137,45 +142,68 @@ def _local(hidden, table, bias, targets, *, blocks: Blocks,
     leading = targets.shape
     tokens = math.prod(leading)
     vocab_size, d_model = table.shape
-    block_tokens, block_vocab, grad_block_tokens = blocks.tokens, blocks.vocab, blocks.grad_tokens
-    # Small inputs take one block (rounded to the 128-lane tile), not a mostly-padded one.
-    block_vocab = min(block_vocab, _round_up(vocab_size, per_device.LANES))
-    block_tokens = min(block_tokens, _round_up(tokens, per_device.LANES))
-    grad_block_tokens = min(grad_block_tokens, block_tokens)
-    token_multiple = math.lcm(block_tokens, grad_block_tokens)
-    padded_tokens = _round_up(tokens, token_multiple)
-    padded_vocab = _round_up(vocab_size, block_vocab)
+    blocks, padded_tokens = fit_blocks(blocks, tokens, vocab_size)
+    # Tokens are padded to whole blocks (a cheap [tokens, d_model] copy, usually none); the
+    # table is not (that would copy it at every step): the last vocabulary block reads past its
+    # end, and the kernels mask those rows.
     hidden = jnp.pad(hidden.reshape(tokens, d_model), ((0, padded_tokens - tokens), (0, 0)))
     targets = jnp.pad(targets.reshape(tokens).astype(jnp.int32), (0, padded_tokens - tokens))
-    table = jnp.pad(table, ((0, padded_vocab - vocab_size), (0, 0)))
-    bias = jnp.pad(bias, (0, padded_vocab - vocab_size))
     precision = (jax.lax.Precision.HIGHEST if jnp.dtype(hidden.dtype) == jnp.float32
                  else jax.lax.Precision.DEFAULT)
 
     def run(hidden, table, bias, targets, *, compiler: str) -> SoftmaxStatistics:
-        spec = _Spec(vocab_size=vocab_size, block_tokens=block_tokens, block_vocab=block_vocab,
-                     grad_block_tokens=grad_block_tokens, vmem_limit=blocks.vmem_limit,
-                     precision=precision, compiler=compiler)
+        spec = _Spec(vocab_size=vocab_size, blocks=blocks, precision=precision,
+                     compiler=compiler)
         return _statistics(spec, hidden, table, bias, targets)
 
     stats = per_device.by_platform(run, compiler, hidden, table, bias, targets)
     return SoftmaxStatistics(*(value[:tokens].reshape(leading) for value in stats))
 
 
+def fit_blocks(blocks: Blocks, tokens: int, vocab_size: int) -> tuple[Blocks, int]:
+    """`blocks` fitted to a call: (blocks, tokens padded to whole blocks). Blocks are evened out
+    so that padding stays under 128 per block (5,000 tokens in blocks of at most 4,096: two of
+    2,560; 50,304 words in blocks of at most 4,096: 13 of 3,968) and no block is larger than
+    the input (rounded to 128 lanes); the d table pass's token block is the largest up to its
+    size that divides the padded tokens."""
+    block_tokens = _even(blocks.tokens, tokens)
+    padded = -(-tokens // block_tokens) * block_tokens
+    grad_tokens = next(size for size in range(min(blocks.grad_tokens, padded), 0, -LANES)
+                       if padded % size == 0)
+    fitted = dataclasses.replace(blocks, tokens=block_tokens, grad_tokens=grad_tokens,
+                                 vocab=_even(blocks.vocab, vocab_size),
+                                 grad_vocab=_even(blocks.grad_vocab, vocab_size))
+    return fitted, padded
+
+
+def _even(block: int, length: int) -> int:
+    """The block (a multiple of LANES, at most `block`) that covers `length` in as many blocks
+    as `block` would, with the least overhang."""
+    count = -(-length // block)
+    return _round_up(-(-length // count), LANES)
+
+
 # ---------------------------------------------------------------- the blocks' maths
+
+
+def _real_rows(spec: _Spec, table, first_vocab):
+    """The table block [block_v, d] with rows past the vocabulary (the last block's overhang,
+    whose contents are unspecified) zeroed, so that no NaN they may hold reaches a product."""
+    row = first_vocab + jax.lax.broadcasted_iota(jnp.int32, (table.shape[0], 1), 0)
+    return jnp.where(row < spec.vocab_size, table, jnp.zeros((), table.dtype))
 
 
 def _logits(spec: _Spec, hidden, table, bias, first_vocab, transposed: bool):
     """A logits block, float32, and which of its entries are real vocabulary: [block_t,
-    block_v] from hidden [block_t, d] and table [block_v, d] (bias [1, block_v]); transposed:
-    [block_v, block_t] (bias [block_v, 1])."""
+    block_v] from hidden [block_t, d] and table [block_v, d] (real rows) and bias [1, block_v];
+    transposed: [block_v, block_t] (bias [block_v, 1])."""
     first, second = (table, hidden) if transposed else (hidden, table)
     logits = jax.lax.dot_general(first, second, (((1,), (1,)), ((), ())),
                                  preferred_element_type=jnp.float32, precision=spec.precision)
-    logits = logits + bias
     vocab_axis = 0 if transposed else 1
     column = first_vocab + jax.lax.broadcasted_iota(jnp.int32, logits.shape, vocab_axis)
-    return logits, column, column < spec.vocab_size
+    real = column < spec.vocab_size
+    return jnp.where(real, logits + bias, 0.0), column, real
 
 
 def _logit_grads(spec: _Spec, hidden, table, bias, targets, lse, grads, first_vocab,
@@ -185,7 +213,7 @@ def _logit_grads(spec: _Spec, hidden, table, bias, targets, lse, grads, first_vo
     transposed)."""
     lse_grad, target_grad, sum_grad = grads
     logits, column, real = _logits(spec, hidden, table, bias, first_vocab, transposed)
-    probs = jnp.exp(logits - lse)
+    probs = jnp.exp(logits - lse)  # finite: masked entries are 0 here
     grad = lse_grad * probs + jnp.where(column == targets, target_grad, 0.0) + sum_grad
     return jnp.where(real, grad, 0.0)
 
@@ -202,8 +230,10 @@ def _statistics_kernel(spec: _Spec, hidden_ref, table_ref, bias_ref, targets_ref
         sum_ref[...] = jnp.zeros(sum_ref.shape, jnp.float32)
         argmax_ref[...] = jnp.zeros(argmax_ref.shape, jnp.int32)
 
-    logits, column, real = _logits(spec, hidden_ref[...], table_ref[...], bias_ref[...],
-                                   vocab_block * spec.block_vocab, transposed=False)
+    first_vocab = vocab_block * spec.blocks.vocab
+    table = _real_rows(spec, table_ref[...], first_vocab)
+    logits, column, real = _logits(spec, hidden_ref[...], table, bias_ref[...], first_vocab,
+                                   transposed=False)
     logits = jnp.where(real, logits, -jnp.inf)
     block_max = jnp.max(logits, axis=1, keepdims=True)
     old_max = max_ref[...]
@@ -222,53 +252,67 @@ def _statistics_kernel(spec: _Spec, hidden_ref, table_ref, bias_ref, targets_ref
 
 
 def _hidden_grad_kernel(spec: _Spec, hidden_ref, table_ref, bias_ref, targets_ref, lse_ref,
-                        lse_grad_ref, target_grad_ref, sum_grad_ref, hidden_grad_ref) -> None:
+                        lse_grad_ref, target_grad_ref, sum_grad_ref, hidden_grad_ref,
+                        hidden_grad_sum) -> None:
+    """d hidden in hidden's dtype, summed over the vocabulary blocks in float32 (scratch)."""
     vocab_block = pl.program_id(1)
 
     @pl.when(vocab_block == 0)
     def _():
-        hidden_grad_ref[...] = jnp.zeros(hidden_grad_ref.shape, jnp.float32)
+        hidden_grad_sum[...] = jnp.zeros(hidden_grad_sum.shape, jnp.float32)
 
-    table = table_ref[...]
+    first_vocab = vocab_block * spec.blocks.vocab
+    table = _real_rows(spec, table_ref[...], first_vocab)
     grads = (lse_grad_ref[...], target_grad_ref[...], sum_grad_ref[...])
     logit_grads = _logit_grads(spec, hidden_ref[...], table, bias_ref[...], targets_ref[...],
-                               lse_ref[...], grads, vocab_block * spec.block_vocab)
-    hidden_grad_ref[...] += jnp.dot(logit_grads.astype(table.dtype), table,
+                               lse_ref[...], grads, first_vocab)
+    hidden_grad_sum[...] += jnp.dot(logit_grads.astype(table.dtype), table,
                                     preferred_element_type=jnp.float32,
                                     precision=spec.precision)
+
+    @pl.when(vocab_block == pl.num_programs(1) - 1)
+    def _():
+        hidden_grad_ref[...] = hidden_grad_sum[...].astype(hidden_grad_ref.dtype)
 
 
 def _table_grad_kernel(spec: _Spec, hidden_ref, table_ref, bias_ref, targets_ref, lse_ref,
                        lse_grad_ref, target_grad_ref, sum_grad_ref, table_grad_ref,
-                       bias_grad_ref) -> None:
+                       bias_grad_ref, table_grad_sum) -> None:
+    """d table in the table's dtype, summed over the token blocks in float32 (scratch)."""
     vocab_block, token_block = pl.program_id(0), pl.program_id(1)
 
     @pl.when(token_block == 0)
     def _():
-        table_grad_ref[...] = jnp.zeros(table_grad_ref.shape, jnp.float32)
+        table_grad_sum[...] = jnp.zeros(table_grad_sum.shape, jnp.float32)
         bias_grad_ref[...] = jnp.zeros(bias_grad_ref.shape, jnp.float32)
 
     hidden = hidden_ref[...]
+    first_vocab = vocab_block * spec.blocks.grad_vocab
     grads = (lse_grad_ref[...], target_grad_ref[...], sum_grad_ref[...])
-    logit_grads = _logit_grads(spec, hidden, table_ref[...], bias_ref[...], targets_ref[...],
-                               lse_ref[...], grads, vocab_block * spec.block_vocab,
-                               transposed=True)  # [block_v, block_t]
-    table_grad_ref[...] += jnp.dot(logit_grads.astype(hidden.dtype), hidden,
+    logit_grads = _logit_grads(spec, hidden, _real_rows(spec, table_ref[...], first_vocab),
+                               bias_ref[...], targets_ref[...], lse_ref[...], grads,
+                               first_vocab, transposed=True)  # [block_v, block_t]
+    table_grad_sum[...] += jnp.dot(logit_grads.astype(hidden.dtype), hidden,
                                    preferred_element_type=jnp.float32,
                                    precision=spec.precision)
     bias_grad_ref[...] += jnp.sum(logit_grads, axis=1, keepdims=True)
+
+    @pl.when(token_block == pl.num_programs(1) - 1)
+    def _():
+        table_grad_ref[...] = table_grad_sum[...].astype(table_grad_ref.dtype)
 
 
 # ---------------------------------------------------------------- the calls
 
 
-def _pallas(spec: _Spec, kernel, grid, in_specs, out_specs, out_shape, cost, name, *args):
+def _pallas(spec: _Spec, kernel, grid, in_specs, out_specs, out_shape, cost, name, *args,
+            scratch_shapes=()):
     params = pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
-                                  vmem_limit_bytes=spec.vmem_limit)
+                                  vmem_limit_bytes=spec.blocks.vmem_limit)
     return pl.pallas_call(
         functools.partial(kernel, spec), grid=grid, in_specs=in_specs, out_specs=out_specs,
         out_shape=out_shape, interpret=spec.compiler == "interpret", cost_estimate=cost,
-        name=name, compiler_params=params,
+        name=name, compiler_params=params, scratch_shapes=scratch_shapes,
     )(*args)
 
 
@@ -286,12 +330,11 @@ def _row(block: int, axis: int) -> pl.BlockSpec:  # [1, tokens] / [1, vocab] row
 
 def _forward(spec: _Spec, hidden, table, bias, targets):
     tokens, d_model = hidden.shape
-    padded_vocab = table.shape[0]
-    bt, bv = spec.block_tokens, spec.block_vocab
-    grid = (tokens // bt, padded_vocab // bv)
+    bt, bv = spec.blocks.tokens, spec.blocks.vocab
+    grid = (tokens // bt, pl.cdiv(spec.vocab_size, bv))
+    computed = tokens * grid[1] * bv  # logits computed, the last block's overhang included
     column = jax.ShapeDtypeStruct((tokens, 1), jnp.float32)
-    cost = pl.CostEstimate(flops=2 * tokens * padded_vocab * d_model,
-                           transcendentals=tokens * padded_vocab,
+    cost = pl.CostEstimate(flops=2 * computed * d_model, transcendentals=computed,
                            bytes_accessed=_nbytes(hidden, bias) + grid[0] * _nbytes(table))
     row_max, sumexp, target_logit, logit_sum, argmax = _pallas(
         spec, _statistics_kernel, grid,
@@ -308,41 +351,45 @@ def _forward(spec: _Spec, hidden, table, bias, targets):
 
 def _backward(spec: _Spec, hidden, table, bias, targets, lse, grads):
     tokens, d_model = hidden.shape
-    padded_vocab = table.shape[0]
-    bt, bv, gbt = spec.block_tokens, spec.block_vocab, spec.grad_block_tokens
-    flops = 4 * tokens * padded_vocab * d_model
+    bt, bv = spec.blocks.tokens, spec.blocks.vocab
+    gbt, gbv = spec.blocks.grad_tokens, spec.blocks.grad_vocab
+    vocab_blocks, grad_vocab_blocks = pl.cdiv(spec.vocab_size, bv), pl.cdiv(spec.vocab_size, gbv)
+    computed = tokens * vocab_blocks * bv
     per_token = [targets, lse, *grads]
     columns = [value[:, None] for value in per_token]
     hidden_grad = _pallas(
-        spec, _hidden_grad_kernel, (tokens // bt, padded_vocab // bv),
+        spec, _hidden_grad_kernel, (tokens // bt, vocab_blocks),
         [pl.BlockSpec((bt, d_model), lambda i, j: (i, 0)),
          pl.BlockSpec((bv, d_model), lambda i, j: (j, 0)), _row(bv, 1),
          *[_column(bt, 0)] * 5],
         pl.BlockSpec((bt, d_model), lambda i, j: (i, 0)),
-        jax.ShapeDtypeStruct((tokens, d_model), jnp.float32),
-        pl.CostEstimate(flops=flops, transcendentals=tokens * padded_vocab,
-                        bytes_accessed=_nbytes(hidden, *columns) * 2
+        jax.ShapeDtypeStruct(hidden.shape, hidden.dtype),
+        pl.CostEstimate(flops=4 * computed * d_model, transcendentals=computed,
+                        bytes_accessed=2 * _nbytes(hidden) + _nbytes(*columns)
                         + tokens // bt * _nbytes(table)),
         "tfm_cross_entropy_hidden_grad",
         hidden, table, bias[None, :], *columns,
+        scratch_shapes=[pltpu.VMEM((bt, d_model), jnp.float32)],
     )
     rows = [value[None, :] for value in per_token]
+    computed = tokens * grad_vocab_blocks * gbv
     table_grad, bias_grad = _pallas(
-        spec, _table_grad_kernel, (padded_vocab // bv, tokens // gbt),
+        spec, _table_grad_kernel, (grad_vocab_blocks, tokens // gbt),
         [pl.BlockSpec((gbt, d_model), lambda j, i: (i, 0)),
-         pl.BlockSpec((bv, d_model), lambda j, i: (j, 0)),
-         pl.BlockSpec((bv, 1), lambda j, i: (j, 0)), *[_row(gbt, 1)] * 5],
-        [pl.BlockSpec((bv, d_model), lambda j, i: (j, 0)), pl.BlockSpec((bv, 1),
-                                                                    lambda j, i: (j, 0))],
-        [jax.ShapeDtypeStruct((padded_vocab, d_model), jnp.float32),
-         jax.ShapeDtypeStruct((padded_vocab, 1), jnp.float32)],
-        pl.CostEstimate(flops=flops, transcendentals=tokens * padded_vocab,
-                        bytes_accessed=padded_vocab // bv * _nbytes(hidden, *rows)
-                        + 3 * _nbytes(table)),
+         pl.BlockSpec((gbv, d_model), lambda j, i: (j, 0)),
+         pl.BlockSpec((gbv, 1), lambda j, i: (j, 0)), *[_row(gbt, 1)] * 5],
+        [pl.BlockSpec((gbv, d_model), lambda j, i: (j, 0)),
+         pl.BlockSpec((gbv, 1), lambda j, i: (j, 0))],
+        [jax.ShapeDtypeStruct(table.shape, table.dtype),
+         jax.ShapeDtypeStruct((spec.vocab_size, 1), jnp.float32)],
+        pl.CostEstimate(flops=4 * computed * d_model, transcendentals=computed,
+                        bytes_accessed=grad_vocab_blocks * _nbytes(hidden, *rows)
+                        + 2 * _nbytes(table) + 2 * _nbytes(bias)),
         "tfm_cross_entropy_table_grad",
         hidden, table, bias[:, None], *rows,
+        scratch_shapes=[pltpu.VMEM((gbv, d_model), jnp.float32)],
     )
-    return hidden_grad.astype(hidden.dtype), table_grad.astype(table.dtype), bias_grad[:, 0]
+    return hidden_grad, table_grad, bias_grad[:, 0]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -34,6 +34,12 @@ GATED_ACTIVATIONS = ("swiglu", "geglu")
 BIAS_GROUPS = ("qkv", "attention_out", "mlp", "lm_head")
 FFN_ACTIVATION_DTYPES = ("auto", "float32", "compute")
 LOSS_BACKENDS = ("auto", "reference", "fused")
+
+
+def loss_backend_for(platform: str) -> str:
+    """What loss_backend="auto" means on `platform`: the fused kernel on TPU (Mosaic), the
+    reference elsewhere (no GPU build of the kernel yet; on CPU it would run interpreted)."""
+    return "fused" if platform == "tpu" else "reference"
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -306,12 +312,16 @@ class ModelConfig:
         return jnp.dtype(self.param_dtype)
 
     def for_platform(self, platform: str) -> ModelConfig:
-        """This config with attention_backend="auto" resolved for `platform` ("cpu", "gpu" or
-        "tpu"), e.g. to compile for an accelerator on a CPU host; a named backend stays."""
-        if self.attention_backend != "auto":
-            return self
-        backend, _ = kernels.auto_choice(platform, **self.attention_needs)
-        return self.replace(attention_backend=backend.name)
+        """This config with attention_backend and loss_backend "auto" resolved for `platform`
+        ("cpu", "gpu" or "tpu"), e.g. to compile for an accelerator on a CPU host; named
+        backends stay."""
+        config = self
+        if config.loss_backend == "auto":
+            config = config.replace(loss_backend=loss_backend_for(platform))
+        if config.attention_backend != "auto":
+            return config
+        backend, _ = kernels.auto_choice(platform, **config.attention_needs)
+        return config.replace(attention_backend=backend.name)
 
     @property
     def attention_needs(self) -> dict[str, Any]:

@@ -175,7 +175,8 @@ def compile_report(experiment: Experiment, target: Target) -> dict[str, Any]:
                                                  source_len) * tokens - causal_half
     report: dict[str, Any] = {
         "target": target.name, "chips": chips, "platform": experiment.platform,
-        "attention_backend": model_config.attention_backend, "remat": model_config.remat,
+        "attention_backend": model_config.attention_backend,
+        "loss_backend": model_config.loss_backend, "remat": model_config.remat,
         "tokens_per_step": tokens, "tokens_per_chip": tokens // chips,
         **profiling.step_memory(compiled, abstract),
         "analytic_flops_per_chip": analytic / chips,
@@ -285,6 +286,7 @@ def format_report(report: dict[str, Any]) -> str:
     lines = [
         f"target {report['target']}: {report['chips']} x {report.get('chip', 'CPU')} "
         f"({report['platform']}), attention_backend={report['attention_backend']!r}, "
+        f"loss_backend={report.get('loss_backend', 'reference')!r}, "
         f"remat={report['remat']!r}, "
         f"{report['tokens_per_chip']:,} tokens per chip per step",
         f"memory per chip: parameters {_gb(report['params_bytes'])}, optimizer state "

@@ -42,7 +42,7 @@ from tfm.data.build import Data, DataConfig, build_data
 from tfm.decode.search import DecodeConfig
 from tfm.kernels import cpu_compile, hardware
 from tfm.nn import positions, remat
-from tfm.nn.config import ModelConfig, from_dict
+from tfm.nn.config import ModelConfig, from_dict, loss_backend_for
 from tfm.nn.families import Family, get_family
 from tfm.nn.models import output_projection
 from tfm.parallel import distributed, sharding
@@ -344,9 +344,8 @@ def compute_logits(
 def uses_fused_loss(config: ModelConfig) -> bool:
     """Whether `config.loss_backend` ("auto": fused on TPU) picks the fused cross-entropy
     kernel on the platform being compiled for."""
-    if config.loss_backend == "auto":
-        return kernels.platform() == "tpu"
-    return config.loss_backend == "fused"
+    backend = config.loss_backend
+    return (loss_backend_for(kernels.platform()) if backend == "auto" else backend) == "fused"
 
 
 def loss_sums(
