@@ -231,7 +231,7 @@ def _lowered_step(platform: str, backend: str, mesh_devices) -> str:
     """The optimised program of a tiny LM's loss gradient for `platform`'s devices."""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    config = ModelConfig(**{**TINY, "num_encoder_layers": 0, "vocab_size": 1000,
+    config = ModelConfig(**{**TINY, "num_encoder_layers": 0, "vocab_size": 2048,
                             "loss_backend": backend, "dtype": "bfloat16"})
     family = get_family("lm")
     model = family.model(config)
@@ -254,26 +254,29 @@ def _lowered_step(platform: str, backend: str, mesh_devices) -> str:
 
 
 def test_the_tpu_program_holds_no_tokens_by_vocabulary_array():
-    """Compiled for a TPU v5e (libtpu): with the fused loss no array of 1,024 tokens x 1,000
-    words (the logits, their softmax or gradient) is in the program, and its kernels are
-    Pallas calls; the reference's program has them."""
+    """Compiled for a TPU v5e (libtpu): with the fused loss ("auto" at 2,048 words) no array of
+    1,024 tokens x 2,048 words (the logits, their softmax or gradient) is in the program, and
+    its kernels are Pallas calls; the reference's program has them."""
     pytest.importorskip("libtpu")
     from tfm.training.compile_report import target_devices
 
     _, devices = target_devices("v5e-4")
-    logits_shaped = re.compile(r"\[(4,256|1024),1000\]")
+    logits_shaped = re.compile(r"\[(4,256|1024),2048\]")
     fused = _lowered_step("tpu", "auto", devices)
     assert "tfm_cross_entropy" in fused
     assert not logits_shaped.search(fused)
     assert logits_shaped.search(_lowered_step("tpu", "reference", devices))
 
 
-@pytest.mark.parametrize("platform,resolved", [("tpu", "fused"), ("gpu", "reference"),
-                                               ("cpu", "reference")])
-def test_auto_resolves_per_platform_and_a_named_backend_stays(platform, resolved):
-    assert ModelConfig(**TINY).for_platform(platform).loss_backend == resolved
+@pytest.mark.parametrize("platform,vocab_size,resolved", [
+    ("tpu", 2048, "fused"), ("tpu", 50_304, "fused"), ("tpu", 2047, "reference"),
+    ("gpu", 50_304, "reference"), ("cpu", 50_304, "reference")])
+def test_auto_resolves_per_platform_and_vocabulary_and_a_named_backend_stays(
+        platform, vocab_size, resolved):
+    config = ModelConfig(**{**TINY, "vocab_size": vocab_size})
+    assert config.for_platform(platform).loss_backend == resolved
     for named in ("fused", "reference"):
-        config = ModelConfig(**{**TINY, "loss_backend": named})
+        config = ModelConfig(**{**TINY, "vocab_size": vocab_size, "loss_backend": named})
         assert config.for_platform(platform).loss_backend == named
 
 
@@ -289,3 +292,19 @@ def test_fitted_blocks_cover_the_tokens_with_little_padding(tokens):
     assert blocks.tokens <= limit.tokens and blocks.grad_tokens <= limit.grad_tokens
     assert tokens <= padded < tokens + 128 * (padded // blocks.tokens)
     assert blocks.tokens <= -(-tokens // 128) * 128
+
+
+def test_auto_keeps_the_reference_where_the_mesh_splits_the_vocabulary():
+    """The fused kernel takes the whole table on every device: with a tensor axis over the
+    vocabulary "auto" keeps XLA's split logits; a named backend stays as asked."""
+    from tfm.parallel import sharding
+    from tfm.training import experiment
+
+    rules = sharding.resolve_rules()
+    resolved = ModelConfig(**{**TINY, "vocab_size": 4096}).for_platform("tpu")
+    assert resolved.loss_backend == "fused"
+    split = sharding.make_mesh({"data": 2, "fsdp": 1, "tensor": 2}, jax.devices()[:4])
+    whole = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 1}, jax.devices()[:4])
+    assert experiment._loss_for_mesh(resolved, "auto", split, rules).loss_backend == "reference"
+    assert experiment._loss_for_mesh(resolved, "auto", whole, rules).loss_backend == "fused"
+    assert experiment._loss_for_mesh(resolved, "fused", split, rules).loss_backend == "fused"

@@ -36,10 +36,17 @@ FFN_ACTIVATION_DTYPES = ("auto", "float32", "compute")
 LOSS_BACKENDS = ("auto", "reference", "fused")
 
 
-def loss_backend_for(platform: str) -> str:
-    """What loss_backend="auto" means on `platform`: the fused kernel on TPU (Mosaic), the
-    reference elsewhere (no GPU build of the kernel yet; on CPU it would run interpreted)."""
-    return "fused" if platform == "tpu" else "reference"
+# The smallest vocabulary "auto" fuses on TPU: below it the logits are a small array XLA fuses
+# well, and the kernel's per-token figures cost more than they save (benchmarks/README.md).
+FUSED_LOSS_MIN_VOCAB = 2048
+
+
+def loss_backend_for(platform: str, vocab_size: int) -> str:
+    """What loss_backend="auto" means on `platform`: the fused kernel on TPU (Mosaic) for a
+    vocabulary of at least FUSED_LOSS_MIN_VOCAB, else the reference (no GPU build of the
+    kernel yet; on CPU it would run interpreted)."""
+    fused = platform == "tpu" and vocab_size >= FUSED_LOSS_MIN_VOCAB
+    return "fused" if fused else "reference"
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -146,8 +153,9 @@ class ModelConfig:
     # How training and evaluation compute the output projection and cross-entropy:
     # "reference" writes the [tokens, vocab] logits and takes their log-softmax; "fused" runs
     # tfm.kernels.fused_cross_entropy (one Pallas kernel, no logits in memory; interpret mode
-    # off TPU, for tests); "auto" = "fused" on TPU, "reference" elsewhere. Same values up to
-    # summation order; decoding always computes logits.
+    # off TPU, for tests); "auto" = "fused" on TPU for vocabularies of 2,048 or more
+    # (FUSED_LOSS_MIN_VOCAB), "reference" otherwise. Same values up to summation order;
+    # decoding always computes logits.
     loss_backend: str = "auto"
 
     def __post_init__(self) -> None:
@@ -317,7 +325,7 @@ class ModelConfig:
         backends stay."""
         config = self
         if config.loss_backend == "auto":
-            config = config.replace(loss_backend=loss_backend_for(platform))
+            config = config.replace(loss_backend=loss_backend_for(platform, config.vocab_size))
         if config.attention_backend != "auto":
             return config
         backend, _ = kernels.auto_choice(platform, **config.attention_needs)

@@ -342,10 +342,12 @@ def compute_logits(
 
 
 def uses_fused_loss(config: ModelConfig) -> bool:
-    """Whether `config.loss_backend` ("auto": fused on TPU) picks the fused cross-entropy
-    kernel on the platform being compiled for."""
+    """Whether `config.loss_backend` picks the fused cross-entropy kernel on the platform being
+    compiled for ("auto": tfm.nn.config.loss_backend_for)."""
     backend = config.loss_backend
-    return (loss_backend_for(kernels.platform()) if backend == "auto" else backend) == "fused"
+    if backend == "auto":
+        backend = loss_backend_for(kernels.platform(), config.vocab_size)
+    return backend == "fused"
 
 
 def loss_sums(
@@ -485,6 +487,8 @@ def setup(
     # "auto" kernels for the mesh's devices, which need not be this host's (deviceless compile).
     platform = mesh.devices.flat[0].platform
     model_config = _model_for_platform(_model_for_data(sections, data), platform)
+    model_config = _loss_for_mesh(model_config, sections.model.loss_backend, mesh,
+                                  sections.rules)
     warning = hardware.bf16_warning(model_config.dtype, platform)
     if warning and jax.process_index() == 0:
         logger.warning(warning)
@@ -540,6 +544,24 @@ def _model_for_platform(model_config: ModelConfig, platform: str) -> ModelConfig
     model_config = model_config.for_platform(platform)
     remat.check_platform(model_config.remat, platform)
     return model_config
+
+
+def _loss_for_mesh(model_config: ModelConfig, asked: str, mesh: jax.sharding.Mesh,
+                   rules: Any) -> ModelConfig:
+    """loss_backend "auto" keeps the reference where the mesh splits the vocabulary (a tensor
+    axis): the fused kernel takes the whole table on every device, so it would gather it and
+    repeat the output layer on each of the axis's devices, where XLA splits the logits."""
+    if asked != "auto" or model_config.loss_backend != "fused":
+        return model_config
+    axes = nn.logical_to_mesh_axes(("vocab",), rules)[0]
+    names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    if all(mesh.shape[name] == 1 for name in names):
+        return model_config
+    if jax.process_index() == 0:
+        logger.info("loss_backend='auto': the reference output layer and loss, since the mesh "
+                    "splits the vocabulary over %s (the fused kernel takes the whole table)",
+                    "x".join(names))
+    return model_config.replace(loss_backend="reference")
 
 
 def _model_for_data(sections: ExperimentConfig, data: Data) -> ModelConfig:
