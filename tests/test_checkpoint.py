@@ -107,6 +107,10 @@ def test_model_config_mismatch_names_fields(tmp_path):
         checkpointer.restore(config_json=json.dumps(changed))  # optimizer change only: fine
         changed["model"]["embedding_init_stddev"] = None  # a newer field, at its default: fine
         checkpointer.restore(config_json=json.dumps(changed))
+        # Implementation choices (resolved per platform: a TPU run's fused loss, restored on a
+        # CPU) may change.
+        changed["model"].update(loss_backend="fused", attention_backend="cpu", remat="full")
+        checkpointer.restore(config_json=json.dumps(changed))
 
 
 # A failed tensorstore read leaves an orbax callback that fires on a closed event loop.

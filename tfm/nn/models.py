@@ -487,15 +487,8 @@ class Decoder(nn.Module):
         x = self.perturb("embedded", x)
         x = nn.Dropout(config.dropout_rate)(x, deterministic=deterministic)
         ctx = _self_attention_context(
-            config,
-            PositionBias(config, False, name="position_bias"),
-            positions,
-            key_positions,
-            masks,
-            write_index,
-            cache is None,
-            structure,
-        )
+            config, PositionBias(config, False, name="position_bias"), positions, key_positions,
+            masks, write_index, cache is None, structure)
         if self.has_cross:
             if encoded is None and cache is None:
                 raise ValueError("the encoder-decoder's decoder needs `encoded` or a filled cache")
