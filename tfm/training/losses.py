@@ -46,17 +46,25 @@ def cross_entropy(
       nll_sum: sum_t w_t * -log p_t(target), unsmoothed, for perplexity;
       correct_sum: sum_t w_t * [argmax p_t == target]; weight_sum: sum_t w_t.
     """
-    if logits.shape[:-1] != targets.shape or targets.shape != weights.shape:
-        raise ValueError(
-            f"cross_entropy needs logits [B,T,V], targets [B,T], weights [B,T]; got logits "
-            f"{logits.shape}, targets {targets.shape}, weights {weights.shape}"
-        )
-    if not 0.0 <= label_smoothing < 1.0:
-        raise ValueError(f"label_smoothing={label_smoothing!r} must be in [0, 1)")
+    _check_inputs("cross_entropy", "logits [B,T,V]", logits, targets, weights, label_smoothing)
     log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     nll = -jnp.take_along_axis(log_probs, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
     return _sums(nll, log_probs.mean(axis=-1), jnp.argmax(log_probs, axis=-1) == targets,
                  weights, logits.shape[-1], label_smoothing)
+
+
+def _check_inputs(function: str, first: str, array: jax.Array, targets: jax.Array,
+                  weights: jax.Array, label_smoothing: float) -> None:
+    """ValueError unless `array` is [B, T, ...] over targets and weights [B, T] and
+    label_smoothing is in [0, 1)."""
+    if array.shape[:-1] != targets.shape or targets.shape != weights.shape:
+        name = first.split()[0]
+        raise ValueError(
+            f"{function} needs {first}, targets [B,T], weights [B,T]; got {name} "
+            f"{array.shape}, targets {targets.shape}, weights {weights.shape}"
+        )
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing={label_smoothing!r} must be in [0, 1)")
 
 
 def _sums(
@@ -98,13 +106,8 @@ def fused_cross_entropy_sums(
     dtype); bias: [vocab] or None; targets, weights: [batch, length]. Same values as
     `cross_entropy` up to summation order; accuracy counts the first largest logit, as argmax.
     """
-    if hidden.shape[:-1] != targets.shape or targets.shape != weights.shape:
-        raise ValueError(
-            f"fused_cross_entropy_sums needs hidden [B,T,D], targets [B,T], weights [B,T]; got "
-            f"hidden {hidden.shape}, targets {targets.shape}, weights {weights.shape}"
-        )
-    if not 0.0 <= label_smoothing < 1.0:
-        raise ValueError(f"label_smoothing={label_smoothing!r} must be in [0, 1)")
+    _check_inputs("fused_cross_entropy_sums", "hidden [B,T,D]", hidden, targets, weights,
+                  label_smoothing)
     vocab_size = table.shape[0]
     stats = fused_cross_entropy.softmax_statistics(hidden, table, bias, targets)
     # mean_v(log p_v) = mean_v(logits) - lse.
