@@ -132,10 +132,6 @@ def softmax_statistics(
     )(hidden, table, bias, targets)
 
 
-def _round_up(length: int, multiple: int) -> int:
-    return -(-length // multiple) * multiple
-
-
 def _local(hidden, table, bias, targets, *, blocks: Blocks,
            compiler: str | None) -> SoftmaxStatistics:
     """One device's rows: flattened to [tokens, d_model], padded to whole blocks."""
@@ -180,7 +176,7 @@ def _even(block: int, length: int) -> int:
     """The block (a multiple of LANES, at most `block`) that covers `length` in as many blocks
     as `block` would, with the least overhang."""
     count = -(-length // block)
-    return _round_up(-(-length // count), LANES)
+    return per_device.round_up(-(-length // count))
 
 
 # ---------------------------------------------------------------- the blocks' maths
