@@ -120,11 +120,11 @@ def synthetic_config(mode: str, seq_len: int, num_steps: int) -> ml_collections.
     """What the synthetic-task configs share: train on lengths 1-12 ("validation" holds unseen
     examples of those lengths), test on 13-24 ("test") and 25-48 ("test_long"), length
     generalisation (Kazemnejad et al. 2023); a small pre-LN model without dropout; AdamW with a
-    cosine schedule over `num_steps`; evaluation and checkpoints halfway and at the end, keeping
-    the best exact match. Eval rows fit each split's longest example whatever seq_len (which only
-    bounds training rows) says; the default model.max_len=512 covers the longest (addition, 25-48
-    digits: a prompt of 99 tokens and 50 answer tokens), so learned positions are evaluated there
-    too, with table rows training never reached."""
+    cosine schedule over the run's train.num_steps; evaluation and checkpoints halfway and at
+    the end, keeping the best exact match. Eval rows fit each split's longest example whatever
+    seq_len (which only bounds training rows) says; the default model.max_len=512 covers the
+    longest (addition, 25-48 digits: a prompt of 99 tokens and 50 answer tokens), so learned
+    positions are evaluated there too, with table rows training never reached."""
     config = base_config()
     config.data.update(
         kind="synthetic", mode=mode, task="reverse", train_lengths=(1, 12), eval_lengths=(13, 24),
@@ -133,7 +133,7 @@ def synthetic_config(mode: str, seq_len: int, num_steps: int) -> ml_collections.
     )
     config.model.update(d_model=64, num_heads=4, d_ff=256, dropout_rate=0.0, norm_placement="pre")
     config.optimizer.update(name="adamw", schedule="cosine", learning_rate=3e-3,
-                            warmup_steps=100, total_steps=num_steps, grad_clip_norm=1.0)
+                            warmup_steps=100, grad_clip_norm=1.0)
     config.train.update(num_steps=num_steps, log_every=100, eval_every=num_steps // 2,
                         checkpoint_every=num_steps // 2, keep_best_metric="eval_exact_match",
                         best_mode="max")
@@ -148,7 +148,7 @@ def synthetic_variants() -> dict:
     def runlocal(c):
         c.data.num_train_examples = 2_000
         c.data.num_eval_examples = 64
-        c.optimizer.update(total_steps=60, warmup_steps=10)
+        c.optimizer.warmup_steps = 10
         c.train.update(num_steps=60, log_every=20, eval_every=60, checkpoint_every=60)
         c.eval.max_generation_examples = 64
 
@@ -156,7 +156,6 @@ def synthetic_variants() -> dict:
         """The CPU budget of the committed length-generalisation results: half the steps, one
         evaluation at the end, 256 decoded examples per split."""
         steps = c.train.num_steps // 2
-        c.optimizer.total_steps = steps
         c.train.update(num_steps=steps, eval_every=steps, checkpoint_every=steps)
         c.eval.max_generation_examples = 256
 

@@ -56,7 +56,7 @@ def get_config(arg: str | None = None):
         scale_embeddings=False, embedding_init_stddev=0.02,
     )
     config.optimizer.update(name="adamw", schedule="cosine", learning_rate=2e-3,
-                            warmup_steps=50, total_steps=600, weight_decay=0.1,
+                            warmup_steps=50, weight_decay=0.1,
                             grad_clip_norm=1.0)
     config.train.update(num_steps=600, log_every=50, eval_every=200, checkpoint_every=200,
                         keep_best_metric="eval_loss")
@@ -67,7 +67,7 @@ def get_config(arg: str | None = None):
         c.model.update(d_model=64, d_ff=256, num_decoder_layers=2)
         c.data.seq_len = 64
         c.data.eval_seq_len = 64
-        c.optimizer.update(total_steps=100, warmup_steps=10)
+        c.optimizer.warmup_steps = 10
         c.train.update(num_steps=100, log_every=25, eval_every=100, checkpoint_every=100)
         c.eval.max_batches = 4
 
@@ -87,9 +87,8 @@ def get_config(arg: str | None = None):
         c.model.update(d_model=128, num_heads=4, d_ff=512, num_decoder_layers=4,
                        dropout_rate=0.0, position_scheme="learned", max_len=256, use_bias=False)
         c.data.update(seq_len=64, eval_seq_len=64, batch_size=12, eval_batch_size=256)
-        c.optimizer.update(learning_rate=1e-3, warmup_steps=100, total_steps=2000,
-                           end_fraction=0.1, b1=0.9, b2=0.99, weight_decay=0.1,
-                           grad_clip_norm=1.0)
+        c.optimizer.update(learning_rate=1e-3, warmup_steps=100, end_fraction=0.1, b1=0.9,
+                           b2=0.99, weight_decay=0.1, grad_clip_norm=1.0)
         c.train.update(num_steps=2000, log_every=250, eval_every=1000, checkpoint_every=1000)
         c.eval.max_batches = 0
         c.generate.max_new_tokens = 100
@@ -107,7 +106,7 @@ def get_config(arg: str | None = None):
         # Shaw's relative value term builds a [8, 1024, 1024, 33] one-hot (1.1 GiB).
         c.data.update(text_unit="block", seq_len=128, eval_seq_len=128, eval_batch_size=8)
         steps = EXTRAPOLATION_STEPS
-        c.optimizer.update(total_steps=steps, warmup_steps=steps // 20)
+        c.optimizer.warmup_steps = steps // 20
         c.train.update(num_steps=steps, log_every=steps // 10, eval_every=steps,
                        checkpoint_every=steps)
 

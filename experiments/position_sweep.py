@@ -54,7 +54,7 @@ def main() -> None:
     extra = []
     if args.steps:
         extra = [f"--config.{field}={args.steps}" for field in (
-            "train.num_steps", "optimizer.total_steps", "train.eval_every",
+            "train.num_steps", "train.eval_every",
             "train.checkpoint_every")]
     root = Path(args.workdir)
     if not root.is_absolute():

@@ -841,7 +841,8 @@ def test_setup_parses_each_section_once(data_dir, tmp_path, monkeypatch):
     calls = []
     resolve = optim.resolve_optimizer_config
     monkeypatch.setattr(
-        optim, "resolve_optimizer_config", lambda section: calls.append(1) or resolve(section)
+        optim, "resolve_optimizer_config",
+        lambda section, num_steps=None: calls.append(1) or resolve(section, num_steps),
     )
     experiment = setup(seq2seq_config(data_dir), tmp_path)
     train.jit_steps(experiment, state_shardings(experiment)[1])

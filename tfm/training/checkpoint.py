@@ -88,11 +88,10 @@ def _model_field_defaults() -> dict[str, Any]:
 IMPLEMENTATION_ONLY = ("model.attention_backend", "model.remat", "model.loss_backend")
 
 
-def check_model_config(saved: Mapping[str, Any], current: Mapping[str, Any], where: str) -> None:
-    """Raises ConfigMismatchError (a ValueError) listing every field under "model" whose saved
-    and current values differ (other sections, e.g. the learning rate, may change between runs,
-    and so may IMPLEMENTATION_ONLY). A field one side lacks (a checkpoint from before the field
-    existed) counts as its default."""
+def model_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+    """'model.FIELD: saved X, current Y' for every field under "model" whose saved and current
+    values differ, IMPLEMENTATION_ONLY aside. A field one side lacks (a checkpoint from before
+    the field existed) counts as its default."""
     old = _flatten(saved.get("model", {}), "model")
     new = _flatten(current.get("model", {}), "model")
     for key in IMPLEMENTATION_ONLY:
@@ -101,15 +100,21 @@ def check_model_config(saved: Mapping[str, Any], current: Mapping[str, Any], whe
     missing = "<absent>"
     defaults = _model_field_defaults()
     value = lambda side, key: side.get(key, defaults.get(key, missing))
-    diffs = [
-        f"  {key}: saved {value(old, key)!r}, current {value(new, key)!r}"
+    return [
+        f"{key}: saved {value(old, key)!r}, current {value(new, key)!r}"
         for key in sorted(set(old) | set(new))
         if value(old, key) != value(new, key)
     ]
+
+
+def check_model_config(saved: Mapping[str, Any], current: Mapping[str, Any], where: str) -> None:
+    """Raises ConfigMismatchError (a ValueError) listing every model field that differs (see
+    `model_differences`; other sections, e.g. the learning rate, may change between runs)."""
+    diffs = model_differences(saved, current)
     if diffs:
         raise ConfigMismatchError(
             f"checkpoint {where} was saved with a different model config; differing fields:\n"
-            + "\n".join(diffs)
+            + "\n".join(f"  {line}" for line in diffs)
         )
 
 

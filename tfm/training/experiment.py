@@ -295,12 +295,15 @@ def parse_config(config: ml_collections.ConfigDict) -> ExperimentConfig:
     )
     with field_prefix("model"):
         model = from_dict({**model_values, "vocab_size": model_values.get("vocab_size") or 1})
+    train = _from_section(TrainConfig, config.get("train"), "train")
     return ExperimentConfig(
         source=config,
         model=model,
         data=DataConfig.from_dict(config.data),
-        optimizer=OptimizerConfig.from_config(config.optimizer),
-        train=_from_section(TrainConfig, config.get("train"), "train"),
+        # An unset optimizer.total_steps is this run's length, so a raised train.num_steps
+        # stretches the schedule instead of training at its end value.
+        optimizer=OptimizerConfig.from_config(config.optimizer, num_steps=train.num_steps),
+        train=train,
         eval=_from_section(EvalConfig, config.get("eval"), "eval"),
         generate=GenerateConfig.from_section(config.get("generate")),
         rules=sharding.resolve_rules(config.get("logical_axis_rules")),
@@ -412,9 +415,11 @@ class Experiment:
         return self.mesh.devices.flat[0].platform
 
     def config_json(self) -> str:
-        """The config as saved with checkpoints; the model section is the resolved ModelConfig."""
+        """The config as saved with checkpoints (and as WORKDIR/config.json); the model and
+        optimizer sections are resolved (the data's vocabulary, the schedule's length)."""
         values = json.loads(self.config.to_json_best_effort())
         values["model"] = dataclasses.asdict(self.model_config)
+        values["optimizer"] = dataclasses.asdict(self.optimizer_config)
         return json.dumps(values, sort_keys=True)
 
     @property
@@ -769,7 +774,7 @@ def _data_state_fits(checkpointer: checkpoint.Checkpointer, step: int) -> bool:
     return not data_dir.exists() or (data_dir / name).exists()
 
 
-def _optimizer_differences(
+def optimizer_differences(
     checkpointer: checkpoint.Checkpointer, step: int, experiment: Experiment
 ) -> list[str]:
     """'optimizer.FIELD: saved X, current Y' for every optimizer field (defaults filled in)
@@ -810,7 +815,7 @@ def _restore_state(
             config_json=experiment.config_json(),
         )
     except checkpoint.CheckpointError as error:
-        differences = _optimizer_differences(checkpointer, step, experiment)
+        differences = optimizer_differences(checkpointer, step, experiment)
         if not differences:
             raise
         raise TrainingError(

@@ -29,7 +29,10 @@ DEFAULTS: dict[str, Any] = {
     "schedule": None,  # adam_paper: "paper"; adam/adamw: "cosine"
     "learning_rate": None,  # peak rate; for "paper" a multiplier of the formula (default 1.0)
     "warmup_steps": 4000,
-    "total_steps": None,  # needed by "cosine"
+    # The cosine schedule's length in optimizer updates. None: the run's length, i.e.
+    # train.num_steps / grad_accum_steps (so raising train.num_steps stretches the schedule);
+    # set it to end the decay elsewhere.
+    "total_steps": None,
     "end_fraction": 0.0,  # cosine: final rate = end_fraction * peak
     "b1": None,  # adam_paper: 0.9; adam/adamw: 0.9
     "b2": None,  # adam_paper: 0.98; adam/adamw: 0.999
@@ -137,13 +140,18 @@ def _integer(values: dict, field: str, minimum: int) -> None:
         _fail(field, value, f"must be an integer >= {minimum}")
 
 
-def resolve_optimizer_config(opt_config: Mapping[str, Any]) -> dict[str, Any]:
+def resolve_optimizer_config(
+    opt_config: Mapping[str, Any], num_steps: int | None = None
+) -> dict[str, Any]:
     """Validates an optimizer section (dict or ConfigDict) and fills in the defaults.
 
-    Raises ConfigError naming `optimizer.<field>` and the allowed values.
+    `num_steps`: the run's train.num_steps; an unset total_steps then becomes the run's number
+    of optimizer updates, ceil(num_steps / grad_accum_steps). Raises ConfigError naming
+    `optimizer.<field>` and the allowed values.
     """
     given = section_dict(opt_config, "optimizer", list(DEFAULTS))
     values = {**DEFAULTS, **{k: v for k, v in given.items() if v is not None}}
+    follows_run = values["total_steps"] is None and num_steps is not None
     if values["name"] not in OPTIMIZERS:
         _fail("name", values["name"], f"choose one of: {', '.join(OPTIMIZERS)}")
     for field, default in _NAME_DEFAULTS[values["name"]].items():
@@ -160,10 +168,22 @@ def resolve_optimizer_config(opt_config: Mapping[str, Any]) -> dict[str, Any]:
     if values["learning_rate"] == 0:
         _fail("learning_rate", 0, "must be > 0")
     _integer(values, "warmup_steps", 1 if schedule in ("paper", "rsqrt") else 0)
+    _integer(values, "grad_accum_steps", 1)
+    if follows_run:
+        values["total_steps"] = -(-num_steps // values["grad_accum_steps"])
     if schedule == "cosine":
         total = values["total_steps"]
+        if follows_run and total <= values["warmup_steps"]:
+            raise ConfigError(
+                f"optimizer.warmup_steps={values['warmup_steps']} must be below the schedule's "
+                f"length, {total} updates (train.num_steps={num_steps}"
+                + (f" / grad_accum_steps={values['grad_accum_steps']}"
+                   if values["grad_accum_steps"] > 1 else "")
+                + "): lower --config.optimizer.warmup_steps or raise --config.train.num_steps"
+            )
         if not isinstance(total, int) or isinstance(total, bool) or total <= values["warmup_steps"]:
-            _fail("total_steps", total, "schedule='cosine' needs an integer > warmup_steps")
+            _fail("total_steps", total, "schedule='cosine' needs an integer > warmup_steps "
+                  "(or None: the run's train.num_steps)")
     _number(values, "end_fraction", 0.0, 1.0, closed_high=True)
     _number(values, "b1", 0.0, 1.0, closed_high=False)
     _number(values, "b2", 0.0, 1.0, closed_high=False)
@@ -172,7 +192,6 @@ def resolve_optimizer_config(opt_config: Mapping[str, Any]) -> dict[str, Any]:
     if values["weight_decay"] and values["name"] != "adamw":
         _fail("weight_decay", values["weight_decay"], "weight decay needs name='adamw'")
     _number(values, "grad_clip_norm", 0.0, math.inf, closed_high=False)
-    _integer(values, "grad_accum_steps", 1)
     return values
 
 
@@ -195,10 +214,29 @@ class OptimizerConfig:
     grad_accum_steps: int
 
     @classmethod
-    def from_config(cls, section: Mapping[str, Any] | OptimizerConfig) -> OptimizerConfig:
+    def from_config(
+        cls, section: Mapping[str, Any] | OptimizerConfig, num_steps: int | None = None
+    ) -> OptimizerConfig:
+        """`num_steps`: the run's train.num_steps, the schedule's length when total_steps is
+        unset (see `resolve_optimizer_config`)."""
         if isinstance(section, OptimizerConfig):
             return section
-        return cls(**resolve_optimizer_config(section))
+        return cls(**resolve_optimizer_config(section, num_steps))
+
+
+def schedule_length_note(config: OptimizerConfig, num_steps: int) -> str | None:
+    """A line for a cosine schedule whose length was set apart from the run's: past its end the
+    rate stays at end_fraction * peak (0 by default), so those steps barely train."""
+    updates = -(-num_steps // config.grad_accum_steps)
+    if config.schedule != "cosine" or config.total_steps == updates:
+        return None
+    if config.total_steps < updates:
+        return (f"optimizer.total_steps={config.total_steps} is below this run's "
+                f"{updates} updates (train.num_steps={num_steps}): the learning rate stays at "
+                f"{config.end_fraction:g} x peak for the last {updates - config.total_steps}; "
+                "leave total_steps unset to follow train.num_steps")
+    return (f"optimizer.total_steps={config.total_steps} is beyond this run's {updates} updates "
+            f"(train.num_steps={num_steps}): the run stops before the schedule ends")
 
 
 def make_schedule(values: Mapping[str, Any], d_model: int | None = None) -> optax.Schedule:

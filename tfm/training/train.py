@@ -28,7 +28,18 @@ import optax
 
 from tfm.kernels import cpu_compile, cpu_memory, hardware
 from tfm.parallel import sharding
-from tfm.training import checkpoint, diagnostics, flops, losses, metrics, prng, profiling, trackers
+from tfm.training import (
+    checkpoint,
+    diagnostics,
+    flops,
+    losses,
+    metrics,
+    optim,
+    prng,
+    profiling,
+    trackers,
+)
+from tfm.training import workdir as workdir_record
 from tfm.training.evaluate import evaluate, jit_eval_step
 from tfm.training.experiment import (
     Experiment,
@@ -40,6 +51,7 @@ from tfm.training.experiment import (
     init_state,
     loss_sums,
     make_checkpointer,
+    optimizer_differences,
     parse_config,
     restore_newest_readable,
     setup,
@@ -220,16 +232,20 @@ def train_and_evaluate(
         cpu_memory.keep_freed_memory()
     options = experiment.train
     experiment.workdir.mkdir(parents=True, exist_ok=True)
-    if jax.process_index() == 0:
-        (experiment.workdir / "config.json").write_text(experiment.config_json())
     abstract, shardings = state_shardings(experiment)
     checkpointer = make_checkpointer(experiment)
+    _check_same_run(experiment, checkpointer)  # before config.json is replaced
+    if jax.process_index() == 0:
+        (experiment.workdir / workdir_record.CONFIG_FILE).write_text(experiment.config_json())
     train_iter = experiment.data.train_iterator()
+    resumed = checkpointer.latest_step() is not None
     state = _start_state(experiment, checkpointer, abstract, shardings, train_iter)
     jit_train, jit_eval = jit_steps(experiment, shardings)
     batch_sharding = sharding.batch_sharding(experiment.mesh, experiment.rules)
     step = int(state.step)
     log = _Log(experiment, step)
+    for line in _start_lines(experiment, checkpointer, step if resumed else None):
+        log.say(line)
     jit_train, diagnose, trace = _instrumented(experiment, jit_train, abstract, shardings, log)
     pending: list[dict[str, jax.Array]] = []  # step metrics not yet fetched from the devices
 
@@ -300,6 +316,45 @@ def _instrumented(
     )
     return (profiling.MemoryOnFirstCall(jit_train, abstract, log.say),
             jit_diagnostics(experiment, shardings), trace)
+
+
+def _check_same_run(experiment: Experiment, checkpointer: checkpoint.Checkpointer) -> None:
+    """ConfigMismatchError in one line when the workdir's checkpoints are another run's (other
+    data or another model: workdir.check_resume), before anything there is replaced."""
+    step = checkpointer.latest_step()
+    if step is None:
+        return
+    saved = workdir_record.read_config(experiment.workdir)
+    if saved is None:  # a workdir from before config.json, or another host's disk
+        try:
+            saved = checkpointer.saved_config(step)
+        except checkpoint.CheckpointError:
+            return  # restore_newest_readable reports unreadable steps
+    current = json.loads(experiment.config_json())
+    try:
+        workdir_record.check_resume(experiment.workdir, saved, current)
+    except BaseException:
+        checkpointer.close()
+        raise
+
+
+def _start_lines(
+    experiment: Experiment, checkpointer: checkpoint.Checkpointer, resumed_step: int | None
+) -> list[str]:
+    """What the console says before the first step: the step a resumed run continues from, and
+    a learning-rate schedule that does not span the run (or changed since the checkpoint)."""
+    lines = []
+    if resumed_step is not None:
+        changes = optimizer_differences(checkpointer, resumed_step, experiment)
+        lines.append(
+            f"resumed from step {resumed_step} of {experiment.train.num_steps} (workdir "
+            f"{experiment.workdir})" + ("; the optimizer settings changed since that checkpoint: "
+                                        + "; ".join(changes) if changes else "")
+        )
+    note = optim.schedule_length_note(experiment.optimizer_config, experiment.train.num_steps)
+    if note:
+        lines.append(note)
+    return lines
 
 
 def _start_state(

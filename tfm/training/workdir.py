@@ -1,0 +1,93 @@
+"""What a workdir records about its run, and the check that a run resuming there trains the same
+thing.
+
+WORKDIR/config.json is the run's whole config as `Experiment.config_json` resolves it (the data's
+vocabulary sizes in `model`, the schedule's length in `optimizer`). A run that finds checkpoints
+in its workdir resumes them only if it trains on the same data with the same model: anything else
+would continue another experiment's parameters under this one's name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from tfm.training.checkpoint import ConfigMismatchError, model_differences
+
+CONFIG_FILE = "config.json"
+
+# Fields of the data section that say what a run trains on: another value is another dataset,
+# split or vocabulary. Lengths of rows, batch sizes and eval settings may change on resume.
+DATA_IDENTITY = (
+    "kind", "mode", "task", "num_symbols", "train_lengths", "num_train_examples", "path",
+    "text_unit", "validation_fraction", "source_path", "target_path", "name", "features",
+    "train_split", "tokenizer", "vocab_size", "sentencepiece_model_type", "shared_vocab", "seed",
+)
+_PATH_FIELDS = ("path", "source_path", "target_path")
+
+
+def read_config(workdir: str | Path) -> dict[str, Any] | None:
+    """The config a run in `workdir` saved (WORKDIR/config.json), or None when there is none."""
+    path = Path(workdir) / CONFIG_FILE
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text())
+
+
+def _file_digest(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for block in iter(lambda: file.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _same_file(saved: Any, current: Any) -> bool:
+    """Two data paths name the same data: the same string, the same file, or files with the same
+    bytes (a corpus copied or reached by another path)."""
+    if saved == current:
+        return True
+    if not (isinstance(saved, str) and isinstance(current, str)):
+        return False
+    if not (os.path.isfile(saved) and os.path.isfile(current)):
+        return False
+    if os.path.samefile(saved, current):
+        return True
+    return (os.path.getsize(saved) == os.path.getsize(current)
+            and _file_digest(saved) == _file_digest(current))
+
+
+def _as_tuple(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
+
+
+def data_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+    """'data.FIELD: saved X, current Y' for every DATA_IDENTITY field that differs."""
+    old, new = saved.get("data", {}), current.get("data", {})
+    lines = []
+    for field in DATA_IDENTITY:
+        before, after = _as_tuple(old.get(field)), _as_tuple(new.get(field))
+        same = _same_file(before, after) if field in _PATH_FIELDS else before == after
+        if not same:
+            lines.append(f"data.{field}: saved {before!r}, current {after!r}")
+    return lines
+
+
+def check_resume(workdir: str | Path, saved: Mapping[str, Any], current: Mapping[str, Any]
+                 ) -> None:
+    """Raises ConfigMismatchError, in one line naming every differing field, when the run in
+    `workdir` (its saved config `saved`) trained on other data or another model than `current`
+    would: resuming it would continue that run's parameters as this one's."""
+    differences = data_differences(saved, current) + model_differences(saved, current)
+    if differences:
+        raise ConfigMismatchError(
+            f"workdir {workdir} holds a run of other data or another model ("
+            + "; ".join(differences)
+            + "). Train this config in another workdir (--workdir DIR), or continue that run "
+            "with its own settings (./launch.sh eval/generate --workdir "
+            f"{workdir} read them from its {CONFIG_FILE})"
+        )
