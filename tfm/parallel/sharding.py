@@ -28,7 +28,9 @@ Inside modules, `constrain(x, ("batch", "length", "embed"))` pins an activation'
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -322,20 +324,33 @@ def param_shardings(abstract_variables: Any, mesh: Mesh, rules: Rules | None = N
 
 
 def cpu_devices_hint(batch_size: int, microbatches: int, backend: str, num_devices: int,
-                     cores: int) -> str | None:
+                     cores: int | None = None) -> str | None:
     """A hint for a run on one CPU device of a host with several cores, else None: split into
     N devices (launch.sh --devices_per_process N), each device runs its share of the batch on
     its own thread, so the many small ops of a small model overlap instead of leaving cores idle
     (benchmarks/README.md has the figures). N is
-    the most devices, at most `cores` and 8, whose share of the batch `microbatches` divides."""
+    the most devices, at most `cores` (default: this process's) and 8, whose share of the batch
+    `microbatches` divides."""
     if backend != "cpu" or num_devices != 1:
         return None
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        cores = cores or 1
     fits = [n for n in range(2, min(cores, 8) + 1) if batch_size % (n * microbatches) == 0]
     if not fits:
         return None
     return (f"training on 1 CPU device of a {cores}-core host: ./launch.sh train ... "
             f"--devices_per_process {fits[-1]} splits each batch over {fits[-1]} devices, one "
             "thread each (data parallel; faster for small models)")
+
+
+def log_cpu_devices_hint(mesh: Mesh, batch_size: int, microbatches: int) -> None:
+    """Logs cpu_devices_hint for a training run on `mesh` (one process only: the hint is about
+    launch.sh's single-process flag). Training only: eval and generate take no such flag."""
+    hint = cpu_devices_hint(batch_size, microbatches, mesh.devices.flat[0].platform,
+                            mesh.devices.size)
+    if hint and jax.process_count() == 1:
+        logging.getLogger(__name__).warning(hint)
 
 
 def check_divisibility(model_config: Any, mesh: Mesh | Mapping[str, int], batch_size: int,

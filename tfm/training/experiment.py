@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -497,11 +496,6 @@ def setup(
     warning = hardware.bf16_warning(model_config.dtype, platform)
     if warning and jax.process_index() == 0:
         logger.warning(warning)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    hint = sharding.cpu_devices_hint(data.config.batch_size, sections.train.microbatches,
-                                     platform, mesh.devices.size, cores or 1)
-    if hint and jax.process_count() == 1:
-        logger.warning(hint)
     sharding.check_divisibility(
         model_config, mesh, data.config.batch_size, sections.rules, sections.train.microbatches
     )

@@ -228,6 +228,8 @@ def train_and_evaluate(
     sections = config if isinstance(config, ExperimentConfig) else parse_config(config)
     trackers.TRACKERS[sections.train.tracker].check_installed()  # before data and compiling
     experiment = setup(sections, workdir)
+    sharding.log_cpu_devices_hint(experiment.mesh, experiment.data.config.batch_size,
+                                  experiment.train.microbatches)
     if experiment.platform == "cpu":  # each step then reuses its temporaries' pages
         cpu_memory.keep_freed_memory()
     options = experiment.train
