@@ -50,6 +50,38 @@ def test_text_file_blocks_keep_the_text_contiguous(tmp_path, monkeypatch):
     assert "".join(train + validation) == text  # nothing stripped or dropped
 
 
+def test_text_without_blank_lines_is_read_a_line_an_example(tmp_path, caplog):
+    """One sentence a line, no blank lines, as many corpora come: with the default
+    text_unit="paragraph" the whole file was one example, and the holdout failed with "1
+    example(s) are too few"; now each line is an example, said in one logged line."""
+    sentences = [f"Sentence number {i} ends here." for i in range(10)]
+    path = tmp_path / "sentences.txt"
+    path.write_text("\n".join(sentences) + "\n", encoding="utf-8")
+    with caplog.at_level("WARNING", logger="tfm.data.builders"):
+        sources = builders.prepare(builders.text_file_builder(tmp_path / "data", path))
+    assert _texts(sources["train"]) == sentences[:9]
+    assert _texts(sources["validation"]) == sentences[9:]
+    [note] = [r.getMessage() for r in caplog.records if "no blank lines" in r.getMessage()]
+    assert f"{path} has no blank lines, so each of its 10 lines is an example" in note
+
+
+def test_too_few_text_units_name_text_unit_and_the_one_that_fits(tmp_path, monkeypatch):
+    monkeypatch.setattr(builders, "TEXT_BLOCK_CHARS", 7)
+    path = tmp_path / "one_line.txt"
+    path.write_text("a single line of text, no line breaks\n", encoding="utf-8")  # 6 blocks
+    for unit in ("paragraph", "line"):
+        with pytest.raises(DataError) as info:
+            builders.prepare(builders.text_file_builder(tmp_path / unit, path, text_unit=unit))
+        assert str(info.value) == (
+            f"data.path: {path} holds 1 {unit}(s) (data.text_unit={unit!r}; choose one of: "
+            "paragraph, line, block), too few to hold out a validation split of 0.1: set "
+            "--config.data.text_unit=block (6 blocks of 7 characters)")
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_text("abc\n", encoding="utf-8")
+    with pytest.raises(DataError, match="add text or lower --config.data.validation_fraction"):
+        builders.prepare(builders.text_file_builder(tmp_path / "tiny", tiny))
+
+
 def test_fast_records_equal_tfds_decoding(tmp_path):
     path = tmp_path / "c.txt"
     path.write_text("one\n\ntwo ü\n\nthree 漢\n\nfour\n", encoding="utf-8")

@@ -15,12 +15,15 @@ Fields (default), by topic; a kind-specific field may only differ from its defau
       training ones at short lengths); test (eval lengths); test_long (long_eval_lengths, only
       when set; its metrics are eval_test_long_*).
   text: path (required), text_unit ("paragraph" | "line" | "block"), validation_fraction (0.1:
-      the last tenth of the units is the validation split). "block" keeps the text contiguous:
-      pieces of builders.TEXT_BLOCK_CHARS characters, so training windows of seq_len run across
-      lines and paragraphs, and evaluation reads the whole validation text as one stream cut
-      into every non-overlapping window of exactly eval_seq_len (or seq_len) tokens, dropping
-      the shorter remainder: every eval row has the full context (Press et al. 2022's
-      extrapolation evaluation). Paragraphs and lines are each cut into windows instead.
+      the last tenth of the units is the validation split). "paragraph": text between blank
+      lines; a file without blank lines (one sentence a line) is read a line an example instead,
+      with a logged note, since one paragraph leaves nothing to hold out. "line": every non-blank
+      line. Too few units for the split is an error naming the unit that fits. "block" keeps the
+      text contiguous: pieces of builders.TEXT_BLOCK_CHARS characters, so training windows of
+      seq_len run across lines and paragraphs, and evaluation reads the whole validation text
+      as one stream cut into every non-overlapping window of exactly eval_seq_len (or seq_len)
+      tokens, dropping the shorter remainder: every eval row has the full context (Press et al.
+      2022's extrapolation evaluation). Paragraphs and lines are each cut into windows instead.
   parallel: source_path, target_path (required; plain or .gz; line i of each is a pair),
       eval_source_path, eval_target_path (None: hold out the last validation_fraction of pairs).
   tfds: name (e.g. "wmt14_translate/de-en", "lm1b"), features (our field -> feature key:
@@ -121,7 +124,7 @@ class DataConfig:
     num_eval_examples: int = 1_000
     # text
     path: str | None = None
-    text_unit: str = "paragraph"
+    text_unit: str = "paragraph"  # lines when the file has no blank lines (see above)
     validation_fraction: float = 0.1
     # parallel
     source_path: str | None = None

@@ -36,6 +36,7 @@ import fcntl
 import gzip
 import hashlib
 import json
+import logging
 import os
 import re
 import zlib
@@ -50,6 +51,8 @@ from tensorflow_datasets.proto import tf_example_pb2
 from tfm.checks import ConfigError
 from tfm.data import synthetic
 from tfm.training import metrics
+
+logger = logging.getLogger(__name__)
 
 # Every tfm builder is built from a config object (the task's parameters), which tfds warns
 # about on every command.
@@ -131,6 +134,39 @@ def split_units(text: str, unit: str) -> list[str]:
     if unit == "line":
         return [line for line in split_lines(text) if line.strip()]
     raise ConfigError(f"data.text_unit={unit!r} is unknown; choose one of: {', '.join(TEXT_UNITS)}")
+
+
+def text_splits(
+    text: str, unit: str, validation_fraction: float, path: str | os.PathLike = "the file"
+) -> tuple[list[str], list[str]]:
+    """(train, validation) units of `text` (see split_units and holdout). A text without blank
+    lines is one paragraph, too few to hold out anything: with unit="paragraph" its non-blank
+    lines are the units instead (many corpora come one sentence a line), with a one-line note.
+    Too few units for `validation_fraction` is a DataError naming data.text_unit and the unit
+    that would fit."""
+    units = split_units(text, unit)
+    if unit == "paragraph" and len(units) == 1 and len(lines := split_units(text, "line")) > 1:
+        logger.warning(
+            "data.path: %s has no blank lines, so each of its %d lines is an example "
+            "(data.text_unit='paragraph' reads lines when there are no paragraphs; "
+            "--config.data.text_unit=block keeps the text contiguous)", path, len(lines))
+        units = lines
+    try:
+        return holdout(units, validation_fraction, "data.path")
+    except DataError:
+        counts = {other: len(split_units(text, other)) for other in TEXT_UNITS if other != unit}
+        fits = [other for other, n in counts.items()
+                if n - max(1, round(n * validation_fraction)) >= 1]
+        advice = (
+            f"set --config.data.text_unit={fits[0]} ({counts[fits[0]]} {fits[0]}s"
+            + (f" of {TEXT_BLOCK_CHARS} characters)" if fits[0] == "block" else ")")
+            if fits else "add text or lower --config.data.validation_fraction"
+        )
+        raise DataError(
+            f"data.path: {path} holds {len(units)} {unit}(s) (data.text_unit={unit!r}; choose "
+            f"one of: {', '.join(TEXT_UNITS)}), too few to hold out a validation split of "
+            f"{validation_fraction}: {advice}"
+        ) from None
 
 
 def read_parallel_files(
@@ -275,8 +311,9 @@ class TfmTextFile(_LocalBuilder):
         del dl_manager
         config = self.builder_config
         # Everything is read and checked before the first record is written.
-        units = split_units(read_text_file(config.path, "data.path"), config.text_unit)
-        train, validation = holdout(units, config.validation_fraction, "data.path")
+        text = read_text_file(config.path, "data.path")
+        train, validation = text_splits(
+            text, config.text_unit, config.validation_fraction, config.path)
         return {
             "train": self._generate_examples(train),
             "validation": self._generate_examples(validation),
