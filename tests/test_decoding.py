@@ -781,3 +781,64 @@ def test_bad_hyperparameters_are_config_errors():
 def test_segments_without_grow_cache_are_rejected():
     with pytest.raises(ValueError, match=r"cache_segments=2 needs grow_cache"):
         greedy(CHAIN_MODEL, INITIAL, CACHE, max_new_tokens=3, eos_id=EOS, cache_segments=2)
+
+
+# ---------------------------------------------------------------------------------------------
+# eos_id=None: no token stops a row
+
+
+# The chain model with token 7 impossible (log-probability -inf after every token).
+NEVER = 7
+NO_SEVEN = np.where(np.arange(V) == NEVER, -np.inf, log(CHAIN))
+NO_SEVEN_MODEL = bigram_model(NO_SEVEN)
+NO_SEVEN_INITIAL = jnp.asarray(NO_SEVEN[CHAIN_STARTS], jnp.float32)
+
+
+@pytest.mark.parametrize("algorithm", ["greedy", "sample", "beam_search"])
+def test_eos_id_none_equals_an_eos_id_that_never_occurs(algorithm):
+    """With eos_id=None every row runs max_new_tokens tokens (EOS is an ordinary token: the
+    chain's rows go on after it), and tokens, lengths and scores equal those of decoding with
+    an eos id the model never emits."""
+
+    def run(eos_id):
+        args = (NO_SEVEN_MODEL, NO_SEVEN_INITIAL, bigram_cache(3))
+        kwargs = dict(max_new_tokens=6, eos_id=eos_id)
+        if algorithm == "greedy":
+            return jax.device_get(greedy(*args, **kwargs))
+        if algorithm == "sample":
+            return jax.device_get(sample(*args, jax.random.key(5), **kwargs))
+        return jax.device_get(beam_search(*args, beam_size=2, **kwargs))
+
+    free = run(None)
+    assert (np.asarray(free.lengths) == 6).all()
+    assert NEVER not in np.asarray(free.tokens)
+    if algorithm == "greedy":
+        np.testing.assert_array_equal(
+            free.tokens, [[3, 4, 5, EOS, EOS, EOS], [5, EOS, EOS, EOS, EOS, EOS], [6] * 6])
+    stopped = run(NEVER)
+    for name in ("tokens", "lengths", "scores"):
+        np.testing.assert_array_equal(getattr(free, name), getattr(stopped, name), err_msg=name)
+
+
+def test_eos_id_is_a_token_or_none():
+    with pytest.raises(ConfigError, match=r"eos_id=-1 must be an integer >= 0 \(or None"):
+        greedy(CHAIN_MODEL, INITIAL, CACHE, max_new_tokens=3, eos_id=-1)
+
+
+def test_a_cache_of_another_batch_is_one_clear_error():
+    """A cache built for 3 rows decoding 2: one error naming the leaf, both batch sizes and
+    what to build, for every algorithm (not an error from inside the model's vmap)."""
+    calls = {
+        "greedy": lambda cache: greedy(CHAIN_MODEL, INITIAL, cache, max_new_tokens=3,
+                                       eos_id=EOS),
+        "sample": lambda cache: sample(CHAIN_MODEL, INITIAL, cache, KEY, max_new_tokens=3,
+                                       eos_id=EOS),
+        "beam": lambda cache: beam_search(CHAIN_MODEL, INITIAL, cache, beam_size=2,
+                                          max_new_tokens=3, eos_id=EOS),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match=(
+                r"^cache\['last'\] has shape \(3,\), but every cache leaf needs the batch of "
+                r"initial_logits, 2, on axis 0: build the cache for 2 rows")):
+            call(bigram_cache(3))
+        call(bigram_cache(2))  # the right batch decodes

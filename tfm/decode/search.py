@@ -13,7 +13,8 @@ fed to a prefilled cache) and feed one token per step. The first token is picked
 initial_logits before the loop; each loop step runs the model on the last token and picks the next
 one, so the model runs once for every token after the first and never after the last one (a cache
 with room for prompt + max_new_tokens - 1 positions is enough), with no per-step branch. Each row
-stops on its own at EOS (pad after) or at its `max_new_per_row` limit; the loop ends when every
+stops on its own at EOS (pad after; eos_id=None: no token stops a row) or at its
+`max_new_per_row` limit; the loop ends when every
 row is done or `max_new_tokens` tokens were generated. Rows that are done still go through the
 model (their outputs are discarded), because the batch moves in lockstep.
 
@@ -184,10 +185,55 @@ def _segments(
     return segment_ends(max_new_tokens, cache_segments)
 
 
+def check_eos_id(eos_id: int | None, vocab_size: int) -> None:
+    """eos_id: a token id < vocab_size, or None (rows never stop at a token)."""
+    if eos_id is None:
+        return
+    check_int("eos_id", eos_id, 0, " (or None: no end-of-sequence token)")
+    if eos_id >= vocab_size:
+        raise ConfigError(f"eos_id={eos_id} must be < vocab size {vocab_size} (or None: no "
+                          "end-of-sequence token)")
+
+
+def _is_eos(token: jax.Array, eos_id: int | None) -> jax.Array:
+    """[...] bool: which tokens end their row (none when eos_id is None)."""
+    if eos_id is None:
+        return jnp.zeros(token.shape, bool)
+    return token == eos_id
+
+
+def check_cache_rows(cache: Cache, batch: int, max_new_tokens: int,
+                     grow_cache: GrowCache | None) -> None:
+    """Raises a readable error when `cache` does not fit the decoding: a leaf without `batch`
+    rows on axis 0 (a cache built for another batch size) or, for a cache that says its
+    `lengths` ([batch]) and `max_len` (tfm.nn.cache.DecoderCache) outside jit, too few slots
+    for max_new_tokens - 1 more tokens when it does not grow (which under jit gives NaN
+    logits, so silently wrong tokens)."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(cache):
+        if np.ndim(leaf) == 0 or np.shape(leaf)[0] != batch:
+            raise ValueError(
+                f"cache{jax.tree_util.keystr(path)} has shape {tuple(np.shape(leaf))}, but "
+                f"every cache leaf needs the batch of initial_logits, {batch}, on axis 0: build "
+                f"the cache for {batch} rows (tfm.nn.cache.init_cache(config, batch_size={batch}"
+                ", max_len=...))"
+            )
+    lengths, max_len = getattr(cache, "lengths", None), getattr(cache, "max_len", None)
+    if grow_cache is not None or max_len is None or isinstance(lengths, jax.core.Tracer):
+        return
+    needed = int(np.max(np.asarray(lengths))) + max_new_tokens - 1
+    if needed > max_len:
+        raise ValueError(
+            f"the cache has max_len={max_len} slots, but its fullest row holds "
+            f"{int(np.max(np.asarray(lengths)))} and max_new_tokens={max_new_tokens} needs "
+            f"{max_new_tokens - 1} more ({needed} in all); build it with max_len >= {needed}, "
+            "or pass grow_cache=tfm.nn.cache.grow"
+        )
+
+
 def _check_common(
     initial_logits: jax.Array,
     max_new_tokens: int,
-    eos_id: int,
+    eos_id: int | None,
     pad_id: int,
     max_new_per_row: jax.Array | None,
 ) -> None:
@@ -196,10 +242,8 @@ def _check_common(
             f"initial_logits must be [batch, vocab] (rank 2); got shape {np.shape(initial_logits)}"
         )
     batch, vocab = np.shape(initial_logits)
-    check_int("eos_id", eos_id, 0)
+    check_eos_id(eos_id, vocab)
     check_int("pad_id", pad_id, 0)
-    if eos_id >= vocab:
-        raise ConfigError(f"eos_id={eos_id} must be < vocab size {vocab}")
     if max_new_per_row is not None and np.shape(max_new_per_row) != (batch,):
         raise ValueError(
             f"max_new_per_row must be [batch] = ({batch},); got shape {np.shape(max_new_per_row)}"
@@ -283,7 +327,7 @@ def _decode_sequential(
     max_new_per_row: jax.Array | None,
     *,
     max_new_tokens: int,
-    eos_id: int,
+    eos_id: int | None,
     pad_id: int,
     sampling: tuple[float, int, float] | None,
     ends: tuple[int, ...],
@@ -317,7 +361,7 @@ def _decode_sequential(
             last=token,
             lengths=lengths,
             scores=state.scores + jnp.where(active, log_prob, 0.0),
-            done=state.done | (active & (token == eos_id)) | (lengths >= limits),
+            done=state.done | (active & _is_eos(token, eos_id)) | (lengths >= limits),
         )
 
     def body(state: _SequentialState) -> _SequentialState:
@@ -347,7 +391,7 @@ def greedy(
     cache: Cache,
     *,
     max_new_tokens: int,
-    eos_id: int,
+    eos_id: int | None,
     pad_id: int = 0,
     max_new_per_row: jax.Array | None = None,
     grow_cache: GrowCache | None = None,
@@ -363,6 +407,7 @@ def greedy(
     """
     _check_common(initial_logits, max_new_tokens, eos_id, pad_id, max_new_per_row)
     DecodeConfig("greedy", max_new_tokens, cache_segments=cache_segments)
+    check_cache_rows(cache, len(initial_logits), max_new_tokens, grow_cache)
     return _decode_sequential(
         tokens_to_logits, initial_logits, cache, None, max_new_per_row,
         max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id, sampling=None,
@@ -377,7 +422,7 @@ def sample(
     rng: jax.Array,
     *,
     max_new_tokens: int,
-    eos_id: int,
+    eos_id: int | None,
     pad_id: int = 0,
     temperature: float = 1.0,
     top_k: int = 0,
@@ -397,6 +442,7 @@ def sample(
     _check_common(initial_logits, max_new_tokens, eos_id, pad_id, max_new_per_row)
     DecodeConfig("sample", max_new_tokens, temperature, top_k, top_p,
                  cache_segments=cache_segments)
+    check_cache_rows(cache, len(initial_logits), max_new_tokens, grow_cache)
     return _decode_sequential(
         tokens_to_logits, initial_logits, cache, rng, max_new_per_row,
         max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id,
@@ -482,7 +528,7 @@ class _BeamSettings:
     """
 
     beams: int
-    eos_id: int
+    eos_id: int | None
     alpha: float
     reorder_cache: ReorderCache | None
 
@@ -520,7 +566,9 @@ def _initial_beam_state(
     )
 
 
-def _top_candidates(state: _BeamState, log_probs: jax.Array, eos_id: int) -> _Candidates:
+def _top_candidates(
+    state: _BeamState, log_probs: jax.Array, eos_id: int | None
+) -> _Candidates:
     """The best 2 * beam continuations of the alive beams, written at position state.step. Each
     parent adds at most one EOS, so at least `beam` of them stay for the alive set.
 
@@ -533,7 +581,7 @@ def _top_candidates(state: _BeamState, log_probs: jax.Array, eos_id: int) -> _Ca
     parent, token = top_index // vocab, (top_index % vocab).astype(jnp.int32)
     seqs = jnp.take_along_axis(state.live_seqs, parent[:, :, None], axis=1)
     seqs = jax.lax.dynamic_update_slice(seqs, token[:, :, None], (0, 0, state.step))
-    return _Candidates(top_log_probs, parent, seqs, token == eos_id)
+    return _Candidates(top_log_probs, parent, seqs, _is_eos(token, eos_id))
 
 
 def _alive_beams(
@@ -699,7 +747,7 @@ def _beam_search(
     *,
     beam_size: int,
     max_new_tokens: int,
-    eos_id: int,
+    eos_id: int | None,
     pad_id: int,
     alpha: float,
     ends: tuple[int, ...],
@@ -730,7 +778,7 @@ def beam_search(
     *,
     beam_size: int,
     max_new_tokens: int,
-    eos_id: int,
+    eos_id: int | None,
     pad_id: int = 0,
     alpha: float = 0.6,
     max_new_per_row: jax.Array | None = None,
@@ -754,6 +802,7 @@ def beam_search(
     _check_common(initial_logits, max_new_tokens, eos_id, pad_id, max_new_per_row)
     DecodeConfig("beam", max_new_tokens, beam_size=beam_size, alpha=alpha,
                  cache_segments=cache_segments)
+    check_cache_rows(cache, len(initial_logits), max_new_tokens, grow_cache)
     return _beam_search(
         tokens_to_logits, initial_logits, cache, max_new_per_row, beam_size=beam_size,
         max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id, alpha=float(alpha),
@@ -770,7 +819,7 @@ def decode(
     config: DecodeConfig,
     *,
     max_new_tokens: int,
-    eos_id: int,
+    eos_id: int | None,
     pad_id: int = 0,
     max_new_per_row: jax.Array | None = None,  # [batch]
     grow_cache: GrowCache | None = None,
