@@ -121,3 +121,80 @@ def test_random_sigkills_inside_steps_and_saves_end_in_the_uninterrupted_state(t
     strip = lambda rs: [{k: v for k, v in r.items() if not k.endswith(("_per_second", "mfu"))}
                         for r in rs]
     assert strip(records) == strip(expected)
+
+
+# The child's config as ./launch.sh flags: a truncated checkpoint is a user's experience at the
+# console, so these runs go through launch.sh and tfm.main, as a user's would.
+LAUNCH_FLAGS = [
+    "--config.model.d_model=32", "--config.model.num_heads=2", "--config.model.d_ff=64",
+    "--config.model.num_encoder_layers=1", "--config.model.num_decoder_layers=1",
+    "--config.data.batch_size=16", "--config.data.seq_len=12", "--config.data.train_lengths=(1,6)",
+    "--config.data.eval_lengths=(7,9)", "--config.data.num_train_examples=512",
+    "--config.data.num_eval_examples=16", "--config.train.num_steps=4",
+    "--config.train.log_every=2", "--config.train.eval_every=4",
+    "--config.train.checkpoint_every=2", "--config.train.max_to_keep=3",
+    "--config.train.progress_bar=False",
+    "--config.optimizer.total_steps=16", "--config.optimizer.warmup_steps=1",
+    "--config.eval.splits=('validation',)", "--config.eval.max_generation_examples=8",
+]
+
+
+def launch_train(workdir: Path, data_dir: Path, cache_dir: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHON": sys.executable, "JAX_COMPILATION_CACHE_DIR": str(cache_dir),
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    return subprocess.run(
+        [str(REPO / "launch.sh"), "train", "configs/synthetic_seq2seq.py:runlocal",
+         "--workdir", str(workdir), f"--config.data.data_dir={data_dir}", *LAUNCH_FLAGS],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
+    )
+
+
+def truncate_arrays(step_dir: Path) -> None:
+    """Cuts every array file of a checkpoint step in half, as a full disk or a copy cut short
+    would."""
+    files = list(step_dir.glob("state/ocdbt.process_*/d/*"))
+    assert files, step_dir
+    for path in files:
+        os.truncate(path, path.stat().st_size // 2)
+
+
+def test_truncated_checkpoints_are_reported_in_a_few_lines(tmp_path):
+    """A truncated newest step: training resumes from the step before, says so in one line per
+    unreadable step (the reason in one line, where the step was moved: never deleted), and no
+    tensorstore spec reaches the console (it was ~1,300 lines of "Exception ignored in:
+    <coroutine object _read_array_index_and_device_put>"). Every step unreadable: one error
+    naming each step tried and what to do, nothing moved."""
+    data_dir, cache_dir, workdir = tmp_path / "data", tmp_path / "jax_cache", tmp_path / "run"
+    checkpoints = workdir / "checkpoints"
+    first = launch_train(workdir, data_dir, cache_dir)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert sorted(int(p.name) for p in checkpoints.iterdir()) == [2, 4]
+    truncate_arrays(checkpoints / "4")
+    truncated_files = sorted(p.relative_to(checkpoints / "4")
+                             for p in (checkpoints / "4").rglob("*"))
+
+    resumed = launch_train(workdir, data_dir, cache_dir)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    log = resumed.stderr
+    assert "Exception ignored" not in log and "TensorStore" not in log, log[-3000:]
+    assert len(log.splitlines()) <= 6, log
+    [warning] = [line for line in log.splitlines() if "could not be read" in line]
+    moved = workdir / "checkpoints_corrupt" / "4"
+    assert "checkpoint step 4 could not be read (ValueError: OUT_OF_RANGE: Error reading" in warning
+    assert f"training resumes from step 2, and step 4 was moved to {moved}" in warning
+    assert sorted(p.relative_to(moved) for p in moved.rglob("*")) == truncated_files
+    assert sorted(int(p.name) for p in checkpoints.iterdir()) == [2, 4]  # step 4 trained again
+
+    for step_dir in checkpoints.iterdir():
+        truncate_arrays(step_dir)
+    failed = launch_train(workdir, data_dir, cache_dir)
+    assert failed.returncode == 1
+    log = failed.stderr
+    assert "Exception ignored" not in log and "TensorStore" not in log, log[-3000:]
+    assert len(log.splitlines()) <= 8, log
+    assert f"no checkpoint in {checkpoints} could be read" in log
+    for step in (4, 2):
+        assert f"  step {step}: ValueError: OUT_OF_RANGE: Error reading" in log
+    assert "--workdir" in log
+    assert sorted(int(p.name) for p in checkpoints.iterdir()) == [2, 4]  # nothing moved

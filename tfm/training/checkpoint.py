@@ -35,7 +35,13 @@ metrics.silence_absl_message("Requested `tracked_metric`; did not provide metric
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint exists but cannot be read (corrupt, incomplete, or not ours)."""
+    """A checkpoint exists but cannot be read (corrupt, incomplete, or not ours). `step` is the
+    unreadable step (None when the error covers several) and `reason` its cause in one line."""
+
+    def __init__(self, message: str, *, step: int | None = None, reason: str = "") -> None:
+        super().__init__(message)
+        self.step = step
+        self.reason = reason
 
 
 def first_line(error: BaseException, limit: int = 300) -> str:
@@ -45,10 +51,49 @@ def first_line(error: BaseException, limit: int = 300) -> str:
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
+def read_failure(error: BaseException, limit: int = 240) -> str:
+    """'Type: first line' of the innermost cause of a failed read: orbax wraps tensorstore's
+    error (e.g. 'ValueError: OUT_OF_RANGE: Error reading "params/w/0.0" ...') in one whose first
+    line names only an array index."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    return f"{type(error).__name__}: {first_line(error, limit)}"
+
+
+def no_readable_step_error(directory: Any, failures: Sequence[CheckpointError]) -> CheckpointError:
+    """The error for a run none of whose checkpoints (in `directory`, a run's workdir/checkpoints)
+    restores: each step tried with its reason, and what to do (nothing was moved or deleted)."""
+    workdir = Path(os.fspath(directory)).parent
+    tried = "".join(f"\n  step {error.step}: {error.reason}" for error in failures)
+    return CheckpointError(
+        f"no checkpoint in {directory} could be read (corrupt or incomplete?); tried:{tried}\n"
+        f"Nothing was moved or deleted. To start afresh, train with another --workdir (or move "
+        f"{workdir} aside); to resume from an older step, move the unreadable step folders out "
+        f"of {directory}."
+    )
+
+
+def _is_abandoned_orbax_read(unraisable: Any) -> bool:
+    """An orbax read coroutine left suspended by a failed restore, closed when garbage
+    collected: its `except BaseException` turns the GeneratorExit of close() into an Exception
+    carrying tensorstore's whole spec (some 60 lines), which Python reports as
+    "Exception ignored in: <coroutine object _read_array_index_and_device_put ...>"."""
+    code = getattr(getattr(unraisable, "object", None), "cr_code", None)
+    error = unraisable.exc_value
+    return (
+        code is not None
+        and f"{os.sep}orbax{os.sep}" in code.co_filename
+        and isinstance(getattr(error, "__cause__", None), GeneratorExit)
+    )
+
+
 def _ignore_reads_finishing_after_a_failure() -> None:
     """After a failed restore, orbax closes its event loop while tensorstore's other reads are
-    still in flight; each then reports "RuntimeError: Event loop is closed" through
-    sys.unraisablehook, a traceback apiece on the console. They are harmless: drop just those."""
+    still in flight; each then reports "RuntimeError: Event loop is closed", or, once collected,
+    an abandoned read coroutine's error (see _is_abandoned_orbax_read), through
+    sys.unraisablehook: a traceback apiece, some 1,300 lines on the console for one truncated
+    file. They are harmless (the restore has already failed with the first error): drop just
+    those. Installed before each restore, since the collection may come at any later time."""
     previous = sys.unraisablehook
     if getattr(previous, "tfm_ignores_closed_loop", False):
         return
@@ -56,6 +101,8 @@ def _ignore_reads_finishing_after_a_failure() -> None:
     def hook(unraisable: Any) -> None:
         error = unraisable.exc_value
         if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+            return
+        if _is_abandoned_orbax_read(unraisable):
             return
         previous(unraisable)
 
@@ -217,14 +264,16 @@ class Checkpointer:
         return step, self.directory / str(step)
 
     def _restore(self, step: int, path: epath.Path, items: dict[str, Any]) -> Any:
+        _ignore_reads_finishing_after_a_failure()
         try:
             return self._manager.restore(step, args=ocp.args.Composite(**items))
         except Exception as error:  # orbax/tensorstore raise many kinds; name the place
-            _ignore_reads_finishing_after_a_failure()
+            reason = read_failure(error)
             raise CheckpointError(
-                f"checkpoint {path} could not be read (corrupt or incomplete?): "
-                f"{type(error).__name__}: {first_line(error)}. Other steps in "
-                f"{self.directory}: {[s for s in self.all_steps() if s != step]}"
+                f"checkpoint {path} could not be read (corrupt or incomplete?): {reason}. "
+                f"Other saved steps (not checked) in {self.directory}: "
+                f"{[s for s in self.all_steps() if s != step]}",
+                step=step, reason=reason,
             ) from error
 
     def set_aside(self, step: int) -> Path:

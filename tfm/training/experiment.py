@@ -825,7 +825,7 @@ def restore_newest_readable(
 ) -> TrainState:
     """The newest checkpoint that restores. Unreadable newer steps (a crash of the disk, a
     truncated file) are moved aside, never deleted, with a warning naming each; if no step
-    restores, the newest one's CheckpointError is raised and nothing is moved."""
+    restores, one CheckpointError lists every step tried and nothing is moved."""
     steps = sorted(checkpointer.all_steps(), reverse=True)
     errors: list[tuple[int, checkpoint.CheckpointError]] = []
     for step in steps:
@@ -838,16 +838,15 @@ def restore_newest_readable(
             if jax.process_index() == 0:
                 moved = checkpointer.set_aside(bad_step)
                 logger.warning(
-                    "checkpoint step %d could not be read (%s: %s); training resumes from step "
-                    "%d, and step %d was moved to %s", bad_step,
-                    type(error.__cause__).__name__, checkpoint.first_line(error.__cause__, 160),
-                    step, bad_step, moved,
+                    "checkpoint step %d could not be read (%s); training resumes from step "
+                    "%d, and step %d was moved to %s", bad_step, error.reason, step, bad_step,
+                    moved,
                 )
         if errors and jax.process_count() > 1:
             multihost_utils.sync_global_devices("tfm.training.train: unreadable checkpoints moved")
             checkpointer.reload()
         return state
-    raise errors[0][1]
+    raise checkpoint.no_readable_step_error(checkpointer.directory, [e for _, e in errors])
 
 
 def make_checkpointer(experiment: Experiment) -> checkpoint.Checkpointer:
