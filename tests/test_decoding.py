@@ -828,15 +828,13 @@ def test_eos_id_is_a_token_or_none():
 def test_a_cache_of_another_batch_is_one_clear_error():
     """A cache built for 3 rows decoding 2: one error naming the leaf, both batch sizes and
     what to build, for every algorithm (not an error from inside the model's vmap)."""
-    calls = {
-        "greedy": lambda cache: greedy(CHAIN_MODEL, INITIAL, cache, max_new_tokens=3,
-                                       eos_id=EOS),
-        "sample": lambda cache: sample(CHAIN_MODEL, INITIAL, cache, KEY, max_new_tokens=3,
-                                       eos_id=EOS),
-        "beam": lambda cache: beam_search(CHAIN_MODEL, INITIAL, cache, beam_size=2,
-                                          max_new_tokens=3, eos_id=EOS),
-    }
-    for name, call in calls.items():
+    calls = (
+        lambda cache: greedy(CHAIN_MODEL, INITIAL, cache, max_new_tokens=3, eos_id=EOS),
+        lambda cache: sample(CHAIN_MODEL, INITIAL, cache, KEY, max_new_tokens=3, eos_id=EOS),
+        lambda cache: beam_search(CHAIN_MODEL, INITIAL, cache, beam_size=2, max_new_tokens=3,
+                                  eos_id=EOS),
+    )
+    for call in calls:
         with pytest.raises(ValueError, match=(
                 r"^cache\['last'\] has shape \(3,\), but every cache leaf needs the batch of "
                 r"initial_logits, 2, on axis 0: build the cache for 2 rows")):
