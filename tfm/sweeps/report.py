@@ -489,7 +489,9 @@ def _plot_lengths(lengths: Sequence[int], rows: Sequence[dict], fields: Sequence
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="./launch.sh report", description=__doc__.splitlines()[0])
+    # The docstring's first paragraph: its first sentence spans two lines.
+    parser = argparse.ArgumentParser(prog="./launch.sh report",
+                                     description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("root", help="the sweep's root folder (holds sweep.json or run folders)")
     parser.add_argument("--metrics", default=None,
                         help="comma-separated metric names (default: every eval_* metric)")
