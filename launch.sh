@@ -4,19 +4,18 @@ set -euo pipefail
 
 usage() {
   cat <<'EOF'
-usage: ./launch.sh COMMAND CONFIG[:ARG] [--workdir DIR] [--config.FIELD=VALUE ...] [options]
+usage: ./launch.sh COMMAND [CONFIG[:ARG]] [--workdir DIR] [--config.FIELD=VALUE ...] [options]
+       ./launch.sh COMMAND --help     (that command's options; train CONFIG --help: CONFIG's fields)
 
 commands:
   train     train CONFIG, resuming from DIR's latest checkpoint if there is one
   eval      metrics on the eval splits from DIR's latest checkpoint (--step N for another)
   generate  text in, text out from a checkpoint: --prompt "TEXT" (repeatable) or stdin lines;
             or from a Hugging Face folder: ./launch.sh generate --pretrained DIR --prompt "TEXT"
-            [--max_new_tokens N] [--prompt_ids] (fine-tune one: --config.init.pretrained=DIR)
   average   average the last K checkpoints (--last_k 5) into a new workdir (--output DIR)
-  compile   compile CONFIG's train step for a machine you need not have: --target v5e-8
-            (v4-8, v5p-8, v5e-4, v5e-256, v6e-8, h100-8, a100-8, cpu) [--json FILE]; per-chip
-            memory, FLOPs, traffic and roofline MFU; exits 1 if it does not fit
-            (TPU: pip install -e ".[tpu]"; GPU: pip install -e ".[gpu]")
+  compile   compile CONFIG's train step for a machine you need not have: --target NAME
+            (compile --help lists them) [--json FILE]; per-chip memory, FLOPs, traffic and
+            roofline MFU; exits 1 if it does not fit
   data      ./launch.sh data multi30k: download Multi30k into data/multi30k/ (what
             configs/translate.py reads); offline it says where to put the files
   sweep     train every run of CONFIG's get_sweep(ARG), one workdir each (resumable):
@@ -24,12 +23,23 @@ commands:
   report    ./launch.sh report ROOT [--metrics a,b] [--x FIELD]: table (mean ± std over
             seeds; .md, .csv, .json) and PNG plots of a sweep
 
-eval options: --step N; --eval_seq_len 64,128,256 evaluates at those row lengths
-
 CONFIG is a file in configs/; ARG picks a variant (configs/char_lm.py:runlocal).
 Override any field: --config.model.position_scheme=rope --config.train.num_steps=500
-Default workdir: workdirs/<config>[_<arg>]. Relative paths (CONFIG, DIR, data paths in
-configs) are relative to the repository root, wherever launch.sh is called from.
+
+Default workdir: workdirs/<config>[_<arg>] plus +<field>=<value> for each --config override,
+in command-line order (the field's last name, its dotted path when two share one; a path
+value as its file stem; characters other than A-Za-z0-9._- become _; a name over 100
+characters is cut and ends in an 8-digit hash). Overrides that do not change what is trained
+(generate.*, eval.*, train.progress_bar, log_every, tracker, compilation_cache_dir,
+profile_*, async_checkpoints) are left out.
+--workdir DIR to continue a run under other settings.
+E.g. char_lm.py:runlocal --config.model.position_scheme=alibi trains in
+workdirs/char_lm_runlocal+position_scheme=alibi.
+
+eval, generate and average use the config the run saved (DIR/config.json): CONFIG may be
+left out (./launch.sh generate --workdir DIR --prompt "TEXT"); --config.FIELD=VALUE still
+overrides it. Relative paths (CONFIG, DIR, data paths in configs) are relative to the
+repository root, wherever launch.sh is called from.
 
 multi-process (local test of a multi-host run; on clusters see README "Scaling"):
   --num_processes N          start N local processes joined by jax.distributed
@@ -38,6 +48,7 @@ multi-process (local test of a multi-host run; on clusters see README "Scaling")
 examples:
   ./launch.sh train configs/synthetic_seq2seq.py
   ./launch.sh generate configs/synthetic_seq2seq.py --prompt 31415
+  ./launch.sh generate --workdir workdirs/char_lm_runlocal --prompt ROMEO
   ./launch.sh train configs/char_lm.py:runlocal --config.model.position_scheme=alibi
   ./launch.sh sweep configs/synthetic_lm.py:runlocal --seeds 0,1 --parallel 2
   ./launch.sh report workdirs/sweeps/synthetic_lm_runlocal
@@ -45,15 +56,18 @@ EOF
 }
 
 if [[ $# -eq 1 && ( $1 == -h || $1 == --help || $1 == help ) ]]; then usage; exit 0; fi
-if [[ $# -lt 2 ]]; then
+if [[ $# -eq 0 ]]; then
   echo "launch.sh: expected a COMMAND and a CONFIG" >&2; usage >&2; exit 2
+fi
+if [[ $# -lt 2 ]]; then
+  echo "launch.sh: expected a COMMAND and a CONFIG (or --workdir DIR for eval, generate, average); see ./launch.sh --help" >&2
+  exit 2
 fi
 command=$1; config=$2; shift 2
 if [[ $command == sweep || $command == report ]]; then  # many runs: no devices here
   cd "$(dirname "$0")"
   exec "${PYTHON:-python}" -m "tfm.sweeps.$command" "$config" "$@"  # --help: their own options
 fi
-if [[ $config == -h || $config == --help ]]; then usage; exit 0; fi
 if [[ $command == data ]]; then  # not an experiment: DATASET instead of CONFIG, no devices
   cd "$(dirname "$0")"
   exec "${PYTHON:-python}" -m tfm.data.download "$config" "$@"
@@ -85,14 +99,23 @@ cd "$(dirname "$0")"
 # Compiling for a GPU without one: the CUDA plugin registers only when told not to check the
 # (absent) driver, before jax starts.
 if [[ "$command" == compile ]]; then export JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1; fi
+# CONFIG is optional for the commands on a run (eval, generate, average: the run's saved
+# config); an option in its place is the first of the options.
+if [[ $config == -* ]]; then set -- "$config" "$@"; config=""; fi
+help=false
+for arg in "$@"; do [[ $arg == -h || $arg == --help ]] && help=true; done
 config_file=${config%%:*}
-if [[ ! -f $config_file ]]; then
+if [[ -n $config && ! -f $config_file ]]; then
   echo "launch.sh: config file '$config_file' not found (expected e.g. configs/char_lm.py[:ARG])" >&2
+  exit 2
+fi
+if [[ -z $config && $help == false && ( $command == train || $command == compile ) ]]; then
+  echo "launch.sh: $command needs a CONFIG (e.g. configs/char_lm.py:runlocal); see ./launch.sh $command --help" >&2
   exit 2
 fi
 
 needs_value() {  # needs_value NUM_ARGS_LEFT OPTION
-  if [[ $1 -lt 2 ]]; then echo "launch.sh: $2 needs a value" >&2; usage >&2; exit 2; fi
+  if [[ $1 -lt 2 ]]; then echo "launch.sh: $2 needs a value; see ./launch.sh $command --help" >&2; exit 2; fi
 }
 
 num_processes=1; devices_per_process=1; args=()
@@ -118,7 +141,7 @@ python=${PYTHON:-python}
 inherited_xla_flags=$(sed 's/--xla_force_host_platform_device_count=[0-9]*//g' <<<"${XLA_FLAGS:-}")
 if [[ $num_processes -eq 1 ]]; then
   export XLA_FLAGS="--xla_force_host_platform_device_count=$devices_per_process $inherited_xla_flags"
-  exec "$python" -m tfm.main "$command" --config="$config" "${args[@]}"
+  exec "$python" -m tfm.main "$command" ${config:+--config="$config"} "${args[@]}"
 fi
 
 # N local processes as one multi-host run: process 0 is the coordinator.

@@ -4,8 +4,10 @@ would run it."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -34,16 +36,208 @@ def test_no_arguments_prints_usage():
     result = launch()
     assert result.returncode == 2
     assert "expected a COMMAND and a CONFIG" in result.stderr
-    assert "usage: ./launch.sh COMMAND CONFIG" in result.stderr
+    assert "usage: ./launch.sh COMMAND [CONFIG[:ARG]]" in result.stderr
 
 
-@pytest.mark.parametrize("args", [("--help",), ("-h",), ("train", "--help")])
+@pytest.mark.parametrize("args", [("--help",), ("-h",)])
 def test_help_exits_zero(args):
     result = launch(*args)
     assert result.returncode == 0
     assert "usage: ./launch.sh" in result.stdout
     for command in ("train", "eval", "generate", "average"):
         assert f"\n  {command} " in result.stdout
+    assert "--workdir DIR to continue a run under other settings" in result.stdout
+    assert "workdirs/char_lm_runlocal+position_scheme=alibi" in result.stdout
+
+
+@pytest.mark.parametrize("command", ["train", "eval", "generate", "average", "compile"])
+def test_each_command_has_its_own_help(command):
+    """`COMMAND --help`: that command's usage and options, not the global list."""
+    result = launch(command, "--help")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.startswith(f"usage: ./launch.sh {command} ")
+    others = {"train", "eval", "generate", "average", "compile"} - {command}
+    assert not any(f"usage: ./launch.sh {other}" in result.stdout for other in others)
+    assert "\ncommands:" not in result.stdout
+    if command == "compile":
+        from tfm.training.compile_report import TARGETS
+
+        targets = next(line for line in result.stdout.splitlines() if line.startswith("targets:"))
+        assert targets == "targets: " + ", ".join(TARGETS)
+        assert "h100-8" in targets and "a100-8" in targets
+    if command == "train":
+        assert "--workdir DIR to continue a run under other settings" in result.stdout
+    if command in ("eval", "generate", "average"):
+        assert "DIR/config.json" in result.stdout
+
+
+def test_train_config_help_lists_fields_with_values_and_docs():
+    result = launch("train", "configs/char_lm.py:runlocal", "--config.model.d_model=96", "--help")
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("usage: ./launch.sh train ")
+    for section in ("model:", "data:", "optimizer:", "train:", "eval:", "generate:"):
+        assert section in lines
+    assert "  d_model = 96" in lines  # the override applied
+    max_len = next(line for line in lines if line.startswith("  max_len = "))
+    assert "only bounds `learned` positions" in max_len  # the field's comment in ModelConfig
+    kind = next(line for line in lines if line.startswith("  kind = 'text'"))
+    assert '"synthetic" | "text" | "parallel" | "tfds"' in kind  # data's docstring field list
+    grad_clip = next(line for line in lines if line.startswith("  grad_clip_norm = "))
+    assert "0 = no clipping" in grad_clip  # optim.DEFAULTS' comment
+
+
+def test_report_help_is_not_cut_mid_sentence():
+    result = launch("report", "--help")
+    assert result.returncode == 0
+    assert "or folder of runs." in " ".join(result.stdout.split())
+
+
+@pytest.mark.parametrize("args", [
+    ("generate", "configs/char_lm.py", "--prompt_ids", "5 6 7"),
+    ("train", "configs/synthetic_lm.py", "--no_such_flag"),
+    ("eval", "configs/synthetic_lm.py", "--step=x"),
+])
+def test_usage_error_is_one_line_and_a_pointer_to_help(args):
+    result = launch(*args)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 2, result.stderr
+    assert lines[1] == f"see ./launch.sh {args[0]} --help"
+
+
+def test_prompt_ids_with_a_value_names_the_switch():
+    result = launch("generate", "configs/char_lm.py", "--prompt_ids", "5 6 7")
+    assert result.stderr.splitlines()[0] == (
+        "tfm.main generate: --prompt_ids is a switch and takes no value (--prompt_ids or "
+        "--noprompt_ids); got '5 6 7' after it")
+
+
+# ------------------------------------------------------------------ default workdir names
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    ([], "char_lm_runlocal"),
+    ([("model.position_scheme", "alibi")], "char_lm_runlocal+position_scheme=alibi"),
+    ([("data.path", "/x/my_corpus.txt"), ("train.num_steps", "500")],
+     "char_lm_runlocal+path=my_corpus+num_steps=500"),
+    # what does not change what is trained stays out of the name
+    ([("generate.max_new_tokens", "40"), ("eval.splits", "('test',)"),
+      ("train.progress_bar", "false"), ("train.log_every", "5"), ("model.d_model", "96")],
+     "char_lm_runlocal+d_model=96"),
+    # two fields with one last name: their dotted paths
+    ([("train.seed", "1"), ("model.d_ff", "64"), ("data.seed", "2")],
+     "char_lm_runlocal+train.seed=1+d_ff=64+data.seed=2"),
+    ([("data.train_lengths", "(1, 8)")], "char_lm_runlocal+train_lengths=1_8"),
+])
+def test_default_workdir_names_the_overrides(overrides, expected):
+    from tfm import main
+
+    assert main.default_workdir("configs/char_lm.py:runlocal", overrides) == Path(
+        "workdirs", expected)
+
+
+def test_default_workdir_of_many_overrides_is_cut_with_a_hash():
+    from tfm import main
+
+    many = [(f"model.field_{i}", "x" * 20) for i in range(8)]
+    name = main.default_workdir("configs/char_lm.py:runlocal", many).name
+    other = main.default_workdir("configs/char_lm.py:runlocal", [*many[:-1], ("model.f", "y")])
+    assert len(name) == 100 and re.fullmatch(r".*-[0-9a-f]{8}", name)
+    assert name != other.name and name[:90] == other.name[:90]
+
+
+def test_config_overrides_reads_both_flag_forms_in_order():
+    from tfm import main
+
+    argv = ["tfm.main", "train", "--config=configs/x.py", "--config.model.d_model=64",
+            "--config.train.seed", "3", "--config.train.progress_bar", "--workdir=w"]
+    assert main.config_overrides(argv) == [
+        ("model.d_model", "64"), ("train.seed", "3"), ("train.progress_bar", "true")]
+
+
+def test_train_prints_its_default_workdir_first(tmp_path):
+    """The workdir is the first line of train (here a config that fails at once)."""
+    config = tiny_config(tmp_path)
+    result = launch("train", str(config), "--config.model.num_heads=3", cwd=tmp_path)
+    assert result.stdout.splitlines()[0] == "workdir: workdirs/tiny+num_heads=3"
+
+
+# ---------------------------------------------------------------- commands on a run's config
+
+
+def test_saved_config_reads_config_json_as_an_overridable_config(tmp_path):
+    from tfm import saved_config
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model": {"d_model": 32, "attention_backend": "splash", "head_dim": None},
+        "data": {"kind": "text", "path": "x.txt", "train_lengths": [1, 6],
+                 "features": None},
+        "logical_axis_rules": [["embed", None]],
+        "vocabulary": {"size": 65},  # what a newer run may save besides the config
+    }))
+    config = saved_config.get_config(str(tmp_path))
+    assert sorted(config) == ["data", "logical_axis_rules", "model"]
+    assert config.data.train_lengths == (1, 6) and config.logical_axis_rules == (("embed", None),)
+    assert config.model.attention_backend == "auto"  # resolved per platform again
+    config.model.head_dim = 8  # a None field stays overridable
+    with pytest.raises(saved_config.NoSavedConfig, match="has no config.json"):
+        saved_config.get_config(str(tmp_path / "none"))
+
+
+def test_commands_on_a_run_take_its_saved_config(tmp_path, monkeypatch, capsys):
+    """eval/generate/average: the workdir's config.json replaces CONFIG (given or not), the
+    --config overrides stay; the default workdir is CONFIG's."""
+    from tfm import main
+
+    monkeypatch.chdir(tmp_path)
+    run = Path("workdirs/tiny+num_steps=24")
+    run.mkdir(parents=True)
+    (run / "config.json").write_text("{}")
+    argv = ["tfm.main", "generate", "--config=configs/tiny.py", "--config.train.num_steps=24",
+            "--config.generate.max_new_tokens=4", "--prompt=12"]
+    assert main.with_saved_config(argv) == [
+        "tfm.main", "generate", "--config.train.num_steps=24",
+        "--config.generate.max_new_tokens=4", "--prompt=12",
+        f"--config={main.SAVED_CONFIG}:{run}", f"--workdir={run}"]
+    assert "using the run's saved config workdirs/tiny+num_steps=24/config.json" in (
+        capsys.readouterr().err)
+    without = ["tfm.main", "eval", "--workdir", str(run)]
+    assert main.with_saved_config(without) == [
+        "tfm.main", "eval", f"--config={main.SAVED_CONFIG}:{run}", f"--workdir={run}"]
+    old_run = ["tfm.main", "eval", "--config=configs/tiny.py", "--workdir=elsewhere"]
+    assert main.with_saved_config(old_run) == old_run  # no config.json: CONFIG as given
+
+
+def test_command_on_a_workdir_without_a_run_is_one_line(tmp_path):
+    result = launch("generate", "--workdir", str(tmp_path / "none"), "--prompt", "12")
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        f"tfm.main generate: {tmp_path / 'none'} has no config.json: no training run there; "
+        "train one, or give the run's CONFIG"]
+
+
+# ------------------------------------------------------------------------------- compile
+
+
+def test_no_tpu_startup_noise_on_a_host_without_tpus(monkeypatch):
+    from tfm import main
+
+    for name in ("TPU_WORKER_HOSTNAMES", "TPU_HOST_BOUNDS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr("glob.glob", lambda pattern: [])  # no Google PCI device
+    main.no_tpu_startup_noise()
+    assert os.environ["TPU_WORKER_HOSTNAMES"] == "localhost"
+    assert os.environ["TPU_HOST_BOUNDS"] == "1,1,1"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs libtpu ([tpu])")
+def test_compile_for_a_tpu_prints_no_libtpu_startup_errors(tmp_path):
+    result = launch("compile", str(tiny_config(tmp_path)), "--target", "v5e-8",
+                    "--workdir", str(tmp_path / "run"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "TPU_WORKER_HOSTNAMES" not in result.stderr and "E0000" not in result.stderr
+    assert "target v5e-8" in result.stdout
 
 
 def test_unknown_command_is_named():
@@ -167,6 +361,9 @@ def test_synthetic_lm_train_generate_average_eval(tmp_path):
     trained = launch("train", str(config), "--workdir", str(workdir),
                      "--config.train.num_steps=24", env=env)
     assert trained.returncode == 0, trained.stderr[-3000:]
+    assert trained.stdout.splitlines()[0] == f"workdir: {workdir}"
+    if len(os.sched_getaffinity(0)) > 1:  # the hint names a train flag: train only
+        assert "training on 1 CPU device" in trained.stderr
     final = json.loads(trained.stdout[trained.stdout.index("{"):])
     assert final["step"] == 24 and final["workdir"] == str(workdir)  # the override applied
     losses = [r["train_loss"] for r in metrics.read_metrics(workdir) if "train_loss" in r]
@@ -176,9 +373,12 @@ def test_synthetic_lm_train_generate_average_eval(tmp_path):
     with checkpoint.Checkpointer(workdir / "checkpoints") as checkpointer:
         assert checkpointer.all_steps() == [8, 16, 24]
 
-    generated = launch("generate", str(config), "--workdir", str(workdir),
+    # No CONFIG: the run's config.json (with the override num_steps=24 in it).
+    generated = launch("generate", "--workdir", str(workdir),
                        "--prompt", "123", "--prompt", "4051", env=env)
     assert generated.returncode == 0, generated.stderr[-3000:]
+    assert f"using the run's saved config {workdir / 'config.json'}" in generated.stderr
+    assert "training on 1 CPU device" not in generated.stderr
     lines = generated.stdout.strip().splitlines()
     assert [line.split("\t")[0] for line in lines] == ["123", "4051"]
     assert all(line.split("\t")[1] == "->" for line in lines)
@@ -198,8 +398,9 @@ def test_synthetic_lm_train_generate_average_eval(tmp_path):
     for got, want in zip(jax.tree.leaves(mean), jax.tree.leaves(expected), strict=True):
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6)
 
-    evaluated = launch("eval", str(config), "--workdir", str(averaged), env=env)
+    evaluated = launch("eval", "--workdir", str(averaged), env=env)  # average copied config.json
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    assert "training on 1 CPU device" not in evaluated.stderr
     results = json.loads(evaluated.stdout[evaluated.stdout.index("{"):])
     assert results["step"] == 24
     assert np.isfinite(results["eval_loss"]) and 0 <= results["eval_exact_match"] <= 100
