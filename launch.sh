@@ -151,10 +151,42 @@ for ((i = 0; i < num_processes; i++)); do
   TFM_COORDINATOR="localhost:$port" TFM_NUM_PROCESSES=$num_processes TFM_PROCESS_ID=$i \
     XLA_FLAGS="--xla_force_host_platform_device_count=$devices_per_process $inherited_xla_flags" \
     JAX_PLATFORMS=${JAX_PLATFORMS:-cpu} \
-    "$python" -m tfm.main "$command" --config="$config" "${args[@]}" &
+    "$python" -m tfm.main "$command" ${config:+--config="$config"} "${args[@]}" &
   pids+=($!)
 done
-trap 'kill -TERM "${pids[@]}" 2>/dev/null' INT TERM
-status=0
-for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
+stopping=0
+trap 'stopping=1; kill -TERM "${pids[@]}" 2>/dev/null' INT TERM
+# A process that dies (SIGKILL, out of memory, a crash) leaves the others blocked in a
+# collective until the coordination service gives up (~100 s) and aborts them with a C++ stack
+# dump: say which one ended, stop the others at once (nothing they hold can be saved without
+# it), and how to resume. Polled, not `wait -n`, which bash < 5.1 (macOS) lacks. Bash's own
+# "line N: PID Killed  TFM_COORDINATOR=... python -m tfm.main ..." notices go to /dev/null (the
+# processes keep the terminal), ours to fd 3.
+exec 3>&2 2>/dev/null
+status=0; running=("${!pids[@]}")
+while [[ ${#running[@]} -gt 0 ]]; do
+  still=()
+  for i in "${running[@]}"; do
+    if kill -0 "${pids[$i]}" 2>/dev/null; then still+=("$i"); continue; fi
+    code=0; wait "${pids[$i]}" || code=$?
+    if [[ $code -eq 0 || $status -ne 0 ]]; then continue; fi
+    status=$code
+    if [[ $stopping -eq 1 ]]; then continue; fi  # interrupted here: each process saves and ends
+    how="exit status $code"
+    if [[ $code -gt 128 ]]; then how="signal $(kill -l $((code - 128)))"; fi
+    again="To retry, run the same command again:"
+    if [[ $command == train ]]; then
+      again="To resume from the last checkpoint, run the same command again:"
+    fi
+    others="the other $((num_processes - 1)) processes"
+    if [[ $num_processes -eq 2 ]]; then others="the other process"; fi
+    echo "launch.sh: process $i (pid ${pids[$i]}) ended with $how; stopped $others. $again$(
+      printf ' %q' ./launch.sh "$command" ${config:+"$config"} "${args[@]}" \
+      --num_processes "$num_processes" --devices_per_process "$devices_per_process")" >&3
+    kill -KILL "${pids[@]}" 2>/dev/null || true
+  done
+  running=("${still[@]+"${still[@]}"}")
+  if [[ ${#running[@]} -gt 0 ]]; then sleep 0.2; fi
+done
+exec 2>&3 3>&-
 exit $status

@@ -21,6 +21,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -142,3 +143,85 @@ def test_two_processes_then_one_then_two(tmp_path):
         assert kernel.addressable_shards[0].data.shape == (4, 64)  # 32 / fsdp=8 rows each
         results = evaluate(experiment, params, compiled_eval)
         assert results["eval_loss"] == pytest.approx(eval_loss[step], rel=1e-5)
+
+
+def test_a_lost_process_is_one_line_naming_it_and_the_resume_command(tmp_path):
+    """SIGKILL of one of two processes once training has saved a checkpoint: launch.sh says at
+    once which process ended and how, stops the other (which otherwise waited ~100 s for the
+    coordination service and aborted with a C++ stack dump), and prints the command that
+    resumes; bash's own "Killed" notices stay off the console."""
+    workdir, data_dir, cache_dir = tmp_path / "run", tmp_path / "data", tmp_path / "jax_cache"
+    overrides = {**OVERRIDES, "data.data_dir": str(data_dir), "train.num_steps": 10_000}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "OMPI_", "TPU_", "TFM_", "XLA_FLAGS"))}
+    env.update(JAX_PLATFORMS="cpu", PYTHON=str(python_wrapper(tmp_path)),
+               JAX_COMPILATION_CACHE_DIR=str(cache_dir))
+    command = [str(REPO / "launch.sh"), "train", "configs/synthetic_seq2seq.py:runlocal",
+               "--num_processes", "2", "--workdir", str(workdir),
+               *(flag(key, value) for key, value in overrides.items())]
+    log_path = tmp_path / "console.log"
+    with open(log_path, "wb") as log_file:
+        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=log_file,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while not (workdir / "checkpoints" / "2").exists():
+            assert proc.poll() is None, log_path.read_text()[-3000:]
+            assert time.monotonic() < deadline, "no checkpoint: " + log_path.read_text()[-3000:]
+            time.sleep(0.5)
+        [lost] = [pid for pid in children(proc.pid) if process_id(pid) == "1"]
+        [survivor] = [pid for pid in children(proc.pid) if process_id(pid) == "0"]
+        killed_at = time.monotonic()
+        os.kill(lost, signal.SIGKILL)
+        proc.wait(timeout=60)
+        took = time.monotonic() - killed_at
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    log = log_path.read_text(errors="replace")
+    assert took < 15, (took, log[-3000:])
+    assert proc.returncode == 128 + signal.SIGKILL
+    assert not alive(survivor)
+    after = log[log.index("launch.sh: process 1"):]
+    assert after.count("\n") == 1, log[-3000:]  # the last line, nothing after it
+    assert after.startswith(
+        f"launch.sh: process 1 (pid {lost}) ended with signal KILL; stopped the other process. "
+        "To resume from the last checkpoint, run the same command again: ./launch.sh train "
+        f"configs/synthetic_seq2seq.py:runlocal --workdir={workdir} ")
+    assert after.rstrip().endswith("--num_processes 2 --devices_per_process 1")
+    for dump in ("Killed", "Check failure", "SIGABRT", "Aborted", "terminate called"):
+        assert dump not in log, log[-3000:]
+
+
+def children(pid: int) -> list[int]:
+    """Pids of the live child processes of `pid` (Linux /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.append(int(stat.parent.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def process_id(pid: int) -> str | None:
+    """The TFM_PROCESS_ID launch.sh gave process `pid`."""
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    for item in environ:
+        if item.startswith(b"TFM_PROCESS_ID="):
+            return item.split(b"=", 1)[1].decode()
+    return None
