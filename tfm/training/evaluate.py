@@ -186,7 +186,8 @@ def _short(text: str, limit: int = 40) -> str:
 def check_prompts(experiment: Experiment, prompts: Sequence[str], *, map_unknown: bool) -> None:
     """Before restoring or compiling anything: raises PromptError (one line) for characters
     outside the vocabulary (unless `map_unknown`) and for prompts past a learned position
-    table; warns when a prompt is longer than the training rows of a scheme that extrapolates."""
+    table; warns (one line, any scheme) when generation runs past the trained rows: an LM's
+    prompt + max_new_tokens past data.seq_len, a translation's source past its training rows."""
     data, mode, config = experiment.data, experiment.mode, experiment.model_config
     decode = experiment.generate.decode_config(mode)
     max_new = experiment.generate.decode.max_new_tokens
@@ -204,6 +205,7 @@ def check_prompts(experiment: Experiment, prompts: Sequence[str], *, map_unknown
             )
     widths = [len(data.encode_prompt(prompt)) for prompt in prompts]
     width, longest = max(widths), prompts[widths.index(max(widths))]
+    number = widths.index(width) + 1
     beam = decode.method == "beam"
     if mode == "seq2seq":
         extra = decode.extra_len  # beam search: at most source length + extra_len tokens
@@ -216,15 +218,26 @@ def check_prompts(experiment: Experiment, prompts: Sequence[str], *, map_unknown
         for what, length in needs.items():
             if length > config.max_len:
                 raise PromptError(
-                    f"prompt {widths.index(width) + 1} {_short(longest)} is {width} tokens; its "
+                    f"prompt {number} {_short(longest)} is {width} tokens; its "
                     f"{what} needs {length} positions, past model.max_len={config.max_len} of "
                     "the learned position table; shorten the prompt"
                     + ("" if mode == "seq2seq" and beam else " or lower generate.max_new_tokens")
                 )
-    elif width > trained:
+    if mode == "seq2seq":
+        if width > trained:
+            reach = ("has positions up to model.max_len, but those past the trained lengths "
+                     "were never trained" if config.scheme.bounded_by_max_len else
+                     "runs at any length, but quality past the trained lengths may drop")
+            logger.warning(
+                "prompt %d %s is %d tokens, longer than the %d of the training rows; "
+                "position_scheme=%r %s", number, _short(longest), width, trained,
+                config.position_scheme, reach,
+            )
+        return
+    if width + max_new > trained:
+        past = min(max_new, width + max_new - trained)  # the generated tokens past the rows
         logger.warning(
-            "prompt %d %s is %d tokens, longer than the %d of the training rows; "
-            "position_scheme=%r runs at any length, but quality past the trained lengths may "
-            "drop", widths.index(width) + 1, _short(longest), width, trained,
-            config.position_scheme,
+            "generating %d tokens past the trained context of %d (data.seq_len): prompt %d %s "
+            "is %d tokens + generate.max_new_tokens=%d; quality may degrade (position_scheme=%r)",
+            past, trained, number, _short(longest), width, max_new, config.position_scheme,
         )
