@@ -83,17 +83,17 @@ DROPOUT_RNGS = ("threefry", "threefry2x32", "rbg", "unsafe_rbg")
 class TrainConfig:
     """The `train` section: the loop's length, logging, evaluation and checkpoint cadence."""
 
-    seed: int = 0
-    num_steps: int = 1000
-    label_smoothing: float = 0.0
-    log_every: int = 50
+    seed: int = 0  # parameter init and dropout (the data's order: data.seed)
+    num_steps: int = 1000  # train steps of the run; an unset optimizer.total_steps follows it
+    label_smoothing: float = 0.0  # epsilon_ls of the loss (paper sec. 5.4: 0.1)
+    log_every: int = 50  # steps between train-metric lines in metrics.jsonl and the tracker
     eval_every: int = 500  # 0 = only at the end
-    checkpoint_every: int = 500
-    max_to_keep: int | None = 3
+    checkpoint_every: int = 500  # steps between checkpoints (the last step is always saved)
+    max_to_keep: int | None = 3  # newest checkpoints kept (None = all; the best is also kept)
     keep_best_metric: str | None = None  # e.g. "eval_loss" or "exact_match": also keep the best
-    best_mode: str = "min"
-    async_checkpoints: bool = True
-    progress_bar: bool = True
+    best_mode: str = "min"  # "min" or "max": which way keep_best_metric is better
+    async_checkpoints: bool = True  # save in the background while training goes on
+    progress_bar: bool = True  # a tqdm bar on the console of process 0
     # The generator of the dropout masks: "threefry" (jax's default generator, hashed in fused
     # elementwise code: tfm.training.prng), "threefry2x32" (the same masks through jax's own,
     # slower lowering), or "rbg" / "unsafe_rbg" (XLA's RngBitGenerator, made for
@@ -122,7 +122,7 @@ class TrainConfig:
     # into S + 1), written to WORKDIR/profile/. None = no trace; start after the first step,
     # which includes compilation, for a representative one.
     profile_start: int | None = None
-    profile_steps: int = 3
+    profile_steps: int = 3  # how many steps the trace covers
     # Every this many steps, per-layer parameter, gradient and update norms, and per-layer,
     # per-head attention entropy and distance on the first eval batch, logged as
     # "diagnostics/..." (tfm/training/diagnostics.py). 0 = off; on, those steps also run one more
@@ -135,7 +135,7 @@ class TrainConfig:
     # What the tracker files the run under: wandb's project and run name (None = the workdir's
     # folder name).
     tracker_project: str = "tfm"
-    tracker_run_name: str | None = None
+    tracker_run_name: str | None = None  # None = the workdir's folder name
 
     def __post_init__(self) -> None:
         check_choice("train.dropout_rng", self.dropout_rng, DROPOUT_RNGS)
