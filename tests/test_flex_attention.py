@@ -252,3 +252,21 @@ def test_under_a_mesh_each_device_runs_its_rows_and_heads_with_their_bias_rows()
     for name, g, w in zip(["q", "k", "v", "table"], jax.tree.leaves(got_grads),
                           jax.tree.leaves(want_grads), strict=True):
         np.testing.assert_allclose(g, w, atol=2e-5, err_msg=name)
+
+
+def test_sharded_inputs_without_the_mesh_set_are_one_clear_error():
+    """Inputs on 8 devices, no mesh set while tracing: one error naming what to add, before
+    any kernel is traced (tests/test_tpu_attention.py runs the whole step both ways)."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from tfm.kernels.per_device import MeshContextError
+    from tfm.parallel import sharding
+
+    mesh = sharding.make_mesh({"data": 8, "fsdp": 1, "tensor": 1})
+    query = jax.device_put(jnp.ones((8, 128, 2, 16), jnp.float32),
+                           NamedSharding(mesh, PartitionSpec("data")))
+    attend = jax.jit(lambda q: kernels.attention(q, q, q, backend="flex",
+                                                 structure=AttentionStructure(causal=True)))
+    with pytest.raises(MeshContextError, match=r"^attention_backend='flex' runs a Pallas kernel"
+                       r".*sharding_context\(mesh\).* or set attention_backend='reference'"):
+        attend(query)

@@ -308,3 +308,23 @@ def test_auto_keeps_the_reference_where_the_mesh_splits_the_vocabulary():
     assert experiment._loss_for_mesh(resolved, "auto", split, rules).loss_backend == "reference"
     assert experiment._loss_for_mesh(resolved, "auto", whole, rules).loss_backend == "fused"
     assert experiment._loss_for_mesh(resolved, "fused", split, rules).loss_backend == "fused"
+
+
+def test_sharded_inputs_without_the_mesh_set_are_one_clear_error():
+    """Rows on 8 devices, no mesh set while tracing: one error naming what to add (on TPU the
+    kernel would fail to lower: "Mosaic kernels cannot be automatically partitioned")."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from tfm.kernels.per_device import MeshContextError
+    from tfm.parallel import sharding
+
+    mesh = sharding.make_mesh({"data": 8, "fsdp": 1, "tensor": 1})
+    hidden, table, bias, targets = _inputs(np.random.default_rng(6), tokens=(8, 40))
+    rows = NamedSharding(mesh, PartitionSpec("data"))
+    hidden, targets = jax.device_put(hidden, rows), jax.device_put(targets, rows)
+    statistics = jax.jit(functools.partial(fce.softmax_statistics, **SMALL_BLOCKS))
+    with pytest.raises(MeshContextError, match=r"^loss_backend='fused' runs a Pallas kernel"
+                       r".*sharding_context\(mesh\).* or set loss_backend='reference'"):
+        statistics(hidden, table, bias, targets)
+    with sharding.sharding_context(mesh):
+        statistics(hidden, table, bias, targets)  # with the mesh set it runs

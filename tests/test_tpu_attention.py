@@ -22,7 +22,7 @@ from attention_cases import (
     random_inputs,
     segments,
 )
-from tiny_model import TINY
+from tiny_model import TINY, TINY_LM
 
 from tfm import kernels
 from tfm.kernels.call import AttentionStructure
@@ -188,3 +188,45 @@ def test_under_a_mesh_kv_heads_the_tensor_axis_cannot_split_stay_with_their_quer
         got = jax.jit(lambda q, k, v: kernels.attention(q, k, v, backend="splash",
                                                         structure=structure))(query, key, value)
     np.testing.assert_allclose(got, want, atol=2e-5)
+
+
+def test_a_sharded_step_without_the_mesh_set_is_one_clear_error():
+    """The user's own step: jax.jit(jax.value_and_grad(loss)) over a batch sharded with
+    NamedSharding on 8 devices, attention_backend="auto" resolved for TPU (splash). Without the
+    mesh set while tracing, the kernel would run unpartitioned (on TPU: "Mosaic kernels cannot
+    be automatically partitioned", from inside Pallas): one error says what to add. Inside
+    sharding_context the same step runs, each device its rows, with the reference's values."""
+    import optax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from tfm.kernels.per_device import MeshContextError
+    from tfm.nn.models import DecoderLM
+    from tfm.parallel import sharding
+
+    config = ModelConfig(**{**TINY_LM, "num_decoder_layers": 1, "max_len": 256,
+                            "position_scheme": "rope"}).for_platform("tpu")
+    assert config.attention_backend == "splash"
+    tokens = jnp.asarray(np.random.default_rng(9).integers(1, 13, (8, 129)), jnp.int32)
+    params = DecoderLM(config).init(jax.random.key(0), tokens[:1, :-1])["params"]
+
+    def loss(config, params, batch):
+        logits = DecoderLM(config).apply({"params": params}, batch[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+
+    mesh = sharding.make_mesh({"data": 8, "fsdp": 1, "tensor": 1})
+    batch = jax.device_put(tokens, NamedSharding(mesh, PartitionSpec("data")))
+    step = jax.jit(jax.value_and_grad(functools.partial(loss, config)))
+    with pytest.raises(MeshContextError, match=(
+            r"^attention_backend='splash' runs a Pallas kernel on each device's share under "
+            r"jax.shard_map, which needs the mesh set while tracing: its inputs live on 8 "
+            r"devices \({'data': 8, 'fsdp': 1, 'tensor': 1}\) but no mesh is set; trace and "
+            r"call the jitted step inside `with tfm.parallel.sharding.sharding_context\(mesh\):`"
+            r".* or set attention_backend='reference'")):
+        step(params, batch)
+    with sharding.sharding_context(mesh):
+        got, got_grads = step(params, batch)
+    want, want_grads = jax.value_and_grad(functools.partial(
+        loss, config.replace(attention_backend="reference")))(params, tokens)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True):
+        np.testing.assert_allclose(g, w, atol=2e-5)

@@ -14,3 +14,5 @@ TINY = dict(
     t5_num_buckets=8,
     t5_max_distance=16,
 )
+# The same sizes for a decoder-only LM (DecoderLM refuses encoder layers it would ignore).
+TINY_LM = {**TINY, "num_encoder_layers": 0}

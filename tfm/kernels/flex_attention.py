@@ -91,7 +91,8 @@ def attention(
         learned=bias is not None and bias.learned,
     )
     params = None if bias is None else bias.params
-    return per_device.run(local, query, key, value, rows, params)
+    return per_device.run(local, query, key, value, rows, params,
+                          backend="attention_backend='flex'")
 
 
 def _maximum(a: Any, b: int) -> Any:  # on Python ints (cost estimates) or traced block ids

@@ -107,7 +107,7 @@ def softmax_statistics(
     vocab_size = table.shape[0]
     bias = jnp.zeros((vocab_size,), jnp.float32) if bias is None else bias.astype(jnp.float32)
     table = table.astype(hidden.dtype)
-    mesh = jax.sharding.get_abstract_mesh()
+    mesh = per_device.context_mesh("loss_backend='fused'", hidden, table, targets)
     if blocks is None:
         blocks = blocks_for(jax.devices()[0].device_kind if mesh.empty
                             else mesh.abstract_device.device_kind)

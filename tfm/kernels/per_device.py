@@ -1,7 +1,12 @@
 """Running a per-device attention kernel (Pallas) over a mesh: under `jax.shard_map`, batch and
 heads split as the layers' logical axis rules say, each device computing its own rows and
 heads; without a mesh, the compiler is picked when lowering: Mosaic for TPU, Triton for GPU,
-Pallas interpret mode elsewhere."""
+Pallas interpret mode elsewhere.
+
+The mesh is the one set around tracing (jax.set_mesh; tfm.parallel.sharding.sharding_context
+sets it with the logical rules). A Mosaic kernel cannot be partitioned by the compiler, so a
+step traced without one over arrays that live on several devices is refused here, with what to
+add (`context_mesh`), rather than deep inside Pallas when it lowers."""
 
 from __future__ import annotations
 
@@ -40,6 +45,35 @@ def block_size(padded: int) -> int:
     return next(size for size in BLOCK_CHOICES if padded % size == 0)
 
 
+class MeshContextError(ValueError):
+    """A per-device kernel is traced over arrays on several devices without the mesh set."""
+
+
+def context_mesh(backend: str, *arrays: Any) -> jax.sharding.AbstractMesh:
+    """The mesh set around tracing (jax.sharding.get_abstract_mesh). Raises MeshContextError
+    when none is set but `arrays` (pytrees) live on several devices: jit's inputs carry their
+    mesh in their types, and without the mesh in context the kernel would run unpartitioned
+    over them (on TPU: "Mosaic kernels cannot be automatically partitioned"). `backend`: the
+    config field and value that chose the kernel, e.g. "attention_backend='splash'"."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty:
+        return mesh
+    for array in jax.tree.leaves(arrays):
+        own = getattr(getattr(jax.typeof(array), "sharding", None), "mesh", None)
+        if own is not None and not own.empty and own.size > 1:
+            sizes = ", ".join(f"{name!r}: {size}"
+                              for name, size in zip(own.axis_names, own.axis_sizes, strict=True))
+            field = backend.split("=")[0]
+            raise MeshContextError(
+                f"{backend} runs a Pallas kernel on each device's share under jax.shard_map, "
+                f"which needs the mesh set while tracing: its inputs live on {own.size} devices "
+                f"({{{sizes}}}) but no mesh is set; trace and call the jitted step inside `with "
+                "tfm.parallel.sharding.sharding_context(mesh):` (jax.set_mesh(mesh) and flax's "
+                f"nn.logical_axis_rules, which say how batch and heads split), or set "
+                f"{field}='reference'")
+    return mesh
+
+
 def run(
     local: Callable[..., jax.Array],
     query: jax.Array,  # [batch, q_len, num_heads, head_dim]
@@ -47,11 +81,15 @@ def run(
     value: jax.Array,  # like key
     rows: Any = None,  # pytree of [batch, length] arrays (segment ids, positions)
     heads: Any = None,  # pytree of [num_heads, ...] arrays (per-head parameters)
+    *,
+    backend: str = "attention_backend",
 ) -> jax.Array:  # [batch, q_len, num_heads, head_dim]
     """local(query, key, value, rows, heads, compiler=...) on every device's share, where
     compiler (COMPILERS) is None when the platform is only known at lowering (no mesh: the
-    kernel picks by jax.lax.platform_dependent, `by_platform`), else the mesh's devices'."""
-    mesh = jax.sharding.get_abstract_mesh()
+    kernel picks by jax.lax.platform_dependent, `by_platform`), else the mesh's devices'.
+    `backend` (e.g. "attention_backend='splash'") names it when no mesh is set over inputs on
+    several devices (`context_mesh`)."""
+    mesh = context_mesh(backend, query, key, value, rows, heads)
     if mesh.empty:
         return local(query, key, value, rows, heads, compiler=None)
     compiler = COMPILER_OF_PLATFORM.get(mesh.abstract_device.platform, "interpret")

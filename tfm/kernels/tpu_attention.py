@@ -55,7 +55,8 @@ def attention(
         segments = None
     local = functools.partial(_attend_local, causal=structure.causal, window=structure.window,
                               scale=scale)
-    return per_device.run(local, query, key, value, segments)
+    return per_device.run(local, query, key, value, segments,
+                          backend="attention_backend='splash'")
 
 
 def _static_mask(
