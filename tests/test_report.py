@@ -160,3 +160,124 @@ def test_a_bad_merge_file_is_one_clear_error(tmp_path, capsys):
     (tmp_path / "other.json").write_text(json.dumps(other))
     assert report.main([str(tmp_path / "sweep"), "--merge", str(tmp_path / "other.json")]) == 2
     assert "has no field model.position_scheme" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------- plots
+
+
+def _rows(values: dict[str, tuple[float, float]], seeds: int = 2) -> list[dict]:
+    return [{"model.position_scheme": scheme, "seeds": seeds, "failed": 0, "eval_metric": value}
+            for scheme, value in values.items()]
+
+
+def _close(figure) -> None:
+    import matplotlib.pyplot as plt
+
+    plt.close(figure)
+
+
+def test_a_rate_is_drawn_in_percent_on_an_axis_from_0_to_100(tmp_path):
+    # The pilot: 7.8% vs 9.4% exact match filled the whole plot (auto-zoomed y axis).
+    rows = [{**row, "eval_test_exact_match": row.pop("eval_metric")}
+            for row in _rows({"rope": (7.8, 1.0), "alibi": (9.4, 0.5)})]
+    figure = report.metric_figure(rows, ["model.position_scheme"], "eval_test_exact_match",
+                                  "model.position_scheme")
+    axes = figure.axes[0]
+    assert axes.get_ylim() == (0.0, 100.0)
+    assert axes.get_ylabel() == "eval_test_exact_match (%)"
+    assert axes.get_xlabel() == "model.position_scheme"
+    assert axes.get_title() == ("eval_test_exact_match by model.position_scheme "
+                                "(mean ± std over 2 seeds)")
+    _close(figure)
+    # Accuracy is logged as a fraction: drawn in percent, on the same 0-100 axis.
+    rows = [{**row, "eval_accuracy": row.pop("eval_metric")}
+            for row in _rows({"rope": (0.85, 0.05), "alibi": (0.75, 0.0)}, seeds=1)]
+    figure = report.metric_figure(rows, ["model.position_scheme"], "eval_accuracy",
+                                  "model.position_scheme", title="Pilot")
+    axes = figure.axes[0]
+    drawn = [line for line in axes.get_lines() if len(line.get_ydata()) == 2][0]
+    assert list(drawn.get_ydata()) == pytest.approx([85.0, 75.0])
+    assert axes.get_ylim() == (0.0, 100.0) and axes.get_ylabel() == "eval_accuracy (%)"
+    assert axes.get_title().startswith("Pilot\n") and "one seed" in axes.get_title()
+    _close(figure)
+
+
+def test_a_loss_keeps_its_own_range_and_says_its_unit():
+    rows = [{**row, "eval_loss": row.pop("eval_metric")}
+            for row in _rows({"rope": (1.8, 0.1), "alibi": (1.9, 0.1)})]
+    figure = report.metric_figure(rows, ["model.position_scheme"], "eval_loss",
+                                  "model.position_scheme")
+    axes = figure.axes[0]
+    assert axes.get_ylabel() == "eval_loss (nats/token)"
+    assert axes.get_ylim()[0] > 1.0  # not a rate: not forced to 0
+    _close(figure)
+
+
+def test_a_curve_has_a_point_per_evaluation_and_a_colour_per_group(tmp_path):
+    runs = fabricated_sweep(tmp_path)
+    rope_0 = runs[0].workdir / "metrics.jsonl"
+    # Evaluated at steps 10, 20 and 30; step 20 logged again after a resume (its last value
+    # counts); training lines in between carry no eval metric.
+    lines = [{"step": 10, "eval_exact_match": 20.0}, {"step": 15, "train_loss": 2.0},
+             {"step": 20, "eval_exact_match": 30.0}, {"step": 20, "eval_exact_match": 40.0},
+             {"step": 30, "eval_exact_match": 90.0}]
+    rope_0.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert report.curve_points(runs[0].workdir, "eval_exact_match") == [
+        (10, 20.0), (20, 40.0), (30, 90.0)]
+    found = report.find_runs(tmp_path)
+    figure = report.curves_figure(found, "eval_exact_match", ["model.position_scheme"])
+    axes = figure.axes[0]
+    by_name = {line.get_label(): line for line in axes.get_lines()}
+    first = by_name[runs[0].name]
+    assert list(first.get_xdata()) == [10, 20, 30]
+    assert list(first.get_ydata()) == [20.0, 40.0, 90.0]
+    assert first.get_marker() == "o"  # few points: each evaluation is visible
+    # The other runs evaluated twice (steps 10 and 20): two points each; alibi seed 2 failed.
+    assert [len(by_name[run.name].get_xdata()) for run in runs[1:5]] == [2, 2, 2, 2]
+    assert runs[5].name not in by_name
+    # One colour per scheme, one line style per seed.
+    rope = [by_name[run.name] for run in runs[:3]]
+    alibi = [by_name[run.name] for run in runs[3:5]]
+    assert len({line.get_color() for line in rope}) == 1
+    assert rope[0].get_color() != alibi[0].get_color()
+    assert len({line.get_linestyle() for line in rope}) == 3
+    assert axes.get_xlabel() == "training step"
+    assert axes.get_ylabel() == "eval_exact_match (%)" and axes.get_ylim() == (0.0, 100.0)
+    assert axes.get_title() == "eval_exact_match during training (a line per run)"
+    _close(figure)
+    assert report.curves_figure(found, "eval_bleu") is None  # nobody logged it
+
+
+def test_every_plot_of_a_report_has_a_title_and_labelled_axes(tmp_path, monkeypatch):
+    runs = fabricated_sweep(tmp_path)
+    for run in runs[:2]:
+        (run.workdir / report.LENGTHS_FILE).write_text(json.dumps(
+            {"64": {"eval_exact_match": 50.0}, "256": {"eval_exact_match": 10.0}}))
+    seen = {}
+
+    def record(figure, path):
+        axes = figure.axes[0]
+        seen[path.name] = (axes.get_title(), axes.get_xlabel(), axes.get_ylabel(),
+                           axes.get_ylim())
+        _close(figure)
+
+    monkeypatch.setattr(report, "_write", record)
+    report.write_report(tmp_path, ["eval_exact_match", "eval_loss"], title="Fabricated")
+    assert sorted(seen) == sorted([
+        "report_eval_exact_match.png", "report_eval_loss.png", "curves_eval_exact_match.png",
+        "curves_eval_loss.png", "curves_train_loss.png",
+        "report_eval_seq_len_eval_exact_match.png"])
+    for name, (title, xlabel, ylabel, ylim) in seen.items():
+        assert title.startswith("Fabricated\n") and xlabel and ylabel, name
+        if "exact_match" in name:
+            assert ylabel.endswith("(%)") and ylim == (0.0, 100.0), name
+        else:
+            assert ylabel.endswith("(nats/token)"), name
+    assert seen["report_eval_seq_len_eval_exact_match.png"][1] == "evaluation length (tokens)"
+
+
+def test_report_help_is_whole_sentences(capsys):
+    with pytest.raises(SystemExit):
+        report.main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "one table and plots for any sweep (tfm.sweeps.sweep) or folder of runs." in out

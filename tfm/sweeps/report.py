@@ -5,12 +5,14 @@ Reads each run's overrides from ROOT/sweep.json (or ROOT/*/sweep_run.json) and i
 ROOT/NAME/metrics.jsonl (the last value of each metric). Runs that differ only in train.seed
 form a group; the table has mean ± std (sample std over seeds) per group. Writes
 ROOT/report.{md,csv,json}, ROOT/report_<metric>.png (metric vs the swept field, error bars =
-std) and ROOT/curves_<metric>.png (the metric over steps, a line per run). With runs evaluated
-at several lengths (`./launch.sh eval ... --eval_seq_len 64,128,...` writes eval_seq_len.json),
-also ROOT/report_eval_seq_len_<metric>.png: the metric vs eval length, a line per group. Runs
-trained with train.diagnostics_every add ROOT/diagnostics_<family>.png: per group, the last logged
-per-layer norms (a line over layers) or per-layer, per-head attention statistics (a heatmap
-layers x heads), mean over seeds.
+std) and ROOT/curves_<metric>.png (the metric over steps, a line per run, a point per
+evaluation, a colour per group). Every plot has a title (`--title` heads it) and units: rates
+(exact match, accuracy) in percent on an axis from 0 to 100, losses in nats/token. With runs
+evaluated at several lengths (`./launch.sh eval ... --eval_seq_len 64,128,...` writes
+eval_seq_len.json), also ROOT/report_eval_seq_len_<metric>.png: the metric vs eval length, a
+line per group. Runs trained with train.diagnostics_every add ROOT/diagnostics_<family>.png: per
+group, the last logged per-layer norms (a line over layers) or per-layer, per-head attention
+statistics (a heatmap layers x heads), mean over seeds.
 
 report.json keeps every run's final metrics and eval lengths (`runs`), so a results folder
 outlives its workdirs: `--merge OLD/report.json` pools an earlier report's runs (e.g. other
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import io
 import json
 import math
@@ -214,10 +217,41 @@ def _pyplot():
 _LEGEND_INSIDE = 10
 
 
-def _save(plt, figure, axes, xlabel: str, ylabel: str, path: Path, legend: bool = True) -> None:
-    """Labels, grid and legend, then the PNG; closes the figure."""
+@dataclasses.dataclass(frozen=True)
+class MetricAxis:
+    """How a metric is drawn: its axis label (with the unit), the factor from the logged value
+    to the drawn one, and whether it is a rate (drawn in percent on an axis from 0 to 100)."""
+
+    label: str
+    scale: float = 1.0
+    rate: bool = False
+
+
+def metric_axis(metric: str) -> MetricAxis:
+    """Exact match is logged in percent and accuracy as a fraction (tfm.training.evaluate): both
+    are drawn in percent from 0; losses are mean negative log-likelihoods in nats per token."""
+    if metric.endswith("exact_match"):
+        return MetricAxis(f"{metric} (%)", rate=True)
+    if metric.endswith("accuracy"):
+        return MetricAxis(f"{metric} (%)", scale=100.0, rate=True)
+    if metric.endswith("bleu"):
+        return MetricAxis(f"{metric} (BLEU, 0-100)", rate=True)
+    if metric.endswith(("loss", "nll")):
+        return MetricAxis(f"{metric} (nats/token)")
+    return MetricAxis(metric)
+
+
+def _style(figure, axes, title: str, xlabel: str, y: MetricAxis | str,
+           legend: bool = True) -> None:
+    """Title, labels, the y range of a rate (from 0, to 100 unless a value is above), grid and
+    legend: the figure is ready to save."""
+    y = y if isinstance(y, MetricAxis) else MetricAxis(y)
+    axes.set_title(title, fontsize=10)
     axes.set_xlabel(xlabel)
-    axes.set_ylabel(ylabel)
+    axes.set_ylabel(y.label)
+    if y.rate:  # a 1.5-point gap must look like one, not fill the plot
+        top = axes.dataLim.y1 if axes.dataLim.y1 > 100 else 100
+        axes.set_ylim(0, top * (1.02 if top > 100 else 1))
     axes.grid(alpha=0.3)
     entries = len(axes.get_legend_handles_labels()[1]) if legend else 0
     figure.tight_layout()  # before the legend: one below the axes must not shrink them
@@ -225,8 +259,26 @@ def _save(plt, figure, axes, xlabel: str, ylabel: str, path: Path, legend: bool 
         axes.legend(fontsize=6, ncol=2, loc="upper left", bbox_to_anchor=(0.0, -0.18))
     elif entries:
         axes.legend(fontsize=7)
+
+
+def _write(figure, path: Path) -> None:
+    """The PNG; closes the figure."""
     figure.savefig(path, dpi=120, bbox_inches="tight")  # "tight" grows the PNG to fit it
-    plt.close(figure)
+    _pyplot().close(figure)
+
+
+def _title(text: str, title: str | None) -> str:
+    return f"{title}\n{text}" if title else text
+
+
+def _seeds_text(counts: Sequence[int]) -> str:
+    counts = sorted({count for count in counts if count})
+    if not counts:
+        return "no finished runs"
+    if counts == [1]:
+        return "one seed, no error bars"
+    seeds = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
+    return f"mean ± std over {seeds} seeds"
 
 
 def _as_number(text: str) -> float | None:
@@ -236,10 +288,12 @@ def _as_number(text: str) -> float | None:
         return None
 
 
-def plot_metric(rows: Sequence[dict], fields: Sequence[str], metric: str, x_field: str,
-                path: Path) -> None:
-    """metric (mean ± std) vs `x_field`, a line per value of the other fields."""
+def metric_figure(rows: Sequence[dict], fields: Sequence[str], metric: str, x_field: str,
+                  title: str | None = None):
+    """A matplotlib Figure: metric (mean ± std) vs `x_field`, a line per value of the other
+    fields; rates in percent on an axis from 0."""
     plt = _pyplot()
+    y = metric_axis(metric)
     others = [f for f in fields if f != x_field]
     lines: dict[tuple, list[dict]] = {}
     for row in rows:
@@ -256,22 +310,47 @@ def plot_metric(rows: Sequence[dict], fields: Sequence[str], metric: str, x_fiel
         else:
             shift = 0.6 * (number + 0.5) / len(lines) - 0.3
             xs = [categories.index(row[x_field]) + shift for row in members]
-        means = [row[metric][0] for row in members]
-        stds = [row[metric][1] for row in members]
+        means = [row[metric][0] * y.scale for row in members]
+        stds = [row[metric][1] * y.scale for row in members]
         name = ", ".join(f"{f}={v}" for f, v in zip(others, label, strict=True)) or metric
         axes.errorbar(xs, means, yerr=stds, marker="o", capsize=3, label=name,
-                      linestyle="-" if numeric else "none")
+                      linestyle="-" if numeric else "none", clip_on=False)
     if not numeric:
         axes.set_xticks(range(len(categories)), categories)
     if any(len(str(row[x_field])) > 6 for row in rows):
         figure.autofmt_xdate()  # long category names: slanted
-    _save(plt, figure, axes, x_field, metric, path, legend=len(lines) > 1)
+    text = f"{metric} by {x_field} ({_seeds_text([row['seeds'] for row in rows])})"
+    _style(figure, axes, _title(text, title), x_field, y, legend=len(lines) > 1)
+    return figure
 
 
-def plot_curves(runs: Sequence[dict], metric: str, path: Path) -> bool:
-    """The metric over training steps, a line per run; False if no run logged it."""
+def plot_metric(rows: Sequence[dict], fields: Sequence[str], metric: str, x_field: str,
+                path: Path, title: str | None = None) -> None:
+    """`metric_figure` as a PNG."""
+    _write(metric_figure(rows, fields, metric, x_field, title), path)
+
+
+def curve_points(workdir: Path, metric: str) -> list[tuple[int, float]]:
+    """(step, value) of every logged value of `metric`, by step; a step logged twice (a run
+    resumed from an earlier checkpoint logs its steps again) keeps its last value."""
+    points = {record["step"]: record[metric] for record in read_metrics(workdir)
+              if metric in record and "step" in record}
+    return sorted(points.items())
+
+
+_LINE_STYLES = ("-", "--", ":", "-.")
+
+
+def curves_figure(runs: Sequence[dict], metric: str, fields: Sequence[str] = (),
+                  title: str | None = None):
+    """A matplotlib Figure: the metric over training steps, a line per run (a point per
+    evaluation), one colour per group of `fields` and one line style per seed; None if no run
+    logged the metric."""
     plt = _pyplot()
+    y = metric_axis(metric)
     figure, axes = plt.subplots(figsize=(6, 4))
+    colours: dict[tuple, int] = {}
+    seeds_seen: dict[tuple, int] = {}
     drawn = False
     for run in runs:
         if not run.get("workdir"):
@@ -279,16 +358,34 @@ def plot_curves(runs: Sequence[dict], metric: str, path: Path) -> bool:
         workdir = Path(run["workdir"])
         if not (workdir / "metrics.jsonl").exists():
             continue
-        points = [(r["step"], r[metric]) for r in read_metrics(workdir) if metric in r]
-        if points:
-            steps, values = zip(*points, strict=True)
-            axes.plot(steps, values, marker="." if len(points) < 20 else None, label=run["name"])
-            drawn = True
-    if drawn:
-        _save(plt, figure, axes, "step", metric, path)
-    else:
+        points = curve_points(workdir, metric)
+        if not points:
+            continue
+        group = _group_key(run["overrides"], fields)
+        colour = colours.setdefault(group, len(colours))
+        style = _LINE_STYLES[seeds_seen.get(group, 0) % len(_LINE_STYLES)]
+        seeds_seen[group] = seeds_seen.get(group, 0) + 1
+        steps, values = zip(*points, strict=True)
+        axes.plot(steps, [value * y.scale for value in values], color=f"C{colour % 10}",
+                  linestyle=style, marker="o" if len(points) < 20 else None, markersize=4,
+                  label=run["name"], clip_on=False)
+        drawn = True
+    if not drawn:
         plt.close(figure)
-    return drawn
+        return None
+    _style(figure, axes, _title(f"{metric} during training (a line per run)", title),
+           "training step", y)
+    return figure
+
+
+def plot_curves(runs: Sequence[dict], metric: str, path: Path, fields: Sequence[str] = (),
+                title: str | None = None) -> bool:
+    """`curves_figure` as a PNG; False if no run logged the metric."""
+    figure = curves_figure(runs, metric, fields, title)
+    if figure is None:
+        return False
+    _write(figure, path)
+    return True
 
 
 def length_table(runs: Sequence[dict], fields: Sequence[str], metric: str
@@ -360,7 +457,7 @@ def write_report(root: Path, metrics: Sequence[str] | None = None, x_field: str 
         lines += ["", *(f"n/a: {reason}" for reason in reasons)] if reasons else []
         sections += ["", *lines]
         path = root / f"report_eval_seq_len_{metric}.png"
-        _plot_lengths(lengths, length_rows, fields, metric, path)
+        _write(lengths_figure(lengths, length_rows, fields, metric, title), path)
         files.append(path)
     (root / "report.md").write_text("\n".join(sections) + "\n")
     (root / "report.csv").write_text(csv_table(fields, metrics, rows))
@@ -371,12 +468,12 @@ def write_report(root: Path, metrics: Sequence[str] | None = None, x_field: str 
     for metric in metrics:
         if x_field is not None and any(not math.isnan(row[metric][0]) for row in rows):
             path = root / f"report_{metric}.png"
-            plot_metric(rows, fields, metric, x_field, path)
+            plot_metric(rows, fields, metric, x_field, path, title)
             files.append(path)
         path = root / f"curves_{metric}.png"
-        if plot_curves(runs, metric, path):
+        if plot_curves(runs, metric, path, fields, title):
             files.append(path)
-    if plot_curves(runs, "train_loss", root / "curves_train_loss.png"):
+    if plot_curves(runs, "train_loss", root / "curves_train_loss.png", fields, title):
         files.append(root / "curves_train_loss.png")
     for family in diagnostic_families(runs):
         path = root / f"diagnostics_{family}.png"
@@ -449,7 +546,9 @@ def _plot_layer_lines(grids: dict[str, list[list[float]]], layers: Sequence[str]
     for label, grid in grids.items():
         axes.plot(range(len(layers)), [row[0] for row in grid], marker="o", label=label)
     axes.set_xticks(range(len(layers)), layers, rotation=30, fontsize=7)
-    _save(plt, figure, axes, "layer", family, path)
+    _style(figure, axes, f"{family} by layer (last logged value, mean over seeds)", "layer",
+           family)
+    _write(figure, path)
 
 
 def _plot_heatmaps(grids: dict[str, list[list[float]]], layers: Sequence[str], family: str,
@@ -467,25 +566,30 @@ def _plot_heatmaps(grids: dict[str, list[list[float]]], layers: Sequence[str], f
         axes.set_xlabel("head", fontsize=7)
         axes.set_yticks(range(len(layers)), layers if number == 0 else [], fontsize=6)
     figure.colorbar(image, ax=list(all_axes[0]), label=family)
-    figure.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(figure)
+    figure.suptitle(f"{family} per layer and head (last logged value, mean over seeds)",
+                    fontsize=9)
+    _write(figure, path)
 
 
-def _plot_lengths(lengths: Sequence[int], rows: Sequence[dict], fields: Sequence[str],
-                  metric: str, path: Path) -> None:
+def lengths_figure(lengths: Sequence[int], rows: Sequence[dict], fields: Sequence[str],
+                   metric: str, title: str | None = None):
+    """A matplotlib Figure: metric (mean ± std) vs evaluation length, a line per group."""
     plt = _pyplot()
+    y = metric_axis(metric)
     figure, axes = plt.subplots(figsize=(6, 4))
     for row in rows:
         points = [(n, row[n]) for n in lengths if row[n] is not None]
         if not points:
             continue
         xs = [n for n, _ in points]
-        axes.errorbar(xs, [v[0] for _, v in points], yerr=[v[1] for _, v in points],
-                      marker="o", capsize=3,
-                      label=", ".join(f"{f}={row[f]}" for f in fields) or metric)
+        axes.errorbar(xs, [v[0] * y.scale for _, v in points],
+                      yerr=[v[1] * y.scale for _, v in points], marker="o", capsize=3,
+                      label=", ".join(f"{f}={row[f]}" for f in fields) or metric, clip_on=False)
     axes.set_xscale("log", base=2)
     axes.set_xticks(list(lengths), [str(n) for n in lengths])
-    _save(plt, figure, axes, "evaluation length (tokens)", metric, path)
+    text = f"{metric} by evaluation length ({_seeds_text([row['seeds'] for row in rows])})"
+    _style(figure, axes, _title(text, title), "evaluation length (tokens)", y)
+    return figure
 
 
 def main(argv: Sequence[str] | None = None) -> int:
