@@ -61,15 +61,17 @@ def read_failure(error: BaseException, limit: int = 240) -> str:
 
 
 def no_readable_step_error(directory: Any, failures: Sequence[CheckpointError]) -> CheckpointError:
-    """The error for a run none of whose checkpoints (in `directory`, a run's workdir/checkpoints)
-    restores: each step tried with its reason, and what to do (nothing was moved or deleted)."""
-    workdir = Path(os.fspath(directory)).parent
-    tried = "".join(f"\n  step {error.step}: {error.reason}" for error in failures)
+    """The one-line error for a run none of whose checkpoints (in `directory`, a run's
+    workdir/checkpoints) restores: each step tried with its reason, and what to do (nothing was
+    moved or deleted)."""
+    directory = Path(os.fspath(directory))
+    tried = "; ".join(f"step {error.step} ({error.reason})" for error in failures)
+    folders = ", ".join(str(directory / str(error.step)) for error in failures)
     return CheckpointError(
-        f"no checkpoint in {directory} could be read (corrupt or incomplete?); tried:{tried}\n"
-        f"Nothing was moved or deleted. To start afresh, train with another --workdir (or move "
-        f"{workdir} aside); to resume from an older step, move the unreadable step folders out "
-        f"of {directory}."
+        f"no checkpoint in {directory} could be read (corrupt or incomplete?); tried {tried}. "
+        f"Nothing was moved or deleted: to start afresh, train with another --workdir (or move "
+        f"{directory.parent} aside); to resume from an older run's step, move {folders} out of "
+        f"{directory}"
     )
 
 
