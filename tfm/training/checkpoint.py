@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -57,7 +58,9 @@ def read_failure(error: BaseException, limit: int = 240) -> str:
     line names only an array index."""
     while error.__cause__ is not None:
         error = error.__cause__
-    return f"{type(error).__name__}: {first_line(error, limit)}"
+    # The step folder is named by the caller; tensorstore repeats it in every message.
+    line = re.sub(r' in OCDBT database at local file "[^"]*"', "", first_line(error, 10 * limit))
+    return f"{type(error).__name__}: {first_line(Exception(line), limit)}"
 
 
 def no_readable_step_error(directory: Any, failures: Sequence[CheckpointError]) -> CheckpointError:
@@ -69,9 +72,9 @@ def no_readable_step_error(directory: Any, failures: Sequence[CheckpointError]) 
     folders = ", ".join(str(directory / str(error.step)) for error in failures)
     return CheckpointError(
         f"no checkpoint in {directory} could be read (corrupt or incomplete?); tried {tried}. "
-        f"Nothing was moved or deleted: to start afresh, train with another --workdir (or move "
-        f"{directory.parent} aside); to resume from an older run's step, move {folders} out of "
-        f"{directory}"
+        f"Nothing was moved or deleted: to start over, train with another --workdir (or move "
+        f"{directory.parent} aside), or move {folders} out of {directory} to start over in "
+        "this workdir"
     )
 
 
