@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tiny_model import TINY
+from tiny_model import TINY, TINY_LM
 
 from tfm.kernels.cache_layouts import MODEL_AXES, REFERENCE
 from tfm.kernels.cpu_cache import CPU_LAYOUT
@@ -18,7 +18,11 @@ PROMPT_LENGTHS = np.array([3, 5])
 
 
 def config_for(scheme: str, **changes) -> ModelConfig:
-    return ModelConfig(**{**TINY, "position_scheme": scheme, **changes})
+    """A decoder-only LM's config (TINY_LM); changes may add encoder layers (TINY's)."""
+    return ModelConfig(**{**TINY_LM, "position_scheme": scheme, **changes})
+
+
+SEQ2SEQ = dict(num_encoder_layers=TINY["num_encoder_layers"])
 
 
 # Every scheme unrolled with the CPU kernels ("auto" here); the scanned cache path and the
@@ -57,7 +61,7 @@ def test_lm_prefill_then_steps_equal_full_forward(scheme, scan, backend):
 )
 def test_encoder_decoder_cached_decoding_equals_full_forward(scheme, backend):
     config = config_for(scheme, share_embeddings=False, source_vocab_size=11,
-                        attention_backend=backend)
+                        attention_backend=backend, **SEQ2SEQ)
     model = EncoderDecoder(config)
     source = jnp.array([[3, 4, 5, 6, 7, 0], [8, 9, 10, 4, 5, 6]])  # row 0 padded
     params = model.init(jax.random.PRNGKey(2), source, TOKENS)["params"]
@@ -188,9 +192,9 @@ def test_output_kernel_gives_the_tied_tables_logits_and_checks_its_use():
     a prefill and of cached steps are the table's own, for both model kinds."""
     source = jnp.array([[3, 4, 5, 6, 7, 0], [8, 9, 10, 4, 5, 6]])
     for model_class in (DecoderLM, EncoderDecoder):
-        config = config_for("rope")
-        model = model_class(config)
         seq2seq = model_class is EncoderDecoder
+        config = config_for("rope", **(SEQ2SEQ if seq2seq else {}))
+        model = model_class(config)
         inputs = (source, TOKENS) if seq2seq else (TOKENS,)
         params = model.init(jax.random.PRNGKey(3), *inputs)["params"]
         kernel = output_kernel(params, config)
@@ -276,3 +280,25 @@ def test_layout_write_puts_each_rows_new_slots_at_its_own_start(dtype, stacked, 
     np.testing.assert_array_equal(read(1), want)
     np.testing.assert_array_equal(read(0), np.asarray(jnp.asarray(old_model[0], dtype)).astype(
         np.float32))
+
+
+def test_cache_for_another_batch_or_length_is_one_clear_error():
+    """A cache built for 2 rows fed 4 (prefill or step, eager or jitted), or whose valid flags
+    do not match its slots: one error naming the leaf and both sizes, not a vmap error."""
+    config = config_for("rope")
+    model = DecoderLM(config)
+    params = model.init(jax.random.PRNGKey(1), TOKENS)["params"]
+    four = jnp.concatenate([TOKENS, TOKENS])
+    message = (r"^cache.keys\[0\] has shape \(2, .*\): the cache holds 2 rows but the tokens "
+               r"have 4; build it for this batch with tfm.nn.cache.init_cache\(config, "
+               r"batch_size=4, max_len=...\)")
+    for tokens in (four[:, :3], four[:, :1]):
+        with pytest.raises(ValueError, match=message):
+            model.apply({"params": params}, tokens, cache=init_cache(config, 2, 10))
+        with pytest.raises(ValueError, match=message):
+            jax.jit(lambda tokens, cache: model.apply({"params": params}, tokens, cache=cache))(
+                tokens, init_cache(config, 2, 10))
+    cache = init_cache(config, 2, 10)
+    with pytest.raises(ValueError, match=r"cache.valid has shape \(2, 12\) but the keys hold 10"):
+        model.apply({"params": params}, TOKENS[:, :3],
+                    cache=cache.replace(valid=jnp.ones((2, 12), bool)))

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 import pytest
 
+from tfm.checks import ConfigError
 from tfm.data.tokenizers import ByteTokenizer, content_ids
 from tfm.decode import generate, search
 from tfm.decode.generate import generate_text, lm_generate, translate
@@ -81,7 +82,7 @@ def random_params(model: nn.Module, *inputs: np.ndarray, seed: int = SEED) -> di
 
 @functools.cache
 def lm_setup(scheme: str) -> tuple[ModelConfig, dict]:
-    config = config_for(scheme)
+    config = config_for(scheme, num_encoder_layers=0)
     return config, random_params(DecoderLM(config), PROMPTS)
 
 
@@ -445,6 +446,7 @@ def test_generate_text_with_byte_tokenizer(kind):
     config = config_for("rope", vocab_size=tokenizer.vocab_size, max_len=64)
     texts = ["héllo", "a"]
     if kind == "lm":
+        config = config.replace(num_encoder_layers=0)
         params = random_params(DecoderLM(config), PROMPTS)
         options = dict(max_new_tokens=4)
     else:
@@ -475,3 +477,56 @@ def test_generate_text_with_byte_tokenizer(kind):
         assert text == tokenizer.decode(content_ids(np.asarray(tokens)))
         assert score == pytest.approx(float(want_score))
     assert tokenizer.decode(tokenizer.encode(texts[0])) == texts[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# eos_id=None and caches that do not fit
+
+
+def test_eos_id_none_runs_every_row_to_max_new_tokens():
+    """eos_id=None: every row generates max_new_tokens tokens, the same tokens and scores as
+    with an eos id the greedy paths never produce (checked against recomputation); eos_id=-1
+    is one line before anything is traced."""
+    config, params = lm_setup("rope")
+    free = lm_generate(params, config, PROMPTS, PROMPT_LENGTHS, max_new_tokens=MAX_NEW,
+                       eos_id=None)
+    np.testing.assert_array_equal(free.lengths, [MAX_NEW] * len(PROMPTS))
+    tokens = np.asarray(free.tokens)
+    unused = next(token for token in range(3, config.vocab_size) if token not in tokens)
+    stopped = lm_generate(params, config, PROMPTS, PROMPT_LENGTHS, max_new_tokens=MAX_NEW,
+                          eos_id=unused)
+    np.testing.assert_array_equal(stopped.tokens, tokens)
+    np.testing.assert_array_equal(free.scores, stopped.scores)
+    expected, _ = naive_lm_greedy(config, params, eos_id=None)
+    assert_rows(free, expected)
+    beam = lm_generate(params, config, PROMPTS, PROMPT_LENGTHS, max_new_tokens=MAX_NEW,
+                       eos_id=None, method="beam", beam_size=2)
+    np.testing.assert_array_equal(beam.lengths, [[MAX_NEW] * 2] * len(PROMPTS))
+    with pytest.raises(ConfigError, match=r"^eos_id=-1 must be an integer >= 0 \(or None"):
+        lm_generate(params, config, PROMPTS, PROMPT_LENGTHS, max_new_tokens=2, eos_id=-1)
+    with pytest.raises(ConfigError, match=r"^eos_id=24 must be < vocab size 24"):
+        lm_generate(params, config, PROMPTS, PROMPT_LENGTHS, max_new_tokens=2, eos_id=24)
+
+
+def test_translate_with_eos_id_none_uses_each_rows_budget():
+    config, params = seq2seq_setup("sinusoidal")
+    source_lengths = (SOURCE != PAD).sum(axis=1)
+    output = translate(params, config, SOURCE, source_lengths, method="greedy",
+                       extra_len=EXTRA_LEN, eos_id=None)
+    np.testing.assert_array_equal(output.lengths, source_lengths + EXTRA_LEN)
+
+
+def test_a_cache_too_short_for_max_new_tokens_is_one_clear_error():
+    """A prefilled cache with room for 5 + 2 tokens asked for 6 more without growing: one
+    error saying how many slots it needs (under jit the overflowing steps would give NaN
+    logits, so tokens silently 0)."""
+    config, params = lm_setup("rope")
+    model = DecoderLM(config)
+    logits, cache = model.apply({"params": params}, PROMPTS,
+                                cache=init_cache(config, len(PROMPTS), 7))
+    step = lambda tokens, cache: model.apply({"params": params}, tokens, cache=cache)
+    with pytest.raises(ValueError, match=(
+            r"^the cache has max_len=7 slots, but its fullest row holds 5 and "
+            r"max_new_tokens=6 needs 5 more \(10 in all\); build it with max_len >= 10")):
+        search.greedy(step, logits[:, -1], cache, max_new_tokens=MAX_NEW, eos_id=None)
+    search.greedy(step, logits[:, -1], cache, max_new_tokens=3, eos_id=None)  # fits

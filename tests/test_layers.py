@@ -81,7 +81,8 @@ def test_attention_bias_switches(changes, with_bias):
 
 
 def test_mlp_and_lm_head_bias_switches():
-    config = tiny(use_bias=True, mlp_bias=False, tie_output=False, lm_head_bias=True)
+    config = tiny(use_bias=True, mlp_bias=False, tie_output=False, lm_head_bias=True,
+                  num_encoder_layers=0)
     params = DecoderLM(config).init(jax.random.PRNGKey(0), jnp.ones((1, 3), jnp.int32))["params"]
     ffn = params["decoder"]["stack"]["layer_0"]["feed_forward"]
     assert "bias" not in ffn["wi"] and "bias" not in ffn["wo"]
@@ -116,7 +117,7 @@ def test_final_norm_after_post_ln_normalises_the_output():
     model = DecoderLM(config)
     params = model.init(jax.random.PRNGKey(0), tokens)["params"]
     assert "final_norm" in params["decoder"]["stack"]
-    pre = tiny(norm_placement="pre", final_norm=False)
+    pre = tiny(num_encoder_layers=0, norm_placement="pre", final_norm=False)
     pre_params = DecoderLM(pre).init(jax.random.PRNGKey(0), tokens)["params"]
     assert "final_norm" not in pre_params["decoder"]["stack"]
 

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tiny_model import TINY
+from tiny_model import TINY, TINY_LM
 
 from tfm.nn.config import ModelConfig, paper_base
 from tfm.nn.models import DecoderLM, Encoder, EncoderDecoder, stack_layer_params
@@ -15,6 +15,10 @@ from tfm.nn.positions import POSITION_SCHEMES
 
 def tiny(**changes) -> ModelConfig:
     return ModelConfig(**{**TINY, **changes})
+
+
+def tiny_lm(**changes) -> ModelConfig:
+    return ModelConfig(**{**TINY_LM, **changes})
 
 
 def tokens_from(seed: int, shape: tuple[int, int], low: int = 3) -> jnp.ndarray:
@@ -28,7 +32,7 @@ def init(model: nn.Module, *args, **kwargs):
 @pytest.mark.parametrize("scheme", POSITION_SCHEMES)
 def test_decoder_is_causal_by_gradients(scheme):
     """d logits_i / d embedding_j is zero exactly when j > i, under every position scheme."""
-    config = tiny(position_scheme=scheme, t5_shared_across_layers=scheme != "t5_bias")
+    config = tiny_lm(position_scheme=scheme, t5_shared_across_layers=scheme != "t5_bias")
     model = DecoderLM(config)
     tokens = tokens_from(1, (1, 6))
     variables = model.init(jax.random.PRNGKey(0), tokens)
@@ -65,7 +69,7 @@ def test_encoder_real_tokens_ignore_padding(scheme):
 def test_packed_segments_match_separate_runs(scheme):
     """Two examples packed in one row (positions restart) give the same logits as run alone;
     changing one segment never changes the other."""
-    config = tiny(position_scheme=scheme)
+    config = tiny_lm(position_scheme=scheme)
     model = DecoderLM(config)
     first, second = tokens_from(3, (1, 4)), tokens_from(4, (1, 5))
     packed = jnp.concatenate([first, second], axis=1)
@@ -117,8 +121,8 @@ def test_decoder_sees_source_only_through_cross_attention():
 
 @pytest.mark.parametrize("scheme", ["rope", "alibi", "t5_bias"])
 def test_backends_agree_in_float32(scheme):
-    model_ref = DecoderLM(tiny(position_scheme=scheme, local_window=3))
-    model_xla = DecoderLM(tiny(position_scheme=scheme, local_window=3, attention_backend="xla"))
+    model_ref = DecoderLM(tiny_lm(position_scheme=scheme, local_window=3))
+    model_xla = DecoderLM(tiny_lm(position_scheme=scheme, local_window=3, attention_backend="xla"))
     tokens = tokens_from(7, (2, 8))
     params = init(model_ref, tokens)
     np.testing.assert_allclose(
@@ -164,7 +168,7 @@ def test_bfloat16_compute_runs_close_to_float32():
 
 
 def test_dropout_is_active_only_when_not_deterministic():
-    model = DecoderLM(tiny(dropout_rate=0.5))
+    model = DecoderLM(tiny_lm(dropout_rate=0.5))
     tokens = tokens_from(12, (1, 6))
     params = init(model, tokens)
     eval_a = model.apply({"params": params}, tokens)
@@ -177,7 +181,7 @@ def test_dropout_is_active_only_when_not_deterministic():
 
 
 def test_learned_positions_past_max_len_raise():
-    model = DecoderLM(tiny(position_scheme="learned", max_len=8))
+    model = DecoderLM(tiny_lm(position_scheme="learned", max_len=8))
     params = init(model, tokens_from(13, (1, 8)))
     with pytest.raises(ValueError, match="max_len"):
         model.apply({"params": params}, tokens_from(13, (1, 9)))
@@ -225,7 +229,7 @@ def _decode_step_by_step(model, params, config, tokens, valid, prefill):
 def test_real_token_equal_to_pad_id_is_attended_like_any_other(scheme):
     """pad_id=0 and 0 is a real token (GPT-2's "!"): the full forward pass and cached decoding
     agree, and the logits differ from a model told those tokens are padding."""
-    config = tiny(num_encoder_layers=0, position_scheme=scheme, pad_id=0)
+    config = tiny_lm(position_scheme=scheme, pad_id=0)
     model = DecoderLM(config)
     tokens = jnp.array([[5, 0, 7, 0, 0, 3], [0, 4, 0, 8, 9, 0]])
     params = init(model, tokens)
@@ -244,7 +248,7 @@ def test_left_padding_matches_the_unpadded_rows_in_full_and_cached_decoding(sche
     """Left-padded rows (pad token = a real token id 0, marked by `valid`) give the unpadded
     rows' logits, in the full forward pass and in cached decoding; the fully masked padding
     queries read nothing (no NaN, nothing from the future)."""
-    config = tiny(num_encoder_layers=0, position_scheme=scheme, pad_id=0)
+    config = tiny_lm(position_scheme=scheme, pad_id=0)
     model = DecoderLM(config)
     rows = [[0, 4, 6, 0, 9], [3, 0, 8]]  # 0 is also a real token
     width = 7
@@ -260,3 +264,31 @@ def test_left_padding_matches_the_unpadded_rows_in_full_and_cached_decoding(sche
     np.testing.assert_allclose(
         np.where(valid[..., None], cached, 0), np.where(valid[..., None], full, 0), atol=1e-5
     )
+
+
+def test_decoder_only_config_and_decoder_lm_refuses_encoder_layers():
+    """ModelConfig() stays the paper's 6 + 6-layer encoder-decoder; decoder_only() is a
+    decoder-only LM's config (no encoder, every other default kept), and DecoderLM refuses
+    encoder layers it would ignore, when it is built (before init or jit)."""
+    from tfm.checks import ConfigError
+
+    assert (ModelConfig().num_encoder_layers, ModelConfig().num_decoder_layers) == (6, 6)
+    config = ModelConfig.decoder_only(vocab_size=13, num_layers=2, d_model=16, num_heads=4,
+                                      d_ff=32)
+    assert (config.num_encoder_layers, config.num_decoder_layers) == (0, 2)
+    assert config == ModelConfig(vocab_size=13, num_encoder_layers=0, num_decoder_layers=2,
+                                 d_model=16, num_heads=4, d_ff=32)
+    tokens = tokens_from(9, (2, 5))
+    params = init(DecoderLM(config), tokens)
+    assert set(params) == {"embed", "decoder"}
+    assert len(params["decoder"]["stack"]) == 2
+    with pytest.raises(ConfigError, match=(
+            r"^DecoderLM has no encoder, but model.num_encoder_layers=6 \(ModelConfig's default "
+            r"is the paper's 6 \+ 6-layer encoder-decoder\); set model.num_encoder_layers=0")):
+        DecoderLM(ModelConfig(vocab_size=13))
+    with pytest.raises(ConfigError, match="num_encoder_layers=2"):
+        DecoderLM(config.replace(num_encoder_layers=2))
+    with pytest.raises(ConfigError, match=r"decoder_only\(\) sets num_encoder_layers itself"):
+        ModelConfig.decoder_only(vocab_size=13, num_encoder_layers=1)
+    with pytest.raises(ConfigError, match="num_layers= sets the decoder's depth"):
+        ModelConfig.decoder_only(vocab_size=13, num_decoder_layers=1)

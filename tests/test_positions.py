@@ -348,7 +348,7 @@ def test_a_new_scheme_is_one_registry_entry(monkeypatch):
 
     entry = P.PositionScheme("distance", "bias", "learned slopes", logit_bias=_distance_bias)
     monkeypatch.setitem(P.SCHEMES, "distance", entry)
-    config = ModelConfig(**{**TINY, "position_scheme": "distance"})
+    config = ModelConfig(**{**TINY, "position_scheme": "distance", "num_encoder_layers": 0})
     model = DecoderLM(config)
     tokens = jnp.asarray(RNG.integers(3, config.vocab_size, (2, 6)), jnp.int32)
     params = jax.jit(model.init)(jax.random.PRNGKey(0), tokens)["params"]

@@ -143,7 +143,8 @@ def test_the_less_a_policy_saves_the_more_the_step_recomputes():
 def test_cached_greedy_decoding_is_unchanged_by_every_policy(scan):
     """The unrolled case once failed: remat traced the layer index that picks a layer's cache
     slots (TracerIntegerConversionError)."""
-    config = ModelConfig(**{**DECODE_TINY, "position_scheme": "rope", "scan_layers": scan})
+    config = ModelConfig(**{**DECODE_TINY, "position_scheme": "rope", "scan_layers": scan,
+                            "num_encoder_layers": 0})
     params = random_params(DecoderLM(config.replace(scan_layers=False)), PROMPTS)
     params = stack_layer_params(params) if scan else params
     expected = lm_generate(params, config, PROMPTS, PROMPT_LENGTHS, max_new_tokens=MAX_NEW)

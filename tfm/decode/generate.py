@@ -38,12 +38,16 @@ def _decode_config(decode: DecodeConfig | None, options: dict[str, Any], **defau
     return dataclasses.replace(decode or DecodeConfig(**defaults), **options)
 
 
-def _check_length(config: ModelConfig, total_len: int) -> None:
+def _check_length(config: ModelConfig, total_len: int, needs: str) -> None:
+    """Before compiling: a position scheme bounded by max_len (learned positions) cannot go
+    past it. `needs` says what the total_len positions are made of, e.g. "prompt (5) +
+    max_new_tokens (12)"."""
     if config.scheme.bounded_by_max_len and total_len > config.max_len:
         raise ValueError(
             f"decoding to length {total_len} needs positions past max_len={config.max_len} of the "
-            f"position table of position_scheme={config.position_scheme!r}; shorten the prompt "
-            "or max_new_tokens"
+            f"position table of position_scheme={config.position_scheme!r}: {needs} = "
+            f"{total_len} > model.max_len={config.max_len}; shorten the prompt or lower "
+            "max_new_tokens"
         )
 
 
@@ -82,13 +86,14 @@ def lm_generate(
     prompt_lengths: np.ndarray,  # [batch] int, >= 1
     decode: DecodeConfig | None = None,
     *,
-    eos_id: int = EOS_ID,
+    eos_id: int | None = EOS_ID,
     rng: jax.Array | None = None,
     **options: Any,
 ) -> Any:
     """Continues each prompt as `decode` says (default: greedy, 64 new tokens); `options`
     (method=, max_new_tokens=, beam_size=, ... : DecodeConfig fields) replace its fields.
-    Returns search.DecodeOutput (greedy, sample) or BeamOutput (beam)."""
+    A row stops at eos_id (None: every row runs max_new_tokens tokens). Returns
+    search.DecodeOutput (greedy, sample) or BeamOutput (beam)."""
     decode = _decode_config(decode, options)
     prompts = np.asarray(prompts)
     prompt_lengths = np.asarray(prompt_lengths)
@@ -101,7 +106,10 @@ def lm_generate(
         raise ValueError(f"prompt_lengths must be in [1, {prompts.shape[1]}]; got {prompt_lengths}")
     if decode.max_new_tokens is None:
         raise ValueError("max_new_tokens=None must be an integer >= 1 for a decoder-only LM")
-    _check_length(config, int(prompt_lengths.max()) + decode.max_new_tokens)
+    longest = int(prompt_lengths.max())
+    _check_length(config, longest + decode.max_new_tokens,
+                  f"prompt ({longest}) + max_new_tokens ({decode.max_new_tokens})")
+    search.check_eos_id(eos_id, config.vocab_size)
     rng = jax.random.PRNGKey(0) if rng is None else rng
     return _lm_generate_jit(
         params, jnp.asarray(prompts), jnp.asarray(prompt_lengths), rng, config, decode, eos_id
@@ -154,13 +162,14 @@ def translate(
     decode: DecodeConfig | None = None,
     *,
     bos_id: int = BOS_ID,
-    eos_id: int = EOS_ID,
+    eos_id: int | None = EOS_ID,
     rng: jax.Array | None = None,
     **options: Any,
 ) -> Any:
     """Translates as `decode` says, by default with the paper's settings: beam 4, alpha 0.6, at
     most input length + 50 output tokens per row (Vaswani et al. 2017 sec. 6.1). `options`
-    (DecodeConfig fields) replace fields of `decode`; max_new_tokens=None = src_len + extra_len."""
+    (DecodeConfig fields) replace fields of `decode`; max_new_tokens=None = src_len + extra_len.
+    A row stops at eos_id (None: only at its length budget)."""
     decode = _decode_config(decode, options, method="beam", max_new_tokens=None)
     source = np.asarray(source)
     if source.ndim != 2:
@@ -174,7 +183,9 @@ def translate(
         )
     if decode.max_new_tokens is None:
         decode = dataclasses.replace(decode, max_new_tokens=source.shape[1] + decode.extra_len)
-    _check_length(config, decode.max_new_tokens + 1)
+    _check_length(config, decode.max_new_tokens + 1,
+                  f"BOS (1) + max_new_tokens ({decode.max_new_tokens})")
+    search.check_eos_id(eos_id, config.vocab_size)
     rng = jax.random.PRNGKey(0) if rng is None else rng
     return _translate_jit(
         params,

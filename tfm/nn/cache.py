@@ -96,8 +96,12 @@ def init_cache(
     )
 
 
-def check_cache(cache: DecoderCache, config: ModelConfig, has_cross: bool) -> None:
-    """Raises a readable error when `cache` was built for another model config."""
+def check_cache(
+    cache: DecoderCache, config: ModelConfig, has_cross: bool, batch_size: int | None = None
+) -> None:
+    """Raises a readable error when `cache` was built for another model config, or for another
+    batch than `batch_size` rows (the tokens' batch), or its leaves disagree on their sizes."""
+    check_rows(cache, batch_size)
     layout = kernels.cache_layout(config.attention_backend)
     if cache.layout != layout:
         raise ValueError(
@@ -132,6 +136,26 @@ def check_cache(cache: DecoderCache, config: ModelConfig, has_cross: bool) -> No
         raise ValueError(
             "the encoder-decoder needs a cache with cross-attention slots: "
             "init_cache(config, batch_size, max_len, source_len=...)"
+        )
+
+
+def check_rows(cache: DecoderCache, batch_size: int | None = None) -> None:
+    """Raises a readable error when a leaf of `cache` does not hold `batch_size` rows (None:
+    cache.batch_size, the lengths' rows) on axis 0, or `valid` not one flag per slot."""
+    rows = cache.batch_size if batch_size is None else batch_size
+    for path, leaf in jax.tree_util.tree_leaves_with_path(cache):
+        if leaf.shape[:1] != (rows,):
+            raise ValueError(
+                f"cache{jax.tree_util.keystr(path)} has shape {tuple(leaf.shape)}: the cache "
+                f"holds {leaf.shape[0] if leaf.ndim else 0} rows but the tokens have {rows}; "
+                f"build it for this batch with tfm.nn.cache.init_cache(config, batch_size="
+                f"{rows}, max_len=...)"
+            )
+    if cache.valid is not None and cache.valid.shape[1] != cache.max_len:
+        raise ValueError(
+            f"cache.valid has shape {tuple(cache.valid.shape)} but the keys hold "
+            f"{cache.max_len} slots per row; build the cache with tfm.nn.cache.init_cache "
+            "and change its size with tfm.nn.cache.grow"
         )
 
 

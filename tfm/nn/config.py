@@ -54,7 +54,9 @@ DTYPES = ("float32", "bfloat16", "float16")
 class ModelConfig:
     """Hyperparameters of an encoder, a decoder-only LM, or an encoder-decoder Transformer.
 
-    Defaults are the paper's base model (Vaswani et al. 2017, Table 3) with a small vocabulary.
+    Defaults are the paper's base model (Vaswani et al. 2017, Table 3), a 6 + 6-layer
+    encoder-decoder, with a small vocabulary; `ModelConfig.decoder_only(...)` starts a
+    decoder-only LM's config instead (num_encoder_layers=0, as DecoderLM requires).
     """
 
     # Vocabulary. `vocab_size` is the decoder's (target) vocabulary; `source_vocab_size`
@@ -157,6 +159,21 @@ class ModelConfig:
     # (FUSED_LOSS_MIN_VOCAB), "reference" otherwise. Same values up to summation order;
     # decoding always computes logits.
     loss_backend: str = "auto"
+
+    @classmethod
+    def decoder_only(cls, vocab_size: int, num_layers: int = 6, **fields: Any) -> ModelConfig:
+        """The config of a decoder-only language model (tfm.nn.models.DecoderLM): `num_layers`
+        decoder blocks and no encoder; other fields as given, else ModelConfig's defaults.
+        E.g. ModelConfig.decoder_only(vocab_size=65, num_layers=4, d_model=128, num_heads=4,
+        d_ff=512, norm_placement="pre")."""
+        for field, why in (("num_encoder_layers", "a decoder-only model has no encoder"),
+                           ("num_decoder_layers", "num_layers= sets the decoder's depth"),
+                           ("source_vocab_size", "a decoder-only model has no source side")):
+            if field in fields:
+                raise ConfigError(f"decoder_only() sets {field} itself ({why}); drop "
+                                  f"{field}={fields[field]!r}")
+        return cls(vocab_size=vocab_size, num_encoder_layers=0, num_decoder_layers=num_layers,
+                   **fields)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "remat", remat_lib.resolve(self.remat))  # frozen: set once

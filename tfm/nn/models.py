@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from tfm.checks import ConfigError
 from tfm.kernels.call import AttentionStructure, BlockBias
 from tfm.nn import attention
 from tfm.nn import cache as cache_lib
@@ -475,7 +476,7 @@ class Decoder(nn.Module):
             structure = _self_structure(config, True, valid, segment_ids, follow_index)
             positions, key_positions, masks = _causal_inputs(tokens, positions, valid, segment_ids)
         else:
-            check_cache(cache, config, self.has_cross)
+            check_cache(cache, config, self.has_cross, tokens.shape[0])
             if segment_ids is not None:
                 raise ValueError("segment_ids (packing) cannot be combined with a KV cache")
             write_index = cache.lengths
@@ -530,9 +531,14 @@ class Decoder(nn.Module):
 
 class DecoderLM(nn.Module):
     """Decoder-only causal language model: `logits = model.apply(params, tokens)`, or with a cache
-    `(logits, cache) = model.apply(params, tokens, cache=cache)`."""
+    `(logits, cache) = model.apply(params, tokens, cache=cache)`. Its config has no encoder
+    layers (ModelConfig.decoder_only)."""
 
     config: ModelConfig
+
+    def __post_init__(self) -> None:
+        check_decoder_only(self.config)
+        super().__post_init__()
 
     @nn.compact
     def __call__(
@@ -560,6 +566,18 @@ class DecoderLM(nn.Module):
             return_hidden=return_hidden,
         )
         return logits if cache is None else (logits, new_cache)
+
+
+def check_decoder_only(config: ModelConfig) -> None:
+    """ConfigError when `config` has encoder layers, which a DecoderLM would silently ignore
+    (ModelConfig's defaults are the paper's encoder-decoder)."""
+    if config.num_encoder_layers:
+        raise ConfigError(
+            f"DecoderLM has no encoder, but model.num_encoder_layers={config.num_encoder_layers} "
+            "(ModelConfig's default is the paper's 6 + 6-layer encoder-decoder); set "
+            "model.num_encoder_layers=0 (ModelConfig.decoder_only(vocab_size=..., "
+            "num_layers=...) does), or use EncoderDecoder"
+        )
 
 
 class EncoderDecoder(nn.Module):
