@@ -23,6 +23,8 @@ from typing import Any
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from tfm import saved_config
+
 COMMANDS = ("train", "eval", "generate", "average", "compile")
 # Commands on a trained run: they read the config it saved (WORKDIR/config.json).
 ON_A_RUN = ("eval", "generate", "average")
@@ -480,11 +482,11 @@ def with_saved_config(argv: list[str]) -> list[str]:
         _usage_error("give CONFIG or --workdir DIR (the directory of a training run)", command)
     workdir = Path(workdir_arg) if workdir_arg else default_workdir(
         config_arg, config_overrides(argv))
-    saved = workdir / "config.json"
+    saved = saved_config.saved_config_path(workdir)
     if not saved.is_file():
         if config_arg is not None:  # e.g. a run from before config.json: CONFIG as given
             return argv
-        sys.stderr.write(f"tfm.main {command}: {workdir} has no config.json: no training run "
+        sys.stderr.write(f"tfm.main {command}: {workdir} has no {saved.name}: no training run "
                          "there; train one, or give the run's CONFIG\n")
         sys.exit(1)
     given = f" (instead of {config_arg})" if config_arg else ""

@@ -15,7 +15,7 @@ from typing import Any
 import ml_collections
 from ml_collections import config_dict
 
-CONFIG_FILE = "config.json"
+CONFIG_FILE = "config.json"  # in the workdir; written by tfm.training.train
 # Saved as what "auto" resolved to on the training platform; "auto" again, so that a run
 # trained on a TPU (splash attention, fused loss) is evaluated on a CPU and vice versa. The
 # two choose an implementation, not the parameters (tfm.training.checkpoint.IMPLEMENTATION_ONLY).

@@ -228,25 +228,19 @@ def train_and_evaluate(
     sections = config if isinstance(config, ExperimentConfig) else parse_config(config)
     trackers.TRACKERS[sections.train.tracker].check_installed()  # before data and compiling
     experiment = setup(sections, workdir)
-    sharding.log_cpu_devices_hint(experiment.mesh, experiment.data.config.batch_size,
-                                  experiment.train.microbatches)
-    if experiment.platform == "cpu":  # each step then reuses its temporaries' pages
-        cpu_memory.keep_freed_memory()
+    _prepare_host(experiment)
     options = experiment.train
-    experiment.workdir.mkdir(parents=True, exist_ok=True)
     abstract, shardings = state_shardings(experiment)
+    experiment.workdir.mkdir(parents=True, exist_ok=True)
     checkpointer = make_checkpointer(experiment)
-    _check_same_run(experiment, checkpointer)  # before config.json is replaced
-    if jax.process_index() == 0:
-        (experiment.workdir / workdir_record.CONFIG_FILE).write_text(experiment.config_json())
+    _record_run(experiment, checkpointer)
     train_iter = experiment.data.train_iterator()
-    resumed = checkpointer.latest_step() is not None
     state = _start_state(experiment, checkpointer, abstract, shardings, train_iter)
     jit_train, jit_eval = jit_steps(experiment, shardings)
     batch_sharding = sharding.batch_sharding(experiment.mesh, experiment.rules)
     step = int(state.step)
     log = _Log(experiment, step)
-    for line in _start_lines(experiment, checkpointer, step if resumed else None):
+    for line in _start_lines(experiment, checkpointer, step):
         log.say(line)
     jit_train, diagnose, trace = _instrumented(experiment, jit_train, abstract, shardings, log)
     pending: list[dict[str, jax.Array]] = []  # step metrics not yet fetched from the devices
@@ -320,33 +314,43 @@ def _instrumented(
             jit_diagnostics(experiment, shardings), trace)
 
 
-def _check_same_run(experiment: Experiment, checkpointer: checkpoint.Checkpointer) -> None:
-    """ConfigMismatchError in one line when the workdir's checkpoints are another run's (other
-    data or another model: workdir.check_resume), before anything there is replaced."""
+def _prepare_host(experiment: Experiment) -> None:
+    """The hint for a run on one of several CPU cores, and CPU memory kept between steps."""
+    sharding.log_cpu_devices_hint(experiment.mesh, experiment.data.config.batch_size,
+                                  experiment.train.microbatches)
+    if experiment.platform == "cpu":  # each step then reuses its temporaries' pages
+        cpu_memory.keep_freed_memory()
+
+
+def _record_run(experiment: Experiment, checkpointer: checkpoint.Checkpointer) -> None:
+    """Writes WORKDIR/config.json, after refusing (ConfigMismatchError, one line) a workdir
+    whose checkpoints are another run's: other data or another model (workdir.check_resume)."""
     step = checkpointer.latest_step()
-    if step is None:
-        return
     saved = workdir_record.read_config(experiment.workdir)
-    if saved is None:  # a workdir from before config.json, or another host's disk
+    if step is not None and saved is None:  # from before config.json, or another host's disk
         try:
             saved = checkpointer.saved_config(step)
         except checkpoint.CheckpointError:
-            return  # restore_newest_readable reports unreadable steps
-    current = json.loads(experiment.config_json())
-    try:
-        workdir_record.check_resume(experiment.workdir, saved, current)
-    except BaseException:
-        checkpointer.close()
-        raise
+            pass  # restore_newest_readable reports unreadable steps
+    if step is not None and saved is not None:
+        try:
+            workdir_record.check_resume(experiment.workdir, saved,
+                                        json.loads(experiment.config_json()))
+        except BaseException:
+            checkpointer.close()
+            raise
+    if jax.process_index() == 0:
+        (experiment.workdir / workdir_record.CONFIG_FILE).write_text(experiment.config_json())
 
 
 def _start_lines(
-    experiment: Experiment, checkpointer: checkpoint.Checkpointer, resumed_step: int | None
+    experiment: Experiment, checkpointer: checkpoint.Checkpointer, resumed_step: int
 ) -> list[str]:
-    """What the console says before the first step: the step a resumed run continues from, and
-    a learning-rate schedule that does not span the run (or changed since the checkpoint)."""
+    """What the console says before the first step: the step a resumed run continues from (a
+    new run starts at 0; checkpoints are of steps >= 1), and a learning-rate schedule that does
+    not span the run (or changed since the checkpoint)."""
     lines = []
-    if resumed_step is not None:
+    if resumed_step > 0:
         changes = optimizer_differences(checkpointer, resumed_step, experiment)
         lines.append(
             f"resumed from step {resumed_step} of {experiment.train.num_steps} (workdir "

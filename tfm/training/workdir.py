@@ -16,9 +16,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from tfm.saved_config import CONFIG_FILE, saved_config_path
 from tfm.training.checkpoint import ConfigMismatchError, model_differences
-
-CONFIG_FILE = "config.json"
 
 # Fields of the data section that say what a run trains on: another value is another dataset,
 # split or vocabulary. Lengths of rows, batch sizes and eval settings may change on resume.
@@ -32,7 +31,7 @@ _PATH_FIELDS = ("path", "source_path", "target_path")
 
 def read_config(workdir: str | Path) -> dict[str, Any] | None:
     """The config a run in `workdir` saved (WORKDIR/config.json), or None when there is none."""
-    path = Path(workdir) / CONFIG_FILE
+    path = saved_config_path(workdir)
     if not path.is_file():
         return None
     return json.loads(path.read_text())
