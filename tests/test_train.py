@@ -329,8 +329,9 @@ def test_incompatible_model_config_names_the_field(reference, data_dir, tmp_path
     with count_compilations() as compiled, pytest.raises(ValueError) as error:
         train.train_and_evaluate(config, workdir)
     assert "model.d_model: saved 32, current 48" in str(error.value)
-    assert str(workdir / "checkpoints") in str(error.value)
+    assert f"workdir {workdir} " in str(error.value) and "--workdir" in str(error.value)
     assert not compiled
+    assert (workdir / "config.json").read_text() == (reference_dir / "config.json").read_text()
 
 
 def test_incompatible_optimizer_state_names_the_field(reference, data_dir, tmp_path):
