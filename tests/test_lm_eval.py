@@ -1,0 +1,225 @@
+"""tfm in EleutherAI's lm-evaluation-harness (tfm/interop/lm_eval.py): the adapter's numbers
+against tfm's own forward pass computed here (float32, 1e-5), and the harness's evaluator on the
+local tasks of tests/fixtures/lm_eval/ (multiple choice, rolling perplexity, generate_until),
+offline, on a one-step char LM."""
+
+from __future__ import annotations
+
+import functools
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+lm_eval = pytest.importorskip(
+    "lm_eval", reason='lm-eval is not installed (pip install -e ".[eval]")'
+)
+
+import jax  # noqa: E402
+from lm_eval.api.instance import Instance  # noqa: E402
+
+from configs import char_lm  # noqa: E402
+from tfm.interop import lm_eval as adapter  # noqa: E402
+from tfm.nn.models import DecoderLM  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+FIXTURES = REPO / "tests" / "fixtures" / "lm_eval"
+TASKS = ["tfm_tiny_choice", "tfm_tiny_rolling", "tfm_tiny_generate"]
+SEQ_LEN = 32  # the run's training rows: the adapter's max_length
+CORPUS = (
+    "Now is the winter of our discontent made glorious summer by this sun of York.\n\n"
+    "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer.\n\n"
+    "ROMEO:\nWhat light through yonder window breaks? It is the east, and Juliet is the sun.\n\n"
+    "JULIET:\nGood night, good night! Parting is such sweet sorrow.\n\n"
+)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    """A one-step char LM (rope, 1 layer, d_model 16) trained on rows of 32 characters."""
+    from tfm.training import train
+
+    root = tmp_path_factory.mktemp("lm_eval")
+    corpus = root / "corpus.txt"
+    corpus.write_text(CORPUS * 8)
+    config = char_lm.get_config("runlocal")
+    config.model.update(d_model=16, num_heads=2, d_ff=32, num_decoder_layers=1, max_len=64,
+                        dropout_rate=0.0)
+    config.data.update(path=str(corpus), seq_len=SEQ_LEN, eval_seq_len=SEQ_LEN, batch_size=8,
+                       eval_batch_size=8, data_dir=str(root / "data"))
+    config.optimizer.update(warmup_steps=0, learning_rate=1e-2)
+    config.train.update(num_steps=1, log_every=1, eval_every=0, checkpoint_every=1,
+                        progress_bar=False, keep_best_metric=None)
+    config.eval.max_batches = 1
+    train.train_and_evaluate(config, root / "run")
+    return root / "run"
+
+
+@pytest.fixture(scope="module")
+def model(run_dir) -> adapter.TfmLM:
+    return adapter.TfmLM(workdir=str(run_dir), batch_size=4)  # several batches, filler rows
+
+
+@functools.cache
+def _forward(config):
+    return jax.jit(lambda params, tokens: DecoderLM(config).apply({"params": params}, tokens))
+
+
+def log_probs(model: adapter.TfmLM, ids: list[int]) -> np.ndarray:
+    """[len(ids), vocab] float64 log-probabilities of tfm's forward pass on one row. The row is
+    followed by other tokens up to a fixed width (one compilation) with no mask: a causal
+    model's logits at position t depend only on tokens up to t."""
+    tokens = np.full((1, 2 * SEQ_LEN), model.prefix_token_id, np.int32)
+    tokens[0, :len(ids)] = ids
+    logits = np.asarray(_forward(model.config)(model.params, tokens)[0, :len(ids)], np.float64)
+    return logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1,
+                           keepdims=True)) - logits.max(-1, keepdims=True)
+
+
+def expected_loglikelihood(model, context: str, continuation: str) -> tuple[float, bool]:
+    """Sum of log p of the continuation's characters, and whether each is the argmax, from one
+    forward pass on [bos] + context + continuation (one id per character)."""
+    ids = model.tok_encode(context + continuation)
+    start = len(model.tok_encode(context))
+    row = log_probs(model, ids[:-1])
+    positions = range(start - 1, len(ids) - 1)
+    total = sum(row[t, ids[t + 1]] for t in positions)
+    greedy = all(row[t].argmax() == ids[t + 1] for t in positions)
+    return float(total), bool(greedy)
+
+
+def close(want: float, num_tokens: int):
+    """float32 log-likelihood sums agree to 1e-5 per summed token."""
+    return pytest.approx(want, abs=1e-5 * num_tokens)
+
+
+def requests(kind: str, arguments: list[tuple]) -> list[Instance]:
+    return [Instance(kind, {}, args, index) for index, args in enumerate(arguments)]
+
+
+def test_loglikelihood_equals_the_forward_pass(model):
+    pairs = [("ROMEO", ":"), ("To be, or not", " to be"), ("Now is the winter of our", " disco"),
+             ("Good night", ", good night!"), ("a", "b"), ("What light", " through yonder")]
+    results = model.loglikelihood(requests("loglikelihood", pairs))
+    for (context, continuation), (total, greedy) in zip(pairs, results, strict=True):
+        want, want_greedy = expected_loglikelihood(model, context, continuation)
+        assert total == close(want, len(continuation)), (context, continuation)
+        assert greedy == want_greedy
+
+
+def test_greedy_continuation_is_greedy(model):
+    """The argmax character after a context, computed here, is_greedy; another is not."""
+    context = "JULIET"
+    ids = model.tok_encode(context)
+    best = int(log_probs(model, ids)[-1].argmax())
+    other = (best + 1 - model.tokenizer.offset) % len(model.tokenizer.chars)
+    best_text = model.tokenizer.decode([best])
+    other_text = model.tokenizer.chars[other]
+    [(_, is_best), (_, is_other)] = model.loglikelihood(
+        requests("loglikelihood", [(context, best_text), (context, other_text)]))
+    assert is_best and not is_other
+
+
+def test_an_empty_context_conditions_on_the_prefix_token(model):
+    [(total, _)] = model.loglikelihood(requests("loglikelihood", [("", "Now")]))
+    ids = model.tok_encode("Now")  # [bos, N, o, w]
+    row = log_probs(model, ids[:-1])
+    assert total == close(sum(row[t, ids[t + 1]] for t in range(3)), 3)
+
+
+def test_a_long_context_keeps_the_last_max_length_tokens(model):
+    context, continuation = "Now is the winter of our discontent made glorious", " summer"
+    [(total, _)] = model.loglikelihood(requests("loglikelihood", [(context, continuation)]))
+    ids = model.tok_encode(context + continuation)[-(SEQ_LEN + 1):]
+    row = log_probs(model, ids[:-1])
+    scored = range(SEQ_LEN - len(continuation), SEQ_LEN)
+    assert total == close(sum(row[t, ids[t + 1]] for t in scored), len(continuation))
+
+
+def test_rolling_loglikelihood_of_a_document_in_one_window(model):
+    text = "What light through yonder"  # 25 characters < 32
+    [total] = model.loglikelihood_rolling(requests("loglikelihood_rolling", [(text,)]))
+    ids = [model.prefix_token_id, *model.tokenizer.encode(text)]
+    row = log_probs(model, ids[:-1])
+    assert total == close(sum(row[t, ids[t + 1]] for t in range(len(text))), len(text))
+
+
+def test_rolling_windows_of_a_document_longer_than_the_model(model):
+    text = CORPUS[:90]
+    ids = model.tokenizer.encode(text)
+    windows = adapter.rolling_windows(ids, model.prefix_token_id, SEQ_LEN)
+    assert len(windows) == 3  # 32 + 32 + 26 predicted tokens
+    assert [t for _, continuation in windows for t in continuation] == ids  # each token once
+    assert windows[0][0] == [model.prefix_token_id]
+    for context, continuation in windows:  # as much context as fits max_length
+        assert len(context) + len(continuation) - 1 == SEQ_LEN
+    want = 0.0
+    for context, continuation in windows:
+        row_ids = [*context, *continuation]
+        row = log_probs(model, row_ids[:-1])
+        want += sum(row[t, row_ids[t + 1]] for t in range(len(context) - 1, len(row_ids) - 1))
+    [total] = model.loglikelihood_rolling(requests("loglikelihood_rolling", [(text,)]))
+    assert total == close(want, len(ids))
+
+
+def test_generate_until_is_greedy_decoding_cut_at_the_stop_string(model):
+    prompts = ["ROMEO:\n", "To be", "JULIET:\nGood night"]
+    outputs = model.generate_until(requests("generate_until", [
+        (prompt, {"until": ["e"], "max_gen_toks": 6}) for prompt in prompts]))
+    for prompt, output in zip(prompts, outputs, strict=True):
+        ids = model.tok_encode(prompt)
+        new = []
+        for _ in range(6):  # greedy by full forward passes, no cache
+            token = int(log_probs(model, ids + new)[-1].argmax())
+            if token == model.eot_token_id:
+                break
+            new.append(token)
+        assert output == adapter.cut_at_stop(model.tokenizer.decode(new), ["e"])
+        assert "e" not in output
+
+
+def test_the_harness_evaluates_local_tasks(model, monkeypatch):
+    """simple_evaluate on the fixture tasks; bits_per_byte is the adapter's rolling
+    log-likelihoods over the documents' UTF-8 bytes."""
+    import json
+
+    from lm_eval.tasks import TaskManager
+
+    monkeypatch.chdir(REPO)  # the task files name their data relative to the repository
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    results = lm_eval.simple_evaluate(
+        model=model, tasks=TASKS, task_manager=TaskManager(include_path=str(FIXTURES)),
+    )["results"]
+    assert 0.0 <= results["tfm_tiny_choice"]["acc,none"] <= 1.0
+    assert 0.0 <= results["tfm_tiny_generate"]["exact_match,none"] <= 1.0
+    texts = [json.loads(line)["text"] for line in open(FIXTURES / "rolling.jsonl")]
+    totals = model.loglikelihood_rolling(
+        requests("loglikelihood_rolling", [(text,) for text in texts]))
+    num_bytes = sum(len(text.encode("utf-8")) for text in texts)
+    assert results["tfm_tiny_rolling"]["bits_per_byte,none"] == pytest.approx(
+        -sum(totals) / num_bytes / math.log(2), rel=1e-6)
+
+
+def test_helpers():
+    assert adapter.cut_at_stop("abc.def\nx", ["\n", "."]) == "abc"
+    assert adapter.cut_at_stop("abc", ["", "z"]) == "abc"
+    assert [adapter.bucket_width(n, 32) for n in (1, 8, 9, 17, 32, 40)] == [8, 8, 16, 32, 32, 40]
+    assert adapter.length_batches([3, 9, 5, 9], 3) == [[1, 3, 2], [0]]
+    row = adapter.scoring_row([1, 5, 6], [7, 8], max_length=3)  # keeps the last 4 tokens
+    assert row == adapter.ScoringRow((5, 6, 7), (6, 7, 8), 2)
+    with pytest.raises(ValueError, match="does not fit max_length=3"):
+        adapter.scoring_row([1], [2, 3, 4, 5], max_length=3)
+
+
+def test_model_args_are_checked():
+    with pytest.raises(ValueError, match="give one of workdir=DIR"):
+        adapter.TfmLM()
+    with pytest.raises(ValueError, match="unknown to tfm"):
+        adapter.TfmLM(workdir="x", temperature=1)
+
+
+def test_registered_as_tfm():
+    from lm_eval.api.registry import get_model
+
+    assert get_model("tfm") is adapter.TfmLM
