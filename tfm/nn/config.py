@@ -80,24 +80,24 @@ class ModelConfig:
     embedding_norm: bool = False
 
     # Sizes.
-    d_model: int = 512
-    num_heads: int = 8
+    d_model: int = 512  # width of every residual stream
+    num_heads: int = 8  # attention heads (query heads under GQA)
     num_kv_heads: int | None = None  # None = num_heads (MHA); 1 = MQA; else GQA
     head_dim: int | None = None  # None = d_model // num_heads
-    d_ff: int = 2048
-    num_encoder_layers: int = 6
-    num_decoder_layers: int = 6
+    d_ff: int = 2048  # inner width of each feed-forward layer
+    num_encoder_layers: int = 6  # 0 for a decoder-only LM (DecoderLM requires it)
+    num_decoder_layers: int = 6  # decoder blocks (an LM's blocks)
 
     # Regularisation (paper sec. 5.4: P_drop = 0.1 on sub-layer outputs and embedding sums).
     dropout_rate: float = 0.1
-    attention_dropout_rate: float = 0.0
+    attention_dropout_rate: float = 0.0  # on the attention weights (the paper has none)
 
     # Position scheme and its options.
-    position_scheme: str = "sinusoidal"
+    position_scheme: str = "sinusoidal"  # tfm.nn.positions.POSITION_SCHEMES
     max_len: int = 512  # only bounds `learned` positions; other schemes work at any position
-    sinusoidal_layout: str = "paper"
-    rope_base: float = 10000.0
-    rope_layout: str = "rotate_half"
+    sinusoidal_layout: str = "paper"  # "paper" (interleaved sin/cos) or "concat" (tensor2tensor)
+    rope_base: float = 10000.0  # theta of the rotation frequencies base^(-2i/d)
+    rope_layout: str = "rotate_half"  # which dimensions pair up: "rotate_half" or "interleaved"
     rope_fraction: float = 1.0  # fraction of head_dim rotated (partial rotary, GPT-NeoX)
     # Long-context RoPE scaling (positions.rope_frequencies): none, linear, ntk, llama3, by
     # rope_scaling_factor; llama3 also reads the original context and its two band edges.
@@ -108,15 +108,15 @@ class ModelConfig:
     rope_high_freq_factor: float = 4.0
     relative_max_distance: int = 16  # Shaw et al. clipping distance k
     relative_values: bool = True  # Shaw et al. also add relative embeddings to values
-    t5_num_buckets: int = 32
-    t5_max_distance: int = 128
+    t5_num_buckets: int = 32  # relative-position buckets of the T5 bias
+    t5_max_distance: int = 128  # distance beyond which T5 buckets stop growing
     t5_shared_across_layers: bool = True  # T5 computes the bias once per stack
 
     # Block structure.
-    norm_type: str = "layernorm"
+    norm_type: str = "layernorm"  # "layernorm" or "rmsnorm"
     norm_placement: str = "post"  # post = the paper's Add & Norm; pre = pre-LN + final norm
-    norm_eps: float = 1e-6
-    activation: str = "relu"
+    norm_eps: float = 1e-6  # epsilon inside each norm
+    activation: str = "relu"  # feed-forward activation: relu, gelu, gelu_tanh, swiglu, geglu
     use_bias: bool = True  # biases in dense layers (the paper has them; Llama-style has none)
     # Per-group overrides of use_bias (None = use_bias): query/key/value projections, the
     # attention output projection, the feed-forward layers. Qwen2 has biases on q/k/v only;
@@ -140,7 +140,7 @@ class ModelConfig:
     # (tfm.kernels.BACKENDS): "auto" = the platform's fast path (CPU) or the reference maths.
     attention_backend: str = "auto"
     dtype: str = "float32"  # compute dtype
-    param_dtype: str = "float32"
+    param_dtype: str = "float32"  # dtype the parameters (and optimizer state) are kept in
     scan_layers: bool = False  # nn.scan over layers: compile time flat in depth
     # What each block keeps for the backward pass (tfm.nn.remat.CHOICES): "none" keeps all its
     # activations, "full" recomputes them all, the others keep some. True / False (the
