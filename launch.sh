@@ -16,6 +16,9 @@ commands:
   compile   compile CONFIG's train step for a machine you need not have: --target NAME
             (compile --help lists them) [--json FILE]; per-chip memory, FLOPs, traffic and
             roofline MFU; exits 1 if it does not fit
+  lm_eval   tasks of EleutherAI's lm-evaluation-harness on DIR's checkpoint: --tasks a,b
+            [--limit N] [--num_fewshot K] [--include_path TASK_DIR]; results printed and in
+            DIR/lm_eval/results.json (needs pip install -e ".[eval]")
   data      ./launch.sh data multi30k: download Multi30k into data/multi30k/ (what
             configs/translate.py reads); offline it says where to put the files
   sweep     train every run of CONFIG's get_sweep(ARG), one workdir each (resumable):
@@ -36,7 +39,7 @@ profile_*, async_checkpoints) are left out.
 E.g. char_lm.py:runlocal --config.model.position_scheme=alibi trains in
 workdirs/char_lm_runlocal+position_scheme=alibi.
 
-eval, generate and average use the config the run saved (DIR/config.json): CONFIG may be
+eval, generate, average and lm_eval use the config the run saved (DIR/config.json): CONFIG may be
 left out (./launch.sh generate --workdir DIR --prompt "TEXT"); --config.FIELD=VALUE still
 overrides it. Relative paths (CONFIG, DIR, data paths in configs) are relative to the
 repository root, wherever launch.sh is called from.
@@ -52,6 +55,7 @@ examples:
   ./launch.sh train configs/char_lm.py:runlocal --config.model.position_scheme=alibi
   ./launch.sh sweep configs/synthetic_lm.py:runlocal --seeds 0,1 --parallel 2
   ./launch.sh report workdirs/sweeps/synthetic_lm_runlocal
+  ./launch.sh lm_eval --workdir workdirs/char_lm_runlocal --tasks lambada_openai --limit 100
 EOF
 }
 
@@ -60,7 +64,7 @@ if [[ $# -eq 0 ]]; then
   echo "launch.sh: expected a COMMAND and a CONFIG" >&2; usage >&2; exit 2
 fi
 if [[ $# -lt 2 ]]; then
-  echo "launch.sh: expected a COMMAND and a CONFIG (or --workdir DIR for eval, generate, average); see ./launch.sh --help" >&2
+  echo "launch.sh: expected a COMMAND and a CONFIG (or --workdir DIR for eval, generate, average, lm_eval); see ./launch.sh --help" >&2
   exit 2
 fi
 command=$1; config=$2; shift 2
@@ -89,8 +93,8 @@ if [[ $command == generate && ( $config == --pretrained || $config == --pretrain
   exec "${PYTHON:-python}" -m tfm.main generate --pretrained="$absolute" "$@"
 fi
 case "$command" in
-  train|eval|generate|average|compile) ;;
-  *) echo "launch.sh: unknown command '$command'; choose one of: train, eval, generate, average, compile, data, sweep, report" >&2
+  train|eval|generate|average|compile|lm_eval) ;;
+  *) echo "launch.sh: unknown command '$command'; choose one of: train, eval, generate, average, compile, lm_eval, data, sweep, report" >&2
      exit 2 ;;
 esac
 # Relative paths (CONFIG, --workdir, --output, data paths inside configs) are relative to the
@@ -125,7 +129,7 @@ while [[ $# -gt 0 ]]; do
     --num_processes=*) num_processes=${1#*=}; shift ;;
     --devices_per_process) needs_value $# "$1"; devices_per_process=$2; shift 2 ;;
     --devices_per_process=*) devices_per_process=${1#*=}; shift ;;
-    --workdir|--prompt|--step|--last_k|--output|--eval_seq_len|--target|--json) needs_value $# "$1"; args+=("$1=$2"); shift 2 ;;
+    --workdir|--prompt|--step|--last_k|--output|--eval_seq_len|--target|--json|--tasks|--limit|--num_fewshot|--include_path) needs_value $# "$1"; args+=("$1=$2"); shift 2 ;;
     *) args+=("$1"); shift ;;
   esac
 done

@@ -2,7 +2,8 @@
 
 Commands: train (resumes from the workdir's latest checkpoint), eval (metrics of a checkpoint),
 generate (text in, text out), average (mean of the last K checkpoints into a new workdir),
-compile (the train step compiled for a machine this one need not be). Any config field can be
+compile (the train step compiled for a machine this one need not be), lm_eval (tasks of
+EleutherAI's lm-evaluation-harness on a checkpoint). Any config field can be
 overridden: --config.model.position_scheme=rope. eval, generate and average on a workdir use the
 config its training saved (WORKDIR/config.json, read by tfm/saved_config.py); `COMMAND --help`
 prints one command's options (train CONFIG --help: also the config's fields).
@@ -25,9 +26,9 @@ from ml_collections import config_flags
 
 from tfm import saved_config
 
-COMMANDS = ("train", "eval", "generate", "average", "compile")
+COMMANDS = ("train", "eval", "generate", "average", "compile", "lm_eval")
 # Commands on a trained run: they read the config it saved (WORKDIR/config.json).
-ON_A_RUN = ("eval", "generate", "average")
+ON_A_RUN = ("eval", "generate", "average", "lm_eval")
 SAVED_CONFIG = Path(__file__).resolve().parent / "saved_config.py"
 HELP_FLAGS = ("-h", "--help", "--helpshort", "--helpfull")
 # Overrides that do not change what is trained stay out of the default workdir's name.
@@ -54,7 +55,7 @@ _WORKDIR = flags.DEFINE_string(
     "workdirs/<config>[_<arg>][+<field>=<value>...] (./launch.sh train --help)"
 )
 _PROMPTS = flags.DEFINE_multi_string("prompt", [], "generate: an input text (repeatable)")
-_STEP = flags.DEFINE_integer("step", None, "eval/generate: checkpoint step (default: latest)")
+_STEP = flags.DEFINE_integer("step", None, "eval/generate/lm_eval: checkpoint step (default: latest)")
 _EVAL_SEQ_LEN = flags.DEFINE_list(
     "eval_seq_len", [], "eval: row lengths to evaluate at (64,128,...); results are also merged "
     "into WORKDIR/eval_seq_len.json"
@@ -73,6 +74,17 @@ _JSON = flags.DEFINE_string("json", None, "compile: also write the report to thi
 _LARGEST_BATCH = flags.DEFINE_bool(
     "largest_batch", False, "compile: find the largest data.batch_size whose train step fits the "
     "target's memory (a few compiles) and report that step")
+_TASKS = flags.DEFINE_list(
+    "tasks", [], "lm_eval: the harness's task names (lambada_openai,hellaswag,...)"
+)
+_LIMIT = flags.DEFINE_integer("limit", None, "lm_eval: at most this many examples per task")
+_NUM_FEWSHOT = flags.DEFINE_integer(
+    "num_fewshot", None, "lm_eval: examples in each prompt (default: the task's own)"
+)
+_INCLUDE_PATH = flags.DEFINE_string(
+    "include_path", None, "lm_eval: a folder of task YAML files of your own "
+    "(e.g. tests/fixtures/lm_eval)"
+)
 _PROMPT_IDS = flags.DEFINE_bool(
     "prompt_ids", False, "generate --pretrained: prompts and outputs are space-separated ids"
 )
@@ -179,6 +191,8 @@ def _main(argv: list[str]) -> None:
         raise app.UsageError("average needs --output=NEW_WORKDIR")
     if command == "compile" and not _TARGET.value:
         raise app.UsageError("compile needs --target=NAME (e.g. v5e-8)")
+    if command == "lm_eval" and not _TASKS.value:
+        raise app.UsageError("lm_eval needs --tasks a,b (the harness's task names)")
     if _LARGEST_BATCH.value and command != "compile":
         raise app.UsageError("--largest_batch goes with compile --target=NAME")
 
@@ -258,6 +272,8 @@ def _run(command: str, config: Any, workdir: Path, config_arg: str) -> None:
         _print(json.dumps(results, indent=1))
     elif command == "compile":
         _compile(config, workdir)
+    elif command == "lm_eval":
+        _lm_eval(config, workdir)
     elif command == "generate":
         prompts = _read_prompts()
         outputs = evaluate.generate_from_checkpoint(config, workdir, prompts, _STEP.value)
@@ -276,6 +292,22 @@ def _run(command: str, config: Any, workdir: Path, config_arg: str) -> None:
         print(f"averaged the last {_LAST_K.value} checkpoints of {workdir} into "
               f"{_OUTPUT.value} (step {step}); evaluate with: ./launch.sh eval {config_word}"
               f"--workdir {_OUTPUT.value}")
+
+
+def _lm_eval(config: Any, workdir: Path) -> None:
+    """The harness's tasks on the run's checkpoint; the results in WORKDIR/lm_eval/."""
+    try:
+        from tfm.interop import lm_eval
+    except ImportError as error:
+        sys.stderr.write(f"tfm.main lm_eval: {error}\n")
+        sys.exit(1)
+    model = lm_eval.TfmLM(workdir=str(workdir), step=_STEP.value, run_config=config)
+    table = lm_eval.evaluate(
+        model, _TASKS.value, workdir / "lm_eval", limit=_LIMIT.value,
+        num_fewshot=_NUM_FEWSHOT.value, include_path=_INCLUDE_PATH.value,
+    )
+    _print(table)
+    _print(f"results: {workdir / 'lm_eval' / 'results.json'}")
 
 
 def _compile(config: Any, workdir: Path) -> None:
@@ -415,6 +447,15 @@ COMMAND_HELP: dict[str, tuple[str, str, tuple[str, ...]]] = {
         'TPU targets need libtpu (pip install -e ".[tpu]"), GPU ones the CUDA plugin '
         '(pip install -e ".[gpu]").',
         ("target", "json", "largest_batch"),
+    ),
+    "lm_eval": (
+        "./launch.sh lm_eval [CONFIG[:ARG]] [--workdir DIR] --tasks a,b [--limit N] "
+        "[--num_fewshot K] [--include_path TASK_DIR] [--step N]",
+        "Runs EleutherAI's lm-evaluation-harness tasks on DIR's checkpoint (the model `tfm`, "
+        'tfm/interop/lm_eval.py; pip install -e ".[eval]"); prints the harness\'s table and '
+        "writes DIR/lm_eval/results.json. Tasks download their data from the Hugging Face Hub "
+        "unless they are local (--include_path).",
+        ("workdir", "tasks", "limit", "num_fewshot", "include_path", "step"),
     ),
 }
 _ON_A_RUN_NOTE = (

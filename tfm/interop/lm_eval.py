@@ -207,15 +207,16 @@ def _as_bool(value: Any) -> bool:
 
 
 def load_run(
-    workdir: str | Path, step: int | None = None
+    workdir: str | Path, step: int | None = None, run_config: Any = None
 ) -> tuple[ModelConfig, Any, Any, int, jax.sharding.NamedSharding]:
     """(model config, params, tokenizer, training row length, batch sharding) of a training
-    run's checkpoint, with the config it saved (WORKDIR/config.json) and its mesh."""
+    run's checkpoint and its mesh, with `run_config` (default: the config the run saved,
+    WORKDIR/config.json)."""
     from tfm import saved_config
     from tfm.parallel import sharding
     from tfm.training.experiment import restore_params, setup
 
-    experiment = setup(saved_config.load(workdir), workdir)
+    experiment = setup(saved_config.load(workdir) if run_config is None else run_config, workdir)
     if experiment.mode != "lm":
         raise ValueError(
             f"{workdir} is a {experiment.mode} run; the harness's tasks need a decoder-only LM"
@@ -264,6 +265,7 @@ class TfmLM(TemplateLM):
         add_bos: bool | str | None = None,
         max_batch_size: int | None = None,  # given by the harness; batches are fixed here
         device: str | None = None,  # given by the harness; JAX places arrays itself
+        run_config: Any = None,  # ./launch.sh lm_eval: the run's config with its overrides
         **unknown: Any,
     ) -> None:
         super().__init__()
@@ -277,7 +279,8 @@ class TfmLM(TemplateLM):
                              "pretrained=DIR (a Hugging Face folder)")
         if workdir is not None:
             step = None if step is None else int(step)
-            config, params, tokenizer, trained, self.batch_sharding = load_run(workdir, step)
+            config, params, tokenizer, trained, self.batch_sharding = load_run(
+                workdir, step, run_config)
             default_bos = True
         else:
             config, params, tokenizer = load_folder(pretrained)
@@ -412,6 +415,37 @@ class TfmLM(TemplateLM):
                 new = new_tokens[position, :new_lengths[position]].tolist()
                 outputs[index] = self.tok_decode(new)
         return outputs
+
+
+def evaluate(
+    model: TfmLM,
+    tasks: Sequence[str],
+    output_dir: str | Path,
+    *,
+    limit: int | None = None,
+    num_fewshot: int | None = None,
+    include_path: str | None = None,
+) -> str:
+    """Runs the harness's tasks on `model`; writes OUTPUT_DIR/results.json (the harness's
+    results, configs and versions) and returns its table (lm_eval.utils.make_table)."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    results = lm_eval.simple_evaluate(
+        model=model, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
+        task_manager=TaskManager(include_path=include_path),
+    )
+    if results is None:  # another rank of a distributed harness run
+        return ""
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    saved = {key: value for key, value in results.items() if key != "samples"}
+    (output_dir / "results.json").write_text(
+        json.dumps(saved, indent=1, default=str, ensure_ascii=False) + "\n")
+    table = harness_utils.make_table(results)
+    if "groups" in results:
+        table += "\n" + harness_utils.make_table(results, "groups")
+    return table
 
 
 if __name__ == "__main__":  # the harness's command line with `tfm` registered
