@@ -55,7 +55,9 @@ _WORKDIR = flags.DEFINE_string(
     "workdirs/<config>[_<arg>][+<field>=<value>...] (./launch.sh train --help)"
 )
 _PROMPTS = flags.DEFINE_multi_string("prompt", [], "generate: an input text (repeatable)")
-_STEP = flags.DEFINE_integer("step", None, "eval/generate/lm_eval: checkpoint step (default: latest)")
+_STEP = flags.DEFINE_integer(
+    "step", None, "eval/generate/lm_eval: checkpoint step (default: latest)"
+)
 _EVAL_SEQ_LEN = flags.DEFINE_list(
     "eval_seq_len", [], "eval: row lengths to evaluate at (64,128,...); results are also merged "
     "into WORKDIR/eval_seq_len.json"
