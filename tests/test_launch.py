@@ -78,7 +78,9 @@ def test_train_config_help_lists_fields_with_values_and_docs():
     assert lines[0].startswith("usage: ./launch.sh train ")
     for section in ("model:", "data:", "optimizer:", "train:", "eval:", "generate:"):
         assert section in lines
-    assert "  d_model = 96" in lines  # the override applied
+    d_model = next(line for line in lines if line.startswith("  d_model = "))
+    assert d_model.split()[:3] == ["d_model", "=", "96"]  # the override applied
+    assert "width of every residual stream" in d_model
     max_len = next(line for line in lines if line.startswith("  max_len = "))
     assert "only bounds `learned` positions" in max_len  # the field's comment in ModelConfig
     kind = next(line for line in lines if line.startswith("  kind = 'text'"))
