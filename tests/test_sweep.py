@@ -90,6 +90,24 @@ def test_commands_and_config_sweeps():
         {"model.position_scheme": "sinusoidal"}, {"model.position_scheme": "learned"}]
 
 
+def test_the_pilot_sweeps_its_schemes_over_two_seeds_and_evaluates_three_times():
+    runs = sweep.load_sweep("configs/pilot.py")
+    assert runs == [{"train.seed": seed, "model.position_scheme": scheme}
+                    for seed in (0, 1) for scheme in ("sinusoidal", "alibi")]
+    assert [run["model.position_scheme"] for run in
+            sweep.load_sweep("configs/pilot.py:sinusoidal,alibi,none")] == [
+        "sinusoidal", "alibi", "none"] * 2
+    assert sweep.default_root("configs/pilot.py") == Path("workdirs/sweeps/pilot")
+    from tfm.training.experiment import parse_config
+
+    config = sweep._load_module("configs/pilot.py").get_config()
+    sections = parse_config(config)  # a valid config, checked as training checks it
+    train, optimizer = sections.train, config.optimizer
+    assert optimizer.total_steps == train.num_steps  # the schedule ends where training does
+    assert train.num_steps // train.eval_every == 3  # a learning curve, not one point
+    assert config.data.train_lengths[1] < config.data.eval_lengths[0]  # "test" is longer
+
+
 def test_dry_run_lists_runs_and_commands(capsys):
     assert sweep.main(["configs/translate.py:small", "--seeds", "0,1", "--dry_run",
                        "--workdir", "/tmp/never_written"]) == 0
