@@ -198,10 +198,9 @@ def test_commands_on_a_run_take_its_saved_config(tmp_path, monkeypatch, capsys):
     (run / "config.json").write_text("{}")
     argv = ["tfm.main", "generate", "--config=configs/tiny.py", "--config.train.num_steps=24",
             "--config.generate.max_new_tokens=4", "--prompt=12"]
-    assert main.with_saved_config(argv) == [
-        "tfm.main", "generate", "--config.train.num_steps=24",
-        "--config.generate.max_new_tokens=4", "--prompt=12",
-        f"--config={main.SAVED_CONFIG}:{run}", f"--workdir={run}"]
+    assert main.with_saved_config(argv) == [  # --config= before the overrides of its fields
+        "tfm.main", "generate", f"--config={main.SAVED_CONFIG}:{run}", f"--workdir={run}",
+        "--config.train.num_steps=24", "--config.generate.max_new_tokens=4", "--prompt=12"]
     assert "using the run's saved config workdirs/tiny+num_steps=24/config.json" in (
         capsys.readouterr().err)
     without = ["tfm.main", "eval", "--workdir", str(run)]
@@ -375,8 +374,9 @@ def test_synthetic_lm_train_generate_average_eval(tmp_path):
     with checkpoint.Checkpointer(workdir / "checkpoints") as checkpointer:
         assert checkpointer.all_steps() == [8, 16, 24]
 
-    # No CONFIG: the run's config.json (with the override num_steps=24 in it).
-    generated = launch("generate", "--workdir", str(workdir),
+    # No CONFIG: the run's config.json (with the override num_steps=24 in it), and a --config
+    # flag over it.
+    generated = launch("generate", "--workdir", str(workdir), "--config.generate.max_new_tokens=2",
                        "--prompt", "123", "--prompt", "4051", env=env)
     assert generated.returncode == 0, generated.stderr[-3000:]
     assert f"using the run's saved config {workdir / 'config.json'}" in generated.stderr
@@ -384,6 +384,8 @@ def test_synthetic_lm_train_generate_average_eval(tmp_path):
     lines = generated.stdout.strip().splitlines()
     assert [line.split("\t")[0] for line in lines] == ["123", "4051"]
     assert all(line.split("\t")[1] == "->" for line in lines)
+    outputs = [line.split("\t")[2] if line.count("\t") == 2 else "" for line in lines]
+    assert all(len(output) <= 2 for output in outputs), lines  # the override applied
 
     average = launch("average", str(config), "--workdir", str(workdir), "--last_k", "2",
                      "--output", str(averaged), env=env)

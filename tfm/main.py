@@ -536,7 +536,9 @@ def with_saved_config(argv: list[str]) -> list[str]:
     overridden = "; --config flags override it" if config_overrides(argv) else ""
     sys.stderr.write(f"{command}: using the run's saved config {saved}{given}{overridden}\n")
     _, rest = _flag_value(rest, "workdir")
-    return [*rest, f"--config={SAVED_CONFIG}:{workdir}", f"--workdir={workdir}"]
+    # --config= before its --config.x=y overrides: config_flags defines those flags only once
+    # it has read the config file.
+    return [*rest[:2], f"--config={SAVED_CONFIG}:{workdir}", f"--workdir={workdir}", *rest[2:]]
 
 
 def no_tpu_startup_noise() -> None:
