@@ -40,9 +40,7 @@ def get_config(arg: str | None = None):
                        num_eval_examples=128, batch_size=128)
     config.model.update(num_encoder_layers=0, num_decoder_layers=2, num_heads=8,
                         position_scheme="alibi")
-    # total_steps set here, equal to num_steps, while the rule that an unset total_steps follows
-    # train.num_steps is being changed (issue 44 item 1).
-    config.optimizer.update(warmup_steps=30, total_steps=STEPS)
+    config.optimizer.warmup_steps = 30  # the cosine schedule spans train.num_steps
     config.train.update(num_steps=STEPS, log_every=100, eval_every=STEPS // 3,
                         checkpoint_every=STEPS,
                         # the second seed of a scheme loads its train and eval steps from here
