@@ -102,7 +102,7 @@ def test_the_pilot_sweeps_its_schemes_over_two_seeds_and_evaluates_three_times()
 
     config = sweep._load_module("configs/pilot.py").get_config()
     sections = parse_config(config)  # a valid config, checked as training checks it
-    train, optimizer = sections.train, config.optimizer
+    train, optimizer = sections.train, sections.optimizer
     assert optimizer.total_steps == train.num_steps  # the schedule ends where training does
     assert train.num_steps // train.eval_every == 3  # a learning curve, not one point
     assert config.data.train_lengths[1] < config.data.eval_lengths[0]  # "test" is longer
