@@ -85,7 +85,11 @@ def assert_model_matches_reference(backend: str, mode: str, config_for) -> list[
     for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got_grads),
                             jax.tree.leaves(want_grads), strict=True):
         paths.append(jax.tree_util.keystr(path))
-        np.testing.assert_allclose(g, w, rtol=2e-5, atol=5e-5, err_msg=paths[-1])
+        # float32 sums in another order: the error scales with the leaf's largest entries (an
+        # embedding gradient of entries ~80 has near-cancelled ones of ~0.4 off by ~1e-4).
+        scale = float(np.max(np.abs(np.asarray(w))))
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=max(5e-5, 2e-6 * scale),
+                                   err_msg=paths[-1])
     return paths
 
 

@@ -296,7 +296,7 @@ def test_no_readable_step_error_lists_each_step_and_what_to_do(tmp_path):
     assert "; step 1 (ValueError: OUT_OF_RANGE: Error reading" in message
     assert "OCDBT database at local file" not in message  # the step's folder, given once
     assert message.endswith(
-        f"Nothing was moved or deleted: to start over, train with another --workdir (or move "
-        f"{tmp_path / 'run'} aside), or move {directory / '2'}, {directory / '1'} out of "
-        f"{directory} to start over in this workdir")
+        f"Nothing was moved or deleted. To start over, train with another --workdir (or move "
+        f"{tmp_path / 'run'} aside), or move these step folders elsewhere: {directory / '2'}, "
+        f"{directory / '1'}")
     assert sorted(p.name for p in directory.iterdir()) == ["1", "2"]  # nothing moved

@@ -44,6 +44,9 @@ OVERRIDES = {
     "train.keep_best_metric": "eval_loss", "train.best_mode": "min",
     "eval.splits": ("validation",), "eval.generation_metric": "none",
     "eval.max_generation_examples": 4,
+    # One schedule for runs of 2, 4 and 6 steps resuming each other (unset, it would follow
+    # each run's train.num_steps and stop short of runlocal's 10 warmup steps).
+    "optimizer.total_steps": 60,
 }
 RUN_TIMEOUT_S = 300
 # LLVM optimisation level 0: 2-4x faster CPU compiles; code generation only, not the HLO passes

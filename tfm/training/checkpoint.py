@@ -72,9 +72,8 @@ def no_readable_step_error(directory: Any, failures: Sequence[CheckpointError]) 
     folders = ", ".join(str(directory / str(error.step)) for error in failures)
     return CheckpointError(
         f"no checkpoint in {directory} could be read (corrupt or incomplete?); tried {tried}. "
-        f"Nothing was moved or deleted: to start over, train with another --workdir (or move "
-        f"{directory.parent} aside), or move {folders} out of {directory} to start over in "
-        "this workdir"
+        f"Nothing was moved or deleted. To start over, train with another --workdir (or move "
+        f"{directory.parent} aside), or move these step folders elsewhere: {folders}"
     )
 
 
