@@ -223,3 +223,28 @@ def test_registered_as_tfm():
     from lm_eval.api.registry import get_model
 
     assert get_model("tfm") is adapter.TfmLM
+
+
+def test_a_hugging_face_folder_scores_as_transformers_does():
+    """pretrained=DIR (the committed tiny GPT-2 folder, whose reference.npz holds transformers'
+    own logits for two rows): the log-likelihood of each row's last tokens given its first is
+    what the harness's `hf` model computes from those logits (log-softmax at the positions
+    before each continuation token), and is_greedy is their argmax; 1e-4 as for imports."""
+    folder = REPO / "tests" / "fixtures" / "hf" / "gpt2"
+    reference = np.load(folder / "reference.npz")
+    model = adapter.TfmLM(pretrained=str(folder), batch_size=2)
+    assert model.max_length == 16  # n_positions
+    pairs, expected = [], []
+    for row, logits in zip(reference["input_ids"], reference["logits"], strict=True):
+        for split in (1, 3, 5):
+            context, continuation = [int(t) for t in row[:split]], [int(t) for t in row[split:]]
+            shifted = np.asarray(logits[split - 1:-1], np.float64)  # predicts row[split:]
+            log_softmax = shifted - np.log(np.exp(shifted - shifted.max(-1, keepdims=True)).sum(
+                -1, keepdims=True)) - shifted.max(-1, keepdims=True)
+            picked = log_softmax[np.arange(len(continuation)), continuation]
+            pairs.append((context, continuation))
+            expected.append((picked.sum(), bool((shifted.argmax(-1) == continuation).all())))
+    got = model.score(pairs)
+    for (total, greedy), (want, want_greedy) in zip(got, expected, strict=True):
+        assert total == pytest.approx(want, abs=1e-4)
+        assert greedy == want_greedy
