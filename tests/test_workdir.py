@@ -184,3 +184,22 @@ def test_resuming_another_corpus_of_the_same_vocabulary_size_is_refused(tmp_path
     assert f"workdir {run}" in resumed[0]
     assert "optimizer.total_steps: saved 4, current 6" in resumed[0]
     assert np.isfinite(result["train_loss"])
+
+
+def test_config_json_is_replaced_whole(tmp_path, monkeypatch):
+    """Another process of the run reads config.json while process 0 writes it: a reader sees
+    the old text or the new, never an empty or partial file (it once saw "": JSONDecodeError)."""
+    workdir.write_config(tmp_path, '{"old": 1}')
+    seen = []
+    original = workdir.Path.write_text
+
+    def write_then_read(self, text, *args, **kwargs):
+        result = original(self, text, *args, **kwargs)
+        seen.append(workdir.read_config(tmp_path))  # a reader between write and rename
+        return result
+
+    monkeypatch.setattr(workdir.Path, "write_text", write_then_read)
+    workdir.write_config(tmp_path, '{"new": 2}')
+    assert seen == [{"old": 1}]
+    assert workdir.read_config(tmp_path) == {"new": 2}
+    assert [p.name for p in tmp_path.iterdir()] == ["config.json"]

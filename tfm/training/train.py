@@ -340,7 +340,7 @@ def _record_run(experiment: Experiment, checkpointer: checkpoint.Checkpointer) -
             checkpointer.close()
             raise
     if jax.process_index() == 0:
-        (experiment.workdir / workdir_record.CONFIG_FILE).write_text(experiment.config_json())
+        workdir_record.write_config(experiment.workdir, experiment.config_json())
 
 
 def _start_lines(

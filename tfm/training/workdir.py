@@ -37,6 +37,16 @@ def read_config(workdir: str | Path) -> dict[str, Any] | None:
     return json.loads(path.read_text())
 
 
+def write_config(workdir: str | Path, config_json: str) -> None:
+    """Writes WORKDIR/config.json whole or not at all (a temporary file renamed over it): the
+    other processes of a run read it meanwhile (`read_config`), and a reader must never see it
+    half written."""
+    path = saved_config_path(workdir)
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(config_json)
+    os.replace(partial, path)
+
+
 def _file_digest(path: str) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as file:
