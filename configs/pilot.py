@@ -1,8 +1,8 @@
 """Pilot: sinusoidal vs ALiBi positions on copy, trained on lengths 1-8, tested on 9-12.
 
 The smallest sweep that shows a difference between position schemes: 4 runs of 600 steps, 2 at
-a time, 294 CPU-seconds in all (so about 2.5 minutes on two idle cores; 6 min 15 s measured on a
-2-core AMD EPYC shared with other work, load average 4-6.6):
+a time: 2 min 17 s wall (261 s user CPU) on an idle 2-core AMD EPYC (6 min 15 s when the
+machine was shared with other work, load average 4-6.6):
 
     ./launch.sh sweep configs/pilot.py --parallel 2
     ./launch.sh report workdirs/sweeps/pilot \
