@@ -70,16 +70,12 @@ def _same_file(saved: Any, current: Any) -> bool:
             and _file_digest(saved) == _file_digest(current))
 
 
-def _as_tuple(value: Any) -> Any:
-    return tuple(value) if isinstance(value, list) else value
-
-
 def data_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
     """'data.FIELD: saved X, current Y' for every DATA_IDENTITY field that differs."""
     old, new = saved.get("data", {}), current.get("data", {})
     lines = []
     for field in DATA_IDENTITY:
-        before, after = _as_tuple(old.get(field)), _as_tuple(new.get(field))
+        before, after = old.get(field), new.get(field)  # both as JSON: lists, not tuples
         same = _same_file(before, after) if field in _PATH_FIELDS else before == after
         if not same:
             lines.append(f"data.{field}: saved {before!r}, current {after!r}")
