@@ -50,13 +50,13 @@ from tensorflow_datasets.proto import tf_example_pb2
 
 from tfm.checks import ConfigError
 from tfm.data import synthetic
-from tfm.training import metrics
+from tfm.logs import silence_absl_message
 
 logger = logging.getLogger(__name__)
 
 # Every tfm builder is built from a config object (the task's parameters), which tfds warns
 # about on every command.
-metrics.silence_absl_message("Using custom data configuration")
+silence_absl_message("Using custom data configuration")
 
 VERSION = "1.0.0"
 TEXT_UNITS = ("paragraph", "line", "block")

@@ -28,11 +28,11 @@ from etils import epath
 from orbax.checkpoint import checkpoint_managers
 
 from tfm.checks import ConfigError
-from tfm.training import metrics
+from tfm.logs import silence_absl_message
 
 # Steps saved without metrics (the forced saves of unevaluated steps, SIGTERM) are meant not to
 # compete for the best step; orbax warns about each one inside the progress bar.
-metrics.silence_absl_message("Requested `tracked_metric`; did not provide metrics")
+silence_absl_message("Requested `tracked_metric`; did not provide metrics")
 
 
 class CheckpointError(RuntimeError):

@@ -7,7 +7,6 @@ Only process 0 writes, so every host can call the same code in a multi-host run.
 from __future__ import annotations
 
 import json
-import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -142,20 +141,3 @@ def progress_bar(
         total=total_steps, initial=initial_step, desc=desc, disable=not enabled,
         dynamic_ncols=True, unit=unit, smoothing=0.1, leave=leave,
     )
-
-
-class _DropMessages(logging.Filter):
-    def __init__(self, prefix: str) -> None:
-        super().__init__()
-        self.prefix = prefix
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(self.prefix)
-
-
-def silence_absl_message(prefix: str) -> None:
-    """Drops absl log records (tfds and orbax log through absl) whose message starts with
-    `prefix`: for warnings about what tfm does on purpose, printed on every command."""
-    logger = logging.getLogger("absl")
-    if not any(isinstance(f, _DropMessages) and f.prefix == prefix for f in logger.filters):
-        logger.addFilter(_DropMessages(prefix))
