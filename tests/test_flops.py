@@ -1,6 +1,7 @@
 import json
 import types
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +10,7 @@ import pytest
 from tfm.checks import ConfigError
 from tfm.kernels import hardware
 from tfm.nn.config import ModelConfig
+from tfm.nn.families import get_family
 from tfm.training import flops
 
 # A: the paper's block shape, tiny. B: GQA + SwiGLU + pre-RMSNorm, no biases, untied, two vocabs.
@@ -22,82 +24,105 @@ CONFIG_B = ModelConfig(vocab_size=50, source_vocab_size=60, share_embeddings=Fal
 
 
 def test_config_a_lm_by_hand():
-    counts = flops.count_params_from_config(CONFIG_A, "lm")
+    counts = flops.model_counts(CONFIG_A.replace(num_encoder_layers=0), "lm")
     # embedding 100*16; per layer: attention 4*16*16 + biases 3*16+16, FFN 2*16*32 + 32+16,
     # two LayerNorms 2*(16+16).
-    assert counts["embedding"] == 1600 and counts["output"] == 0
-    assert counts["attention"] == 2 * (1024 + 64)
-    assert counts["mlp"] == 2 * (1024 + 48)
-    assert counts["norm"] == 2 * 64
-    assert counts["total"] == 1600 + 2176 + 2144 + 128 == 6048
-    assert counts["matmul"] == 2 * (1024 + 1024) + 16 * 100  # tied output still multiplies
+    assert counts.params == 1600 + 2 * (1024 + 64) + 2 * (1024 + 48) + 2 * 64 == 6048
+    assert counts.target_weights == 2 * (1024 + 1024) + 16 * 100  # tied output still multiplies
+    assert counts.source_weights == 0 and counts.self_width == 2 * 16
     # 6N + 12 * L * T * d_attn with T = 8: 6 * 5696 + 12 * 2 * 8 * 16.
-    assert flops.flops_per_token(CONFIG_A, 8, "lm") == 34176 + 3072
+    assert flops.flops_per_token(CONFIG_A.replace(num_encoder_layers=0), 8, "lm") == 34176 + 3072
 
 
 def test_config_b_seq2seq_by_hand():
-    counts = flops.count_params_from_config(CONFIG_B, "seq2seq")
-    # attention: q, o 32x32; k, v 32x(2*8); SwiGLU 3 * 32 * 64; RMSNorm 32 per norm.
-    assert counts["attention"] == (1 + 2 * 2) * 3072  # encoder self + decoder self and cross
-    assert counts["mlp"] == 3 * 6144
-    assert counts["norm"] == (2 + 1) * 32 + (2 * 3 + 1) * 32  # + final norm per stack
-    assert counts["position"] == 2 * 16 * 32  # a learned table per stack
-    assert counts["embedding"] == 50 * 32 + 60 * 32 and counts["output"] == 32 * 50
-    assert counts["total"] == 40256
-    assert counts["matmul"] == 15360 + 18432 + 1600
+    counts = flops.model_counts(CONFIG_B, "seq2seq")
+    # attention: q, o 32x32; k, v 32x(2*8) (+ no biases); SwiGLU 3 * 32 * 64; RMSNorm 32 a norm
+    # (+ a final norm per stack: pre-norm); a learned table per stack; two vocabularies, untied.
+    attention, mlp = (1 + 2 * 2) * 3072, 3 * 6144
+    norms = (2 + 1) * 32 + (2 * 3 + 1) * 32
+    assert counts.params == attention + mlp + norms + 2 * 16 * 32 + 50 * 32 + 60 * 32 + 32 * 50
+    assert counts.params == 40256
+    # Per source token: the encoder's 3072 + 6144 and the decoder's cross k, v 2 * 2 * 512.
+    assert counts.source_weights == 9216 + 2048
+    assert counts.target_weights == 2 * (3072 + 2048 + 6144) + 1600
     # Per target token, T=8, S=12: decoder 6*(2*(2048+1024+6144)+1600) + 12*2*8*32
     # + cross queries/outputs 6*2*2048 + cross scores 12*2*12*32; encoder per source token
     # 6*(3072+6144) + 12*12*32 + cross keys/values 6*2*1024, times S/T = 12/8.
     decoder = 120192 + 6144 + 24576 + 9216
     encoder = (55296 + 4608 + 12288) * 12 / 8
     assert flops.flops_per_token(CONFIG_B, 8, "seq2seq", source_len=12) == decoder + encoder
-    encoder_only = flops.count_params_from_config(CONFIG_B, "encoder")
-    assert encoder_only["embedding"] == 60 * 32 and encoder_only["output"] == 0
+    encoder_only = flops.model_counts(CONFIG_B, "encoder")  # BERT's family: no output layer
+    assert encoder_only.params == 60 * 32 + 16 * 32 + 3072 + 6144 + 3 * 32
     assert flops.flops_per_token(CONFIG_B, 12, "encoder") == 55296 + 4608
 
 
 def test_seq2seq_equal_lengths_is_6n_plus_attention():
-    counts = flops.count_params_from_config(CONFIG_B, "seq2seq")
+    counts = flops.model_counts(CONFIG_B, "seq2seq")
     d_attn, length = 32, 10
     attention = 12 * length * d_attn * (1 + 2 * 2)  # encoder self, decoder self and cross
+    matmul = counts.target_weights + counts.source_weights
     assert flops.flops_per_token(CONFIG_B, length, "seq2seq") == pytest.approx(
-        6 * counts["matmul"] + attention, rel=1e-12)
+        6 * matmul + attention, rel=1e-12)
 
 
 def test_gqa_and_swiglu_differences():
-    mha = CONFIG_A.replace(num_heads=4)
-    gqa = CONFIG_A.replace(num_kv_heads=1)
+    mha = CONFIG_A.replace(num_heads=4, num_encoder_layers=0)
+    gqa = mha.replace(num_kv_heads=1)
     layers, d, head_dim = 2, 16, 4
     weight_diff = layers * 2 * d * (4 - 1) * head_dim  # k and v lose 3 of 4 heads
     bias_diff = layers * 2 * (4 - 1) * head_dim
-    params = flops.count_params_from_config
-    assert params(mha)["total"] - params(gqa)["total"] == weight_diff + bias_diff
+    params = flops.count_params
+    assert params(mha) - params(gqa) == weight_diff + bias_diff
     assert flops.flops_per_token(mha, 8) - flops.flops_per_token(gqa, 8) == 6 * weight_diff
-    swiglu = CONFIG_A.replace(activation="swiglu")
-    assert params(swiglu)["total"] - params(mha)["total"] == layers * (d * 32 + 32)
+    swiglu = mha.replace(activation="swiglu")
+    assert params(swiglu) - params(mha) == layers * (d * 32 + 32)
     assert flops.flops_per_token(swiglu, 8) - flops.flops_per_token(mha, 8) == 6 * layers * d * 32
 
 
-def _model_param_count(model, *args):
-    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), *args))
-    return sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(shapes["params"]))
+def _initialised_param_count(mode, config):
+    """Independent of eval_shape: the parameters a real init allocates, summed."""
+    family = get_family(mode)
+    tokens = {key: jnp.ones((1, 8), jnp.int32) for key in family.inputs}
+    params = nn.meta.unbox(family.init(family.model(config), jax.random.key(0), tokens))
+    return sum(int(np.prod(np.shape(leaf))) for leaf in jax.tree.leaves(params))
 
 
-@pytest.mark.parametrize("config", [
-    CONFIG_A, CONFIG_A.replace(position_scheme="relative", num_kv_heads=2),
-    CONFIG_B.replace(position_scheme="t5_bias", t5_shared_across_layers=False),
+BERT = ModelConfig(vocab_size=40, d_model=16, num_heads=2, d_ff=32, num_encoder_layers=2,
+                   num_decoder_layers=0, position_scheme="learned", max_len=8,
+                   type_vocab_size=2, embedding_norm=True, activation="gelu",
+                   norm_placement="post", scale_embeddings=False)
+T5 = ModelConfig(vocab_size=40, d_model=16, num_heads=2, d_ff=32, num_encoder_layers=2,
+                 num_decoder_layers=1, position_scheme="t5_bias", norm_type="rmsnorm",
+                 norm_placement="pre", use_bias=False, tie_output=False, activation="geglu")
+UNTIED = ModelConfig.decoder_only(vocab_size=30, num_layers=2, d_model=16, num_heads=4,
+                                  d_ff=32).replace(tie_output=False, lm_head_bias=True,
+                                                   embedding_norm=True, final_norm=True)
+
+
+@pytest.mark.parametrize("mode,config", [
+    ("lm", CONFIG_A.replace(num_encoder_layers=0)),
+    ("seq2seq", CONFIG_A.replace(position_scheme="relative", num_kv_heads=2)),
+    ("seq2seq", CONFIG_B.replace(position_scheme="t5_bias", t5_shared_across_layers=False)),
+    ("encoder", BERT), ("seq2seq", T5), ("lm", UNTIED), ("lm", UNTIED.replace(scan_layers=True)),
+    ("lm", UNTIED.replace(type_vocab_size=3, final_norm=False)),
 ])
-def test_counts_match_the_models(config):
-    models = pytest.importorskip("tfm.nn.models")
-    tokens = jnp.ones((1, 8), jnp.int32)
-    lm = _model_param_count(models.DecoderLM(config.replace(num_encoder_layers=0)), tokens)
-    assert lm == flops.count_params_from_config(config, "lm")["total"]
-    seq2seq = _model_param_count(models.EncoderDecoder(config), tokens, tokens)
-    assert seq2seq == flops.count_params_from_config(config, "seq2seq")["total"]
+def test_counts_match_the_initialised_models(mode, config):
+    assert flops.count_params(config, mode) == _initialised_param_count(mode, config)
 
 
-def test_bad_kind():
-    with pytest.raises(ConfigError, match="kind='decoder'"):
+def test_untied_head_with_bias_and_embedding_norm_by_hand():
+    # embedding 30*16, embedding LayerNorm 2*16; per layer: attention 4*16*16 + 4*16 biases,
+    # FFN 2*16*32 + 32 + 16, two LayerNorms 2*32; final LayerNorm 32; head 16*30 + bias 30.
+    per_layer = 1024 + 64 + 1024 + 48 + 64
+    assert flops.count_params(UNTIED) == 480 + 32 + 2 * per_layer + 32 + 480 + 30
+    assert flops.count_params(UNTIED.replace(type_vocab_size=3)) == (
+        flops.count_params(UNTIED) + 3 * 16)  # a token-type table
+    counts = flops.model_counts(UNTIED)
+    assert counts.target_weights == 2 * (1024 + 1024) + 480  # head once, as its own kernel
+
+
+def test_bad_mode():
+    with pytest.raises(ConfigError, match="mode='decoder'"):
         flops.flops_per_token(CONFIG_A, 8, "decoder")
 
 
