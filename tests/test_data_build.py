@@ -325,3 +325,15 @@ def test_translate_config_packs_parallel_training_rows(tmp_path):
             assert pairs[data.source_tokenizer.decode(source)] == data.decode(target)
     eval_batch = next(data.eval_batches("validation"))
     assert eval_batch["segment_ids"].max(axis=1).tolist() == [1] * len(eval_batch["segment_ids"])
+
+
+def test_the_family_picks_the_record_format():
+    pairs = DataConfig()
+    assert (pairs.resolved_mode, pairs.record_format) == ("seq2seq", "source_target")
+    assert DataConfig(mode="lm").record_format == "prompt_answer"
+    text = DataConfig(kind="text", path="a.txt")
+    assert (text.resolved_mode, text.record_format) == ("lm", "text")
+    with pytest.raises(ConfigError, match=r"data.mode='seq2seq' needs pairs"):
+        DataConfig(kind="tfds", name="x", features={"text": "text"}, mode="seq2seq")
+    with pytest.raises(ConfigError, match=r"data.mode='encoder' is unknown; choose one of: lm, seq2seq"):
+        DataConfig(mode="encoder")  # a family tfm loads but does not train

@@ -27,7 +27,7 @@ def _segments(row, key, segment_key):
 
 
 def test_lm_example_format():
-    example = pipeline.RecordEncoder("lm", BYTES)({"text": "hi"})
+    example = pipeline.RecordEncoder("text", BYTES)({"text": "hi"})
     ids = BYTES.encode("hi")
     assert example["inputs"].tolist() == [BOS_ID, *ids]
     assert example["targets"].tolist() == [*ids, EOS_ID]
@@ -35,7 +35,7 @@ def test_lm_example_format():
 
 
 def test_seq2seq_example_format():
-    example = pipeline.RecordEncoder("seq2seq", BYTES)({"source": b"ab", "target": "xyz"})
+    example = pipeline.RecordEncoder("source_target", BYTES)({"source": b"ab", "target": "xyz"})
     assert example["source"].tolist() == [*BYTES.encode("ab"), EOS_ID]
     assert example["inputs"].tolist() == [BOS_ID, *BYTES.encode("xyz")]
     assert example["targets"].tolist() == [*BYTES.encode("xyz"), EOS_ID]
@@ -44,7 +44,7 @@ def test_seq2seq_example_format():
 
 def test_prompt_lm_weights_only_the_answer_and_eos():
     tok = CharTokenizer(list("0123456789+="))
-    encoder = pipeline.RecordEncoder("prompt_lm", tok, separator_ids=tuple(tok.encode("=")))
+    encoder = pipeline.RecordEncoder("prompt_answer", tok, separator_ids=tuple(tok.encode("=")))
     example = encoder({"source": "12+9", "target": "21"})
     full = [BOS_ID, *tok.encode("12+9="), *tok.encode("21"), EOS_ID]
     assert example["inputs"].tolist() == full[:-1]
@@ -56,7 +56,7 @@ def test_prompt_lm_weights_only_the_answer_and_eos():
 
 
 def test_packing_keeps_segments_apart():
-    encoder = pipeline.RecordEncoder("seq2seq", BYTES)
+    encoder = pipeline.RecordEncoder("source_target", BYTES)
     examples = [encoder(record) for record in _pairs(40)]
     lengths = pipeline.feature_lengths(24, 20)
     groups = pipeline.pack_first_fit(examples, lengths)
@@ -94,7 +94,7 @@ def test_packing_keeps_segments_apart():
 
 
 def test_length_policies():
-    example = pipeline.RecordEncoder("lm", BYTES)({"text": "abcdefghij"})  # 11 tokens
+    example = pipeline.RecordEncoder("text", BYTES)({"text": "abcdefghij"})  # 11 tokens
     lengths = pipeline.feature_lengths(4)
     assert pipeline.apply_length_policy([example], lengths, "filter") == []
     (cut,) = pipeline.apply_length_policy([example], lengths, "truncate")
@@ -115,7 +115,7 @@ def _train(records, **kwargs):
         prefetch=0,
     )
     options.update(kwargs)
-    encoder = pipeline.RecordEncoder("seq2seq", BYTES)
+    encoder = pipeline.RecordEncoder("source_target", BYTES)
     return pipeline.make_train_iterator(records, encoder, **options)
 
 
@@ -210,7 +210,7 @@ def test_filter_drops_only_too_long_examples():
     records = [{"text": "x" * n} for n in (2, 30, 3, 40, 4)]
     iterator = pipeline.make_train_iterator(
         records,
-        pipeline.RecordEncoder("lm", BYTES),
+        pipeline.RecordEncoder("text", BYTES),
         lengths=pipeline.feature_lengths(8),
         batch_size=1,
         seed=0,
@@ -226,7 +226,7 @@ def test_filter_drops_only_too_long_examples():
 
 
 def test_eval_batches_never_drop_and_pad_equally_on_every_process():
-    encoder = pipeline.RecordEncoder("seq2seq", BYTES)
+    encoder = pipeline.RecordEncoder("source_target", BYTES)
     records = _pairs(11)
     examples = pipeline.eval_examples(records, encoder)
     lengths = pipeline.longest(examples)
@@ -254,7 +254,7 @@ def test_eval_batches_never_drop_and_pad_equally_on_every_process():
 
 def test_eval_batches_truncate_but_keep_every_example():
     examples = pipeline.eval_examples(
-        [{"text": "abcdef"}, {"text": "a"}], pipeline.RecordEncoder("lm", BYTES)
+        [{"text": "abcdef"}, {"text": "a"}], pipeline.RecordEncoder("text", BYTES)
     )
     (batch,) = pipeline.make_eval_batches(
         examples, lengths=pipeline.feature_lengths(4), batch_size=3

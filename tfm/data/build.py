@@ -87,7 +87,7 @@ from tfm.data.tokenizers import (
     hf_tokenizer_folder,
     train_sentencepiece,
 )
-from tfm.nn.families import MODES
+from tfm.nn.families import MODES, Family, family_for_data
 
 KINDS = ("synthetic", "text", "parallel", "tfds")
 # Fields only one kind uses: they must keep their default for the other kinds.
@@ -178,6 +178,7 @@ class DataConfig:
                         f"data.kind='{kind}', not data.kind='{self.kind}'"
                     )
         _KIND_CHECKS[self.kind](self)
+        family_for_data(self.is_text, self.mode)  # raises unless data.mode trains on them
         self._check_common_fields()
 
     def _check_common_fields(self) -> None:
@@ -228,18 +229,21 @@ class DataConfig:
         return self.kind == "text" or (self.kind == "tfds" and set(self.features) == {"text"})
 
     @property
-    def resolved_mode(self) -> str:
-        """The model this data trains (tfm.nn.families.MODES): "lm" for text or mode="lm" pairs."""
-        if self.is_text:
-            return "lm"
-        return self.mode or "seq2seq"
+    def family(self) -> Family:
+        """The model family this data trains: data.mode, or the default for text / pairs
+        (tfm.nn.families.family_for_data)."""
+        return family_for_data(self.is_text, self.mode)
 
     @property
-    def encoder_mode(self) -> str:
-        """How records become examples (pipeline.ENCODER_MODES)."""
-        if self.is_text:
-            return "lm"
-        return "prompt_lm" if self.resolved_mode == "lm" else "seq2seq"
+    def resolved_mode(self) -> str:
+        """The name of the family this data trains (one of tfm.nn.families.MODES)."""
+        return self.family.name
+
+    @property
+    def record_format(self) -> str:
+        """How records become examples (pipeline.FORMATS), as the family reads them."""
+        family = self.family
+        return family.text_format if self.is_text else family.pair_format
 
     @property
     def resolved_length_policy(self) -> str:
@@ -288,8 +292,6 @@ def _check_synthetic(config: DataConfig) -> None:
 def _check_text(config: DataConfig) -> None:
         _required(config, "path")
         check_choice("data.text_unit", config.text_unit, builders.TEXT_UNITS)
-        if config.mode == "seq2seq":
-            raise ConfigError("data.mode='seq2seq' needs pairs; data.kind='text' is lm only")
 
 
 def _check_parallel(config: DataConfig) -> None:
@@ -309,8 +311,6 @@ def _check_tfds(config: DataConfig) -> None:
                 f"data.features={config.features!r} must map our fields to feature keys, e.g. "
                 "{'source': 'de', 'target': 'en'} or {'text': 'text'}"
             )
-        if set(config.features) == {"text"} and config.mode == "seq2seq":
-            raise ConfigError("data.mode='seq2seq' needs data.features 'source' and 'target'")
 
 
 _KIND_CHECKS = {
@@ -440,8 +440,8 @@ def _load_or_train(
         return CharTokenizer(synthetic.vocabulary(config.task, config.num_symbols))
     key = json.dumps({"fields": fields, "train_split": config.train_split}, sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:8]
-    mode = "lm" if role == "text" else "seq2seq"
-    reader = pipeline.RecordEncoder(mode, ByteTokenizer(), fields=fields)
+    record_format = "text" if role == "text" else "source_target"
+    reader = pipeline.RecordEncoder(record_format, ByteTokenizer(), fields=fields)
     if kind == "char":
         path = directory / f"char-{role}-{digest}.json"
         if path.exists():
@@ -476,8 +476,8 @@ class Data:
 
     @property
     def mode(self) -> str:
-        """The model this data trains, one of tfm.nn.families.MODES."""
-        return self.encoder.model_mode
+        """The model family this data trains, one of tfm.nn.families.MODES."""
+        return self.config.resolved_mode
 
     @property
     def vocab_size(self) -> int:
@@ -496,8 +496,8 @@ class Data:
     @property
     def train_lengths(self) -> dict[str, int]:
         """Row length of each feature in training batches."""
-        seq2seq = self.encoder.mode == "seq2seq"
-        source_len = (self.config.source_seq_len or self.config.seq_len) if seq2seq else None
+        has_source = self.encoder.has_source
+        source_len = (self.config.source_seq_len or self.config.seq_len) if has_source else None
         return pipeline.feature_lengths(self.config.seq_len, source_len)
 
     def _local(self, batch_size: int, field: str) -> int:
@@ -580,7 +580,7 @@ class Data:
     def eval_texts(self, split: str) -> tuple[list[str], list[str]]:
         """(sources, targets) of this process's eval rows, in eval-batch order (for exact match
         and BLEU); rows with example_weights 0 have no entry."""
-        if self.encoder.mode == "lm":
+        if self.config.is_text:
             raise ValueError("eval_texts needs source/target pairs; this is a text LM dataset")
         self._check_split(split)
         source = self.sources[split]
@@ -618,25 +618,25 @@ def build_data(
         raise builders.DataError(f"data.train_split={config.train_split!r} has no examples")
     directory = config.resolved_data_dir / "tokenizers" / dataset_id
     fields = tuple(sorted(config.features.items())) if config.kind == "tfds" else ()
-    mode = config.encoder_mode
+    record_format = config.record_format
     source_tokenizer = None
-    if mode == "lm":
+    if record_format == "text":
         tokenizer = _load_or_train(config, train, fields, "text", directory)
-    elif mode == "prompt_lm" or config.shared_vocab:
+    elif record_format == "prompt_answer" or config.shared_vocab:
         tokenizer = _load_or_train(config, train, fields, "shared", directory)
-        source_tokenizer = tokenizer if mode == "seq2seq" else None
+        source_tokenizer = tokenizer if record_format == "source_target" else None
     else:
         source_tokenizer = _load_or_train(config, train, fields, "source", directory)
         tokenizer = _load_or_train(config, train, fields, "target", directory)
     separator = ()
-    if mode == "prompt_lm":
+    if record_format == "prompt_answer":
         separator = (
             tuple(tokenizer.encode(synthetic.SEPARATOR))
             if config.kind == "synthetic"
             else (tokenizer.eos_id,)
         )
     encoder = pipeline.RecordEncoder(
-        mode,
+        record_format,
         tokenizer,
         source_tokenizer,
         separator_ids=separator,
@@ -669,6 +669,7 @@ def dataset_summary(data: Data) -> dict[str, Any]:
         "splits": {split: len(source) for split, source in data.sources.items()},
         "vocab_size": data.vocab_size,
         "source_vocab_size": data.source_vocab_size,
-        "mode": data.encoder.mode,
+        "mode": data.mode,
+        "format": data.encoder.format,
         "data_dir": os.fspath(data.config.resolved_data_dir),
     }

@@ -16,11 +16,12 @@ Eval (finite, `make_eval_batches`): one example per row, padded, never dropped: 
 the same number of batches and rows that only pad the last batch have `example_weights` 0.
 
 Examples before batching (numpy, 1-D):
-    LM        inputs = [bos] + tokens, targets = tokens + [eos], weights (1 where the loss counts)
-    prompt LM inputs = [bos] + prompt + sep + answer, targets = shifted by one, weights 1 on the
-              answer and its eos only (decoder-only use of (source, target) pairs)
-    seq2seq   source = source tokens + [eos]; inputs = [bos] + target tokens;
-              targets = target tokens + [eos]; weights all 1
+    text           inputs = [bos] + tokens, targets = tokens + [eos], weights (1 where the
+                   loss counts)
+    prompt_answer  inputs = [bos] + prompt + sep + answer, targets = shifted by one, weights 1
+                   on the answer and its eos only (decoder-only use of (source, target) pairs)
+    source_target  source = source tokens + [eos]; inputs = [bos] + target tokens;
+                   targets = target tokens + [eos]; weights all 1
 Batches add positions / segment_ids (and source_positions / source_segment_ids), as in the API
 contract; padding has segment id 0, weight 0 and token id 0.
 
@@ -41,9 +42,10 @@ import numpy as np
 
 from tfm.data.tokenizers import Tokenizer
 
-# How a record becomes an example: an LM on text, an LM on (prompt, answer) pairs, or an
-# encoder-decoder on (source, target) pairs. "lm" and "seq2seq" are tfm.nn.families.MODES.
-ENCODER_MODES = ("lm", "prompt_lm", "seq2seq")
+# How a record becomes an example (the module docstring): a decoder-only model on text, a
+# decoder-only model on (prompt, answer) pairs, or an encoder-decoder on (source, target) pairs.
+# Each model family names the formats it trains on (tfm.nn.families: text_format, pair_format).
+FORMATS = ("text", "prompt_answer", "source_target")
 LENGTH_POLICIES = ("filter", "truncate", "split")
 Example = dict[str, np.ndarray]
 
@@ -59,33 +61,35 @@ class RecordEncoder:
     """Turns one record into one example (see the module docstring).
 
     fields: (our field, record key) pairs: ("text", k) for LM; ("source", k), ("target", k) else.
-    mode: "lm" (text), "prompt_lm" (pair as prompt + separator + answer) or "seq2seq" (pair).
+    format: one of FORMATS: "text", "prompt_answer" (a pair as prompt + separator + answer)
+    or "source_target" (a pair for an encoder-decoder).
     """
 
-    mode: str
+    format: str
     tokenizer: Tokenizer  # LM / target side
     source_tokenizer: Tokenizer | None = None  # seq2seq source side (None = tokenizer)
-    separator_ids: tuple[int, ...] = ()  # prompt_lm: between prompt and answer
+    separator_ids: tuple[int, ...] = ()  # prompt_answer: between prompt and answer
     fields: tuple[tuple[str, str], ...] = ()  # () = the record already uses our names
 
     def __post_init__(self) -> None:
-        if self.mode not in ENCODER_MODES:
-            raise ValueError(f"mode={self.mode!r} is unknown; choose one of: {ENCODER_MODES}")
+        if self.format not in FORMATS:
+            raise ValueError(f"format={self.format!r} is unknown; choose one of: {FORMATS}")
 
     @property
-    def model_mode(self) -> str:
-        """The tfm.nn.families.MODES entry of the model these examples train."""
-        return "seq2seq" if self.mode == "seq2seq" else "lm"
+    def has_source(self) -> bool:
+        """Examples carry an encoder input (`source`) besides the decoder's rows."""
+        return self.format == "source_target"
 
     def texts(self, record: Mapping[str, Any]) -> dict[str, str]:
         """{"text": ...} or {"source": ..., "target": ...} of a record, as str."""
-        names = ("text",) if self.mode == "lm" else ("source", "target")
+        names = ("text",) if self.format == "text" else ("source", "target")
         keys = dict(self.fields) or {name: name for name in names}
         return {name: _to_str(record[keys[name]]) for name in names}
 
     def encode_prompt(self, source: str) -> list[int]:
-        """What the model conditions on: encoder input (seq2seq) or decoder prefix (prompt_lm)."""
-        if self.mode == "seq2seq":
+        """What the model conditions on: the encoder input (source_target) or the decoder prefix
+        (prompt_answer)."""
+        if self.has_source:
             source_tokenizer = self.source_tokenizer or self.tokenizer
             return [*source_tokenizer.encode(source), source_tokenizer.eos_id]
         return [self.tokenizer.bos_id, *self.tokenizer.encode(source), *self.separator_ids]
@@ -93,7 +97,7 @@ class RecordEncoder:
     def __call__(self, record: Mapping[str, Any]) -> Example:
         texts = self.texts(record)
         bos, eos = self.tokenizer.bos_id, self.tokenizer.eos_id  # the tokenizer's own ids
-        if self.mode == "lm":
+        if self.format == "text":
             ids = np.asarray([bos, *self.tokenizer.encode(texts["text"]), eos], np.int32)
             return {
                 "inputs": ids[:-1],
@@ -101,7 +105,7 @@ class RecordEncoder:
                 "weights": np.ones(len(ids) - 1, np.float32),
             }
         target = self.tokenizer.encode(texts["target"])
-        if self.mode == "prompt_lm":
+        if self.format == "prompt_answer":
             prompt = self.encode_prompt(texts["source"])
             ids = np.asarray([*prompt, *target, eos], np.int32)
             weights = np.zeros(len(ids) - 1, np.float32)
@@ -320,7 +324,7 @@ def make_train_dataset(
     """
     if length_policy not in LENGTH_POLICIES:
         raise ValueError(f"length_policy={length_policy!r}; choose one of: {LENGTH_POLICIES}")
-    if length_policy == "split" and encoder.mode != "lm":
+    if length_policy == "split" and encoder.format != "text":
         raise ValueError("length_policy='split' only applies to language modelling on text")
     _check_shard(len(source), process_index, process_count)
     lengths = dict(lengths)
@@ -368,8 +372,8 @@ def contiguous_windows(source: Sequence[Any], encoder: RecordEncoder, length: in
     [bos] + text + [eos] and cut into every non-overlapping window of exactly `length` tokens;
     the last, shorter remainder is dropped, so every window has the same context size
     (nonoverlapping evaluation, Press et al. 2022, sec. 4 and appendix)."""
-    if encoder.mode != "lm":
-        raise ValueError("contiguous windows need language modelling on text (encoder mode 'lm')")
+    if encoder.format != "text":
+        raise ValueError("contiguous windows need language modelling on text (format 'text')")
     key = dict(encoder.fields).get("text", "text")
     text = "".join(encoder.texts(record)["text"] for record in _all_records(source))
     example = encoder({key: text})

@@ -180,8 +180,9 @@ def family_for_data(is_text: bool, mode: str | None) -> Family:
         return next(family for family in FAMILIES.values() if family.text_format is not None)
     family = get_family(mode)
     if is_text and family.text_format is None:
-        raise ConfigError(f"data.mode={mode!r} needs (source, target) pairs; text trains "
-                          f"{', '.join(f.name for f in FAMILIES.values() if f.text_format)}")
+        readers = ", ".join(f.name for f in FAMILIES.values() if f.text_format is not None)
+        raise ConfigError(f"data.mode={mode!r} needs pairs (source and target records); text "
+                          f"trains: {readers}")
     return family
 
 
