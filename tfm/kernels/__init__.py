@@ -3,8 +3,9 @@
 The model (tfm/nn) calls three operations through this module: `attention` (the attention core),
 `linear` (every dense projection) and `cache_layout` (how the KV cache stores keys and values).
 Each registered backend says which implementation serves each one; None means the reference
-maths in tfm/nn (attention.dot_product_attention, dense.linear, the model-layout cache), which
-is the specification every other implementation is tested against.
+maths (tfm.kernels.reference: dot_product_attention, linear; the model-layout cache), which is
+the specification every other implementation is tested against. The Pallas kernels (splash,
+flex, the fused loss) are imported when first used, so importing the model loads none.
 
 `model.attention_backend="auto"` (the default) resolves per platform (AUTO, in order of
 preference): "cpu" on CPU (blocked causal attention, hand-written 16-bit backward passes, CPU
@@ -18,18 +19,37 @@ the reason (`auto_choice`). A name picks a backend on any platform it runs on.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from collections.abc import Callable
 from typing import Any
 
 import jax
 
 from tfm.checks import ConfigError
-from tfm.kernels import cpu_attention, cpu_dense, flex_attention, jax_attention, tpu_attention
+from tfm.kernels import cpu_attention, cpu_dense, jax_attention, reference
 from tfm.kernels.cache_layouts import REFERENCE, CacheLayout
 from tfm.kernels.call import AttentionCall
 from tfm.kernels.cpu_cache import CPU_LAYOUT
-from tfm.nn import attention as reference_attention
-from tfm.nn import dense
+
+# Modules that import jax.experimental.pallas: loaded on first use (`_pallas`, `__getattr__`).
+PALLAS_MODULES = ("flex_attention", "tpu_attention", "fused_cross_entropy")
+
+
+def __getattr__(name: str) -> Any:
+    """`tfm.kernels.flex_attention` and the other Pallas modules, imported when first named."""
+    if name in PALLAS_MODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _pallas(module: str) -> Callable[..., Any]:
+    """The `attention` of Pallas module `module`, imported at its first call."""
+
+    def attention(*args: Any) -> Any:
+        return importlib.import_module(f"{__name__}.{module}").attention(*args)
+
+    attention.__qualname__ = f"{module}.attention"
+    return attention
 
 PLATFORMS = ("cpu", "gpu", "tpu")
 # Logit biases of position schemes (tfm.nn.positions.PositionScheme.logit_bias_kind): "fixed"
@@ -48,7 +68,7 @@ class Backend:
 
     attention(query, key, value, call: AttentionCall) -> out (| (out, weights)), the
       reference's values; None = the reference.
-    linear: like tfm.nn.dense.linear; None = the reference.
+    linear: like tfm.kernels.reference.linear; None = the reference.
     cache: the KV cache layout its attention reads with cache_layout=True.
     platforms: where it runs (None: everywhere). weights / dropout: whether its attention can
     return the weights / drop them. biases: the logit-bias kinds (BIAS_KINDS) it takes
@@ -92,7 +112,7 @@ def _jax_nn(implementation: str) -> Callable[..., jax.Array]:
 BACKENDS: dict[str, Backend] = {
     backend.name: backend
     for backend in (
-        Backend("reference", "the paper's maths in plain einsums (tfm.nn.attention)",
+        Backend("reference", "the paper's maths in plain einsums (tfm.kernels.reference)",
                 weights=True, dropout=True),
         Backend("cpu", "query blocks, CPU layouts and 16-bit backward passes (tfm.kernels.cpu_*)",
                 attention=cpu_attention.attention, linear=cpu_dense.linear, cache=CPU_LAYOUT,
@@ -106,12 +126,12 @@ BACKENDS: dict[str, Backend] = {
                 dtypes=("bfloat16", "float16"), head_dim_multiple=8,
                 max_head_dim=jax_attention.CUDNN_MAX_HEAD_DIM, check=jax_attention.check_cudnn),
         Backend("splash", "Pallas splash attention: masks built per block (TPU; interpret mode "
-                "on CPU, for tests)", attention=tpu_attention.attention,
+                "on CPU, for tests)", attention=_pallas("tpu_attention"),
                 platforms=("tpu", "cpu"), biases=()),
         Backend("flex", "Pallas flash attention with the position scheme's bias and the mask "
                 "computed per block (Mosaic on TPU, Triton on GPU; interpret mode on CPU, for "
                 "tests)",
-                attention=flex_attention.attention, platforms=("tpu", "gpu", "cpu"),
+                attention=_pallas("flex_attention"), platforms=("tpu", "gpu", "cpu"),
                 biases=("fixed", "learned"), bias_by_blocks=True),
     )
 }
@@ -229,7 +249,7 @@ def attention(
     backend: str = "reference",
     **options: Any,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
-    """`tfm.nn.attention.dot_product_attention` by `backend` (one of CHOICES), same values.
+    """`reference.dot_product_attention` by `backend` (one of CHOICES), same values.
     `options`: the fields of AttentionCall (bias, mask, scale, dropout_rate, dropout_rng,
     return_weights, and the kernel hints causal, cache_layout and structure)."""
     call = AttentionCall(**options)
@@ -249,7 +269,7 @@ def attention(
         raise ConfigError(f"attention_backend={backend!r} runs on {', '.join(chosen.platforms)}, "
                           f"not on {platform()!r}; use 'auto'")
     if chosen.attention is None:
-        return reference_attention.dot_product_attention(
+        return reference.dot_product_attention(
             query, key, value, **call.spec_options())
     return chosen.attention(query, key, value, call)
 
@@ -263,8 +283,8 @@ def linear(
     compute_dtype: Any = None,
     out_dtype: Any = None,
 ) -> jax.Array:  # [..., *out_dims]
-    """`tfm.nn.dense.linear` by `backend` (one of CHOICES), same values."""
-    implementation = resolve(backend).linear or dense.linear
+    """`reference.linear` by `backend` (one of CHOICES), same values."""
+    implementation = resolve(backend).linear or reference.linear
     return implementation(x, kernel, num_contracted=num_contracted,
                           compute_dtype=compute_dtype, out_dtype=out_dtype)
 

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from tfm.kernels import cpu_dense
 from tfm.kernels.call import AttentionCall
-from tfm.nn.attention import (
+from tfm.kernels.reference import (
     apply_keep,
     check_inputs,
     default_scale,

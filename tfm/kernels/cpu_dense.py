@@ -25,7 +25,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from tfm.nn.dense import linear_dtypes
+from tfm.kernels.reference import linear_dtypes
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))

@@ -38,9 +38,8 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
 from tfm.checks import ConfigError
-from tfm.kernels import per_device
+from tfm.kernels import per_device, reference
 from tfm.kernels.call import AttentionCall
-from tfm.nn import attention as reference
 
 TRITON_BLOCK = 64  # query and key blocks on GPU
 MASKED = reference.MASKED_LOGIT

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from tfm.checks import ConfigError
-from tfm.nn.attention import check_inputs, default_scale
+from tfm.kernels.reference import check_inputs, default_scale
 
 CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 CUDNN_MAX_HEAD_DIM = 256  # Hopper and later; jax itself refuses > 128 on older GPUs.

@@ -21,9 +21,8 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ke
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 
 from tfm.checks import ConfigError
-from tfm.kernels import per_device
+from tfm.kernels import per_device, reference
 from tfm.kernels.call import AttentionCall
-from tfm.nn import attention as reference
 
 
 def serves(call: AttentionCall, q_len: int, kv_len: int) -> bool:
