@@ -105,22 +105,33 @@ def test_near_full_the_line_is_not_trusted():
 def test_a_target_without_a_memory_size_is_one_config_error():
     from ml_collections import ConfigDict
 
+    from tfm.training import compile_report
+
     config = ConfigDict({"data": {"batch_size": 8}})
     with pytest.raises(ConfigError, match="known memory size"):
-        batch_search.search(config, "/nonexistent", "cpu", lambda *a: {})
+        compile_report.largest_batch(config, "/nonexistent", "cpu")
+
+
+def test_the_search_imports_no_compiler():
+    """The search is arithmetic over a compile callback: compile_report imports it, never the
+    reverse (an import inside a function would still make the two modules one)."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(batch_search))
+    imports = [node for node in ast.walk(tree) if isinstance(node, ast.ImportFrom | ast.Import)]
+    imported = [alias.name for node in imports for alias in node.names] + [
+        getattr(node, "module", "") or "" for node in imports]
+    assert not [name for name in imported if "compile_report" in name or "tfm.training" in name]
 
 
 def test_the_search_compiles_copies_of_the_config_and_counts_a_refusal_as_not_fitting(
         monkeypatch):
-    """`search` over a stand-in compiler (a target of 8 v5e chips, 16 GB each): each compile
-    gets its own copy of the config with the batch set; RESOURCE_EXHAUSTED means "does not
-    fit"; any other error is a bug and propagates."""
+    """`search` over a stand-in compiler (8 chips of 16 GB): each compile gets its own copy of
+    the config with the batch set; RESOURCE_EXHAUSTED means "does not fit"; any other error
+    is a bug and propagates."""
     from ml_collections import ConfigDict
 
-    from tfm.training import compile_report
-
-    target = compile_report.Target("v5e-8", "tpu", "TPU v5e")
-    monkeypatch.setattr(compile_report, "target_devices", lambda name: (target, [None] * 8))
     config = ConfigDict({"data": {"batch_size": 64}})
     seen, heard = [], []
 
@@ -130,7 +141,7 @@ def test_the_search_compiles_copies_of_the_config_and_counts_a_refusal_as_not_fi
             raise RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm")
         return {"needed_bytes": 1e9 + 0.1e9 * trial.data.batch_size}
 
-    result = batch_search.search(config, "/unused", "v5e-8", compile_at,
+    result = batch_search.search(config, "/unused", "v5e-8", 16 * GB, 8, compile_at,
                                  lambda rows, needed: heard.append((rows, needed)))
     assert (result["largest"], result["smallest_not"]) == (96, 104)
     assert result["report"] == {"needed_bytes": 1e9 + 0.1e9 * 96}
@@ -141,4 +152,4 @@ def test_the_search_compiles_copies_of_the_config_and_counts_a_refusal_as_not_fi
         raise ValueError("a bug, not memory")
 
     with pytest.raises(ValueError, match="a bug"):
-        batch_search.search(config, "/unused", "v5e-8", broken)
+        batch_search.search(config, "/unused", "v5e-8", 16 * GB, 8, broken)

@@ -238,8 +238,6 @@ def test_largest_batch_search_compiles_both_sides_of_the_answer(tmp_path, monkey
     both as compiled (not as the line guessed)."""
     import dataclasses
 
-    from tfm.training import batch_search
-
     config = _config(tmp_path / "data")
     config.data.num_train_examples = 1024
     needed = {rows: compile_report.train_report(_with_batch(config, rows), tmp_path / "run",
@@ -247,7 +245,7 @@ def test_largest_batch_search_compiles_both_sides_of_the_answer(tmp_path, monkey
     capacity = needed[8] + 5.5 * (needed[16] - needed[8])
     small_v5e = dataclasses.replace(CHIPS["TPU v5e"], hbm_bytes=capacity)
     monkeypatch.setitem(CHIPS, "TPU v5e", small_v5e)
-    result = batch_search.search(config, tmp_path / "run", "v5e-4", compile_report.train_report)
+    result = compile_report.largest_batch(config, tmp_path / "run", "v5e-4")
     largest, above = result["largest"], result["smallest_not"]
     assert above == largest + 4, result["tried"]
     assert result["tried"][largest] <= capacity < (result["tried"][above] or float("inf"))

@@ -76,6 +76,9 @@ _JSON = flags.DEFINE_string("json", None, "compile: also write the report to thi
 _LARGEST_BATCH = flags.DEFINE_bool(
     "largest_batch", False, "compile: find the largest data.batch_size whose train step fits the "
     "target's memory (a few compiles) and report that step")
+_BREAKDOWN = flags.DEFINE_bool(
+    "breakdown", False, "compile: also list where the step's bytes and FLOPs go (attention, FFN, "
+    "norms, embedding/loss, optimizer, collectives; tfm.training.hlo_breakdown)")
 _TASKS = flags.DEFINE_list(
     "tasks", [], "lm_eval: the harness's task names (lambada_openai,hellaswag,...)"
 )
@@ -318,7 +321,8 @@ def _compile(config: Any, workdir: Path) -> None:
     from tfm.training import compile_report
 
     text, failure = compile_report.run(config, workdir, _TARGET.value, _JSON.value,
-                                       largest_batch=_LARGEST_BATCH.value)
+                                       largest_batch=_LARGEST_BATCH.value,
+                                       breakdown=_BREAKDOWN.value)
     if text:
         _print(text)
     if failure:
@@ -443,12 +447,12 @@ COMMAND_HELP: dict[str, tuple[str, str, tuple[str, ...]]] = {
     ),
     "compile": (
         "./launch.sh compile CONFIG[:ARG] --target NAME [--json FILE] [--largest_batch] "
-        "[--config.FIELD=VALUE ...]",
+        "[--breakdown] [--config.FIELD=VALUE ...]",
         "Compiles CONFIG's train step (and decode loop) for a machine this one need not be; "
         "prints per-chip memory, FLOPs, traffic and roofline MFU; exits 1 if it does not fit. "
         'TPU targets need libtpu (pip install -e ".[tpu]"), GPU ones the CUDA plugin '
         '(pip install -e ".[gpu]").',
-        ("target", "json", "largest_batch"),
+        ("target", "json", "largest_batch", "breakdown"),
     ),
     "lm_eval": (
         "./launch.sh lm_eval [CONFIG[:ARG]] [--workdir DIR] --tasks a,b [--limit N] "

@@ -13,8 +13,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from tfm.checks import ConfigError
-
 MAX_COMPILES = 16
 GROWTH = 4  # the most a guess may multiply the largest batch known to fit
 # Above this share of the chip's memory XLA may already be rematerialising to fit (TPU: the
@@ -89,22 +87,17 @@ def _next_guess(tried: dict[int, float | None], low: int, high: int | None, unit
     return max(guess, low + unit)
 
 
-def search(config: Any, workdir: Any, target_name: str,
+def search(config: Any, workdir: Any, target_name: str, capacity: float, unit: int,
            compile_at: Callable[[Any, Any, str], dict[str, Any]],
            on_try: Callable[[int, float | None], None] | None = None) -> dict[str, Any]:
-    """The largest `data.batch_size` of `config` whose train step fits `target_name`:
+    """The largest `data.batch_size` of `config` whose train step fits `capacity` bytes per
+    chip on `target_name`, in multiples of `unit` rows (the target's chip count):
     {"largest": rows or None, "smallest_not": rows or None, "tried": {rows: bytes or None},
-    "unit": rows per step of the search, "report": the compile report at the largest batch}.
+    "unit": unit, "hbm_bytes": capacity, "report": the compile report at the largest batch}.
     compile_at(config, workdir, target) compiles one train step and returns its report
-    (compile_report.train_report); on_try(rows, bytes or None) hears of each compile as it
-    ends."""
-    from tfm.training import compile_report
-
-    target, devices = compile_report.target_devices(target_name)
-    chip = compile_report.CHIPS.get(target.chip) if target.chip else None
-    if chip is None:
-        raise ConfigError(f"--largest_batch needs a target with a known memory size; "
-                          f"{target_name!r} has none")
+    (compile_report.train_report, which also resolves the target and its memory:
+    compile_report.largest_batch); on_try(rows, bytes or None) hears of each compile as it
+    ends. The search knows nothing of compiling: it calls compile_at."""
     reports: dict[int, dict[str, Any]] = {}
 
     def needed_at(batch: int) -> float | None:
@@ -122,9 +115,9 @@ def search(config: Any, workdir: Any, target_name: str,
         return needed
 
     largest, smallest_not, tried = largest_fitting(
-        needed_at, config.data.batch_size, len(devices), chip.hbm_bytes)
+        needed_at, config.data.batch_size, unit, capacity)
     return {"largest": largest, "smallest_not": smallest_not, "tried": tried,
-            "unit": len(devices), "hbm_bytes": chip.hbm_bytes, "report": reports.get(largest)}
+            "unit": unit, "hbm_bytes": capacity, "report": reports.get(largest)}
 
 
 def summary(result: dict[str, Any], target_name: str) -> str:

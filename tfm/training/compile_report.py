@@ -28,7 +28,7 @@ import numpy as np
 from tfm.checks import ConfigError
 from tfm.kernels.hardware import CHIPS, Chip, hardware_line
 from tfm.parallel import sharding
-from tfm.training import flops, profiling
+from tfm.training import batch_search, flops, hlo_breakdown, profiling
 from tfm.training.experiment import Experiment, setup, state_shardings
 from tfm.training.train import jit_steps
 
@@ -149,9 +149,12 @@ def _cost(compiled: Any) -> dict[str, float] | None:
                                   if key in ("flops", "bytes accessed")}
 
 
-def compile_report(experiment: Experiment, target: Target) -> dict[str, Any]:
+def compile_report(experiment: Experiment, target: Target, breakdown: bool = False
+                   ) -> dict[str, Any]:
     """Compiles `experiment`'s train step for its mesh (the target's devices) and returns the
-    per-chip figures (see the module docstring); bytes are bytes, times are seconds."""
+    per-chip figures (see the module docstring); bytes are bytes, times are seconds.
+    breakdown: also where the bytes and FLOPs go (tfm.training.hlo_breakdown), under
+    "breakdown"."""
     abstract, shardings = state_shardings(experiment)
     jit_train, _ = jit_steps(experiment, shardings)
     batch = _abstract_batch(experiment)
@@ -186,6 +189,8 @@ def compile_report(experiment: Experiment, target: Target) -> dict[str, Any]:
         "largest_arrays": largest_arrays(program),
         "score_arrays": score_arrays(program, seq_len),
     }
+    if breakdown:
+        report["breakdown"] = hlo_breakdown.breakdown(program)
     cost = _cost(compiled)
     if cost is not None:
         report.update(compiled_flops_per_chip=cost.get("flops") + kernel / chips,
@@ -337,22 +342,26 @@ def format_report(report: dict[str, Any]) -> str:
                 "traffic per chip for the prefill plus one step (XLA counts a loop body once)")
         lines.append(f"decode loop ({decode['method']}, {decode['shape']}): parameters "
                      f"{_gb(decode['params_bytes'])}, {needs}{cost}")
+    if "breakdown" in report:
+        lines.append(hlo_breakdown.format_breakdown(report["breakdown"],
+                                                    report.get("bytes_per_chip")))
     lines.append(hardware_line(report.get("chip")))
     return "\n".join(lines)
 
 
 def run(
     config: Any, workdir: Any, target_name: str, json_path: str | None = None,
-    largest_batch: bool = False,
+    largest_batch: bool = False, breakdown: bool = False,
 ) -> tuple[str, str | None]:
     """What `./launch.sh compile` prints: (the report's lines, or "" when the compiler refused
     the step; one line saying why the step does not fit, or None). Writes the report to
     `json_path` when given. largest_batch: search `data.batch_size` for the largest train step
-    that fits (tfm.training.batch_search) and report that one."""
+    that fits (tfm.training.batch_search) and report that one. breakdown: the report also
+    lists where the step's bytes and FLOPs go (tfm.training.hlo_breakdown)."""
     if largest_batch:
         return _run_search(config, workdir, target_name, json_path)
     try:
-        report = compile_for(config, workdir, target_name)
+        report = compile_for(config, workdir, target_name, breakdown)
     except Exception as error:  # the compiler's own out-of-memory verdict, in one line
         if "RESOURCE_EXHAUSTED" not in str(error):
             raise
@@ -383,13 +392,14 @@ def train_report(config: Any, workdir: Any, target_name: str) -> dict[str, Any]:
     return compile_report(setup(config, workdir, devices=devices), target)
 
 
-def compile_for(config: Any, workdir: Any, target_name: str) -> dict[str, Any]:
+def compile_for(config: Any, workdir: Any, target_name: str, breakdown: bool = False
+                ) -> dict[str, Any]:
     """Sets up `config` with its mesh over `target_name`'s devices and compiles its train
     step (and, for configs that generate, its decode loop); returns the report. Raises
     ConfigError before compiling for a bad target."""
     target, devices = target_devices(target_name)
     experiment = setup(config, workdir, devices=devices)
-    report = compile_report(experiment, target)
+    report = compile_report(experiment, target, breakdown)
     if experiment.mode == "seq2seq" or experiment.generate.decode.max_new_tokens:
         try:
             report["decode"] = decode_report(experiment, target)
@@ -401,16 +411,28 @@ def compile_for(config: Any, workdir: Any, target_name: str) -> dict[str, Any]:
     return report
 
 
+def largest_batch(config: Any, workdir: Any, target_name: str,
+                  on_try: Any = None) -> dict[str, Any]:
+    """batch_search.search over `target_name`'s chip memory, in multiples of its chip count,
+    compiling with train_report. Raises ConfigError for a target without a memory size."""
+    target, devices = target_devices(target_name)
+    chip = CHIPS.get(target.chip) if target.chip else None
+    if chip is None:
+        raise ConfigError(f"--largest_batch needs a target with a known memory size; "
+                          f"{target_name!r} has none")
+    return batch_search.search(config, workdir, target_name, chip.hbm_bytes, len(devices),
+                               train_report, on_try)
+
+
 def _run_search(config: Any, workdir: Any, target_name: str,
                 json_path: str | None) -> tuple[str, str | None]:
     """`run` with --largest_batch: the search's line, then the report at the batch found."""
-    from tfm.training import batch_search
 
     def on_try(rows: int, needed: float | None) -> None:  # progress: compiles take minutes
         verdict = "refused by the compiler" if needed is None else f"needs {needed / 1e9:.2f} GB"
         print(f"batch_size={rows}: {verdict}", file=sys.stderr, flush=True)
 
-    result = batch_search.search(config, workdir, target_name, train_report, on_try)
+    result = largest_batch(config, workdir, target_name, on_try)
     line = batch_search.summary(result, target_name)
     if json_path:
         Path(json_path).write_text(json.dumps(result, indent=1, default=str) + "\n")
