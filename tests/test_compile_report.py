@@ -160,6 +160,22 @@ def test_tpu_target_reports_memory_flops_and_roofline(tmp_path):
     assert 0.5 < ratio < 2.0, ratio
 
 
+@pytest.mark.parametrize("target", [
+    "cpu", pytest.param("v5e-4", marks=pytest.mark.skipif(
+        not HAS_LIBTPU, reason='needs libtpu: pip install -e ".[tpu]"'))])
+def test_breakdown_sums_to_the_compilers_bytes_and_names_the_model_parts(tmp_path, target):
+    """--breakdown: the instructions' bytes add up to XLA's total within a few percent, and
+    the attention, FFN and optimizer each own some of them."""
+    report = compile_report.compile_for(_config(tmp_path / "data"), tmp_path / "run", target,
+                                        breakdown=True)
+    breakdown = report["breakdown"]
+    assert breakdown["total_bytes"] == pytest.approx(report["bytes_per_chip"], rel=0.05)
+    for group in ("attention", "ffn", "optimizer", "embedding/loss"):
+        assert breakdown["groups"][group]["bytes"] > 0, (group, breakdown["groups"])
+    assert breakdown["groups"]["ffn"]["flops"] > 0
+    assert "where the bytes go:" in compile_report.format_report(report)
+
+
 @pytest.mark.skipif(not HAS_LIBTPU, reason='needs libtpu: pip install -e ".[tpu]"')
 def test_a_step_that_does_not_fit_is_one_line(tmp_path):
     """A 3B-parameter model on a 16 GB v5e: the compiler refuses it, or the report says it does

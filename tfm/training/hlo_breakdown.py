@@ -117,7 +117,7 @@ def parse(program: str) -> tuple[dict[str, list[Instruction]], str]:
                 if header.group(1):
                     entry = current
             continue
-        if line.startswith("}"):
+        if line.rstrip() == "}":  # (a custom call's config may span lines)
             current = None
             continue
         match = _INSTRUCTION.match(line)
@@ -239,15 +239,53 @@ def classify(opcode: str, op_name: str) -> str:
     return "other"
 
 
+def _fused_names(name: str, computations: dict[str, list[Instruction]]) -> list[str]:
+    """The name stacks of the instructions inside a fused computation."""
+    return [instruction.op_name for instruction in computations.get(name, [])
+            if instruction.op_name]
+
+
+def _group(instruction: Instruction, op_name: str,
+           computations: dict[str, list[Instruction]]) -> str:
+    """classify(), and for a fusion whose own name says nothing (a bare `add` at the top of
+    the step: the optimizer's update fused with apply_updates), the optimizer if any of its
+    fused instructions is the optimizer's, else the group most of them belong to."""
+    group = classify(instruction.opcode, op_name)
+    if group != "other" or instruction.opcode != "fusion":
+        return group
+    inner = [classify("fusion", name) for called in instruction.called()
+             for name in _fused_names(called, computations)]
+    inner = [group for group in inner if group != "other"]
+    if "optimizer" in inner:  # a weight's gradient fused into its update: the update's
+        return "optimizer"
+    return max(set(inner), key=inner.count) if inner else "other"
+
+
 def instruction_costs(program: str) -> list[Cost]:
     """The cost of every instruction the entry computation runs (loop and call bodies
-    costed once, their instructions listed in their place)."""
+    costed once, their instructions listed in their place). An instruction without a name
+    stack (a parameter's prefetch, a layout copy) takes the name of the first instruction
+    that uses it, directly or through other unnamed ones."""
     computations, entry = parse(program)
     costs: list[Cost] = []
 
     def walk(name: str, seen: frozenset[str]) -> None:
         body = computations.get(name, [])
         shapes = {instruction.name: instruction.shape for instruction in body}
+        users: dict[str, list[Instruction]] = defaultdict(list)
+        for instruction in body:
+            for operand in instruction.operands:
+                users[operand].append(instruction)
+
+        def named(instruction: Instruction, depth: int = 0) -> str:
+            if instruction.op_name or depth > 6:
+                return instruction.op_name
+            for user in users.get(instruction.name, []):
+                found = named(user, depth + 1)
+                if found:
+                    return found
+            return ""
+
         for instruction in body:
             opcode = instruction.opcode
             if opcode in _RECURSE:
@@ -273,8 +311,9 @@ def instruction_costs(program: str) -> list[Cost]:
                 flops = _matmul_flops(instruction, shapes)
             elif opcode == "fusion":
                 flops = sum(_computation_flops(c, computations) for c in instruction.called())
-            costs.append(Cost(instruction.name, opcode, instruction.op_name, size, flops,
-                              classify(opcode, instruction.op_name)))
+            op_name = named(instruction)
+            costs.append(Cost(instruction.name, opcode, op_name, size, flops,
+                              _group(instruction, op_name, computations)))
 
     walk(entry, frozenset({entry}))
     return costs
@@ -285,15 +324,14 @@ def _short(op_name: str, opcode: str) -> str:
     parts = [re.sub(r"^(jvp|transpose|remat|checkpoint|vmap|pjit|jit)\((.*)\)$", r"\2", part)
              for part in op_name.split("/")]
     parts = [part for part in parts if part and not part.startswith("jit(")]
-    label = "/".join(parts) or opcode
+    label = re.sub(r"(layer|layers|Block|block)_\d+", r"\1_*", "/".join(parts)) or opcode
     return label if len(label) <= 80 else "..." + label[-77:]
 
 
 def breakdown(program: str, top: int = 12) -> dict[str, Any]:
     """{"total_bytes", "total_flops", "groups": {group: {"bytes", "flops", "count"}},
     "largest": [(label, opcode, group, bytes, flops)] by bytes} for compiled HLO text.
-    Labels merge the instructions one name stack made (twelve layers' FFN: one label per
-    layer)."""
+    Labels merge the instructions one name stack made, all layers together (`layer_*`)."""
     costs = instruction_costs(program)
     groups: dict[str, dict[str, float]] = {group: {"bytes": 0, "flops": 0.0, "count": 0}
                                            for group in GROUPS}

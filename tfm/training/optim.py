@@ -282,4 +282,17 @@ def make_optimizer(
     if values["grad_accum_steps"] > 1:
         optimizer = optax.MultiSteps(optimizer, values["grad_accum_steps"])
         optimizer = optimizer.gradient_transformation()
-    return optimizer, schedule
+    return named_scope(optimizer, "optimizer"), schedule
+
+
+def named_scope(transformation: optax.GradientTransformation, name: str
+                ) -> optax.GradientTransformation:
+    """`transformation` with its update traced under jax.named_scope(name), so the compiled
+    step's instructions from it carry `name` in their metadata (`launch.sh compile
+    --breakdown` groups them by it)."""
+
+    def update(updates: Any, state: Any, params: Any = None, **extra: Any) -> Any:
+        with jax.named_scope(name):
+            return transformation.update(updates, state, params, **extra)
+
+    return optax.GradientTransformation(transformation.init, update)
