@@ -1,0 +1,176 @@
+"""Bytes per chip of a GPT-2-small train step against MaxText's, compiled for the same TPU
+(issue 46): 12 layers, d_model 768, 12 heads, d_ff 3,072, vocabulary 50,304, learned
+positions, bfloat16 compute with float32 weights and AdamW, no dropout, 8 x 1,024 tokens per
+chip, `v5e-8`, deviceless (libtpu: `pip install -e ".[tpu]"`).
+
+    python benchmarks/wide_vocab_text.py /tmp/wide_vocab.txt --vocab 50304
+    python benchmarks/vs_maxtext.py --text /tmp/wide_vocab.txt [--rows data8,fsdp8] \\
+        [--maxtext_dir ~/maxtext --maxtext_python ~/maxtext-venv/bin/python]
+
+Each tfm row is one `./launch.sh compile configs/char_lm.py --target v5e-8 ... --json FILE
+--breakdown` (printed before it runs; a few minutes each on a 2-core host). MaxText rows are
+compiled only when its checkout and a Python environment with its requirements are given
+(MaxText at commit e591f30c wants Python >= 3.12): its `train_compile` with layers unrolled and
+windowed einsums off, since XLA's cost analysis counts a loop body once. Writes
+benchmarks/results/vs_maxtext.{json,md}.
+
+MFU follows the issue's convention: model FLOPs 6 N + 12 L T d per token (N = 123.6M matmul
+parameters), over the roofline step max(FLOPs / 197 TFLOP/s, bytes / 819 GB/s); XLA's FLOPs
+leave splash attention out (it declares no cost), so at these memory-bound steps the bytes
+decide.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+
+PEAK_FLOPS, HBM_BANDWIDTH = 197e12, 819e9  # TPU v5e, per chip
+LAYERS, D_MODEL, SEQ_LEN, TOKENS_PER_CHIP = 12, 768, 1024, 8 * 1024
+MATMUL_PARAMS = 123.6e6
+MODEL_FLOPS_PER_CHIP = (6 * MATMUL_PARAMS + 12 * LAYERS * SEQ_LEN * D_MODEL) * TOKENS_PER_CHIP
+
+SHAPE = ["--config.model.d_model=768", "--config.model.num_heads=12",
+         "--config.model.d_ff=3072", "--config.model.num_decoder_layers=12",
+         "--config.data.seq_len=1024", "--config.data.batch_size=64",
+         "--config.model.dtype=bfloat16", "--config.model.dropout_rate=0.0",
+         "--config.model.position_scheme=learned", "--config.model.max_len=1024"]
+FSDP = ["--config.mesh.data=1", "--config.mesh.fsdp=8"]
+REMAT_FULL = ["--config.model.remat=full"]
+
+# name -> (mesh, remat, extra flags)
+TFM_ROWS = {
+    "data8": ("data=8", "none", []),
+    "data8_full": ("data=8", "full", REMAT_FULL),
+    "fsdp8": ("fsdp=8", "none", FSDP),
+    "fsdp8_full": ("fsdp=8", "full", FSDP + REMAT_FULL),
+}
+MAXTEXT_ROWS = {"maxtext_fsdp8_minimal": "minimal_with_context", "maxtext_fsdp8_full": "full"}
+MAXTEXT_FLAGS = [
+    "compile_topology=v5e-8", "compile_topology_num_slices=1", "base_num_decoder_layers=12",
+    "base_emb_dim=768", "base_num_query_heads=12", "base_num_kv_heads=12", "base_mlp_dim=3072",
+    "head_dim=64", "vocab_size=50304", "max_target_length=1024", "per_device_batch_size=8",
+    "dtype=bfloat16", "weight_dtype=float32", "dropout_rate=0.0", "enable_dropout=false",
+    "dataset_type=synthetic", "decoder_block=gpt3", "trainable_position_size=1024",
+    "mlp_activations=[gelu]", "logits_via_embedding=true", "normalize_embedding_logits=false",
+    "use_iota_embed=false", "fused_qkv=true", "attention=flash", "scan_layers=false",
+]
+MAXTEXT_LIBTPU_ARGS = ("--xla_tpu_enable_windowed_einsum_for_all_gather=false "
+                       "--xla_tpu_enable_windowed_einsum_for_reduce_scatter=false")
+
+
+def roofline(bytes_per_chip: float, flops_per_chip: float) -> tuple[float, float]:
+    """(roofline step seconds, MFU at most) by the issue's convention."""
+    step = max(flops_per_chip / PEAK_FLOPS, bytes_per_chip / HBM_BANDWIDTH)
+    return step, MODEL_FLOPS_PER_CHIP / (step * PEAK_FLOPS)
+
+
+def tfm_row(name: str, text: str, workdir: Path) -> dict:
+    mesh, remat, extra = TFM_ROWS[name]
+    out = workdir / f"{name}.json"
+    command = ["./launch.sh", "compile", "configs/char_lm.py", "--target", "v5e-8",
+               f"--config.data.path={text}", *SHAPE, *extra, "--json", str(out), "--breakdown",
+               "--workdir", str(workdir / name)]
+    print("$", shlex.join(command), flush=True)
+    start = time.time()
+    # Deviceless compiles use no chip: several may load libtpu at once.
+    env = {**os.environ, "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env)
+    if result.returncode != 0 and not out.exists():
+        raise SystemExit(f"{name}: compile failed:\n{result.stderr[-3000:]}")
+    report = json.loads(out.read_text())
+    step, mfu = roofline(report["bytes_per_chip"], report["compiled_flops_per_chip"])
+    groups = {group: figures["bytes"] for group, figures in
+              report.get("breakdown", {}).get("groups", {}).items()}
+    return {"row": name, "system": "tfm", "mesh": mesh, "remat": remat,
+            "bytes_per_chip": report["bytes_per_chip"],
+            "compiled_flops_per_chip": report["compiled_flops_per_chip"],
+            "roofline_ms": 1e3 * step, "mfu": mfu, "needed_bytes": report["needed_bytes"],
+            "bytes_by_group": groups, "command": shlex.join(command),
+            "compile_seconds": round(time.time() - start, 1)}
+
+
+def maxtext_row(name: str, maxtext_dir: Path, python: str) -> dict:
+    remat = MAXTEXT_ROWS[name]
+    command = [python, "-m", "maxtext.trainers.pre_train.train_compile", *MAXTEXT_FLAGS,
+               f"remat_policy={remat}"]
+    env = {**os.environ, "DECOUPLE_GCLOUD": "TRUE", "LIBTPU_INIT_ARGS": MAXTEXT_LIBTPU_ARGS,
+           "PYTHONPATH": str(maxtext_dir / "src")}
+    print("$", shlex.join(command), flush=True)
+    result = subprocess.run(command, cwd=maxtext_dir, capture_output=True, text=True, env=env)
+    output = result.stdout + result.stderr
+    found = {key: re.search(rf"'{key}': ([0-9.e+]+)", output)
+             for key in ("bytes accessed", "flops")}
+    if result.returncode != 0 or not all(found.values()):
+        raise SystemExit(f"{name}: MaxText's compile gave no cost analysis:\n{output[-3000:]}")
+    bytes_per_chip, flops = (float(found[key].group(1)) for key in ("bytes accessed", "flops"))
+    step, mfu = roofline(bytes_per_chip, flops)
+    return {"row": name, "system": "MaxText", "mesh": "fsdp=8", "remat": remat,
+            "bytes_per_chip": bytes_per_chip, "compiled_flops_per_chip": flops,
+            "roofline_ms": 1e3 * step, "mfu": mfu, "command": shlex.join(command)}
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| step (per v5e chip) | mesh | remat | bytes accessed | roofline step "
+             "| MFU at most |", "|---|---|---|---:|---:|---:|"]
+    for row in rows:
+        label = ("MaxText, splash, layers unrolled" if row["system"] == "MaxText"
+                 else "tfm, splash, fused loss")
+        lines.append(f"| {label} | {row['mesh']} | `{row['remat']}` | "
+                     f"{row['bytes_per_chip'] / 1e9:.1f} GB | {row['roofline_ms']:.1f} ms | "
+                     f"{100 * row['mfu']:.1f}% |")
+    groups = sorted({group for row in rows for group in row.get("bytes_by_group", {})})
+    if groups:
+        lines += ["", "tfm's bytes by part of the step (`--breakdown`), GB per chip:", "",
+                  "| row | " + " | ".join(groups) + " |",
+                  "|---|" + "---:|" * len(groups)]
+        lines += [f"| {row['row']} | " + " | ".join(
+            f"{row['bytes_by_group'].get(group, 0) / 1e9:.2f}" for group in groups) + " |"
+                  for row in rows if row.get("bytes_by_group")]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--text", default="/tmp/wide_vocab.txt",
+                        help="benchmarks/wide_vocab_text.py's output (--vocab 50304)")
+    parser.add_argument("--rows", default=",".join(TFM_ROWS),
+                        help=f"tfm rows, of: {', '.join(TFM_ROWS)}")
+    parser.add_argument("--maxtext_dir", type=Path, help="a MaxText checkout (commit e591f30c)")
+    parser.add_argument("--maxtext_python", help="a Python with MaxText's requirements")
+    parser.add_argument("--out", type=Path, default=RESULTS / "vs_maxtext")
+    args = parser.parse_args()
+    if not Path(args.text).exists():
+        sys.exit(f"{args.text} is missing: python benchmarks/wide_vocab_text.py {args.text} "
+                 "--vocab 50304")
+    names = [name for name in args.rows.split(",") if name]
+    unknown = [name for name in names if name not in TFM_ROWS]
+    if unknown:
+        sys.exit(f"--rows: {unknown[0]!r} is unknown; choose from {', '.join(TFM_ROWS)}")
+    rows = []
+    if args.maxtext_dir and args.maxtext_python:
+        rows += [maxtext_row(name, args.maxtext_dir, args.maxtext_python)
+                 for name in MAXTEXT_ROWS]
+    with tempfile.TemporaryDirectory() as scratch:
+        for name in names:
+            rows.append(tfm_row(name, args.text, Path(scratch)))
+            print(markdown(rows[-1:]).splitlines()[-1], flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")
+    args.out.with_suffix(".md").write_text(markdown(rows))
+    print(markdown(rows))
+
+
+if __name__ == "__main__":
+    main()
