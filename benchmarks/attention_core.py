@@ -31,16 +31,13 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from tfm import kernels  # noqa: E402
-from tfm.kernels import cpu_compile, cpu_memory, hardware  # noqa: E402
-from tfm.nn import attention  # noqa: E402
+from tfm import kernels
+from tfm.kernels import cpu_compile, cpu_memory, hardware
+from tfm.nn import attention
 
 try:
     import torch
@@ -48,8 +45,9 @@ try:
 except ImportError:  # pragma: no cover - the benchmark says what to install
     sys.exit('attention_core.py needs torch: pip install -e ".[bench]"')
 
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from vs_torch import cpu_info  # noqa: E402
+from vs_torch import cpu_info
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def tfm_runs(q, k, v, grad_out, cpu_kernels: str = "xla"):

@@ -25,22 +25,21 @@ import sys
 import time
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from tfm.data.tokenizers import EOS_ID
+from tfm.decode import generate
+from tfm.decode.search import DecodeConfig
+from tfm.kernels import cpu_compile, hardware
+from tfm.nn.config import ModelConfig
+from tfm.nn.models import DecoderLM
+from tfm.training import train
+from tfm.training.experiment import TrainState
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-
-from tfm.data.tokenizers import EOS_ID  # noqa: E402
-from tfm.decode import generate  # noqa: E402
-from tfm.decode.search import DecodeConfig  # noqa: E402
-from tfm.kernels import cpu_compile, hardware  # noqa: E402
-from tfm.nn.config import ModelConfig  # noqa: E402
-from tfm.nn.models import DecoderLM  # noqa: E402
-from tfm.training import train  # noqa: E402
-from tfm.training.experiment import TrainState  # noqa: E402
 
 
 def config_for(layers: int, scan: bool) -> ModelConfig:

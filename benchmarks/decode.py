@@ -39,12 +39,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from tfm.decode import generate
+from tfm.nn.config import ModelConfig
+from tfm.nn.models import DecoderLM
 
-from tfm.decode import generate  # noqa: E402
-from tfm.nn.config import ModelConfig  # noqa: E402
-from tfm.nn.models import DecoderLM  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 PROMPT_LEN = 8
 FIRST_EOS = 2

@@ -21,14 +21,11 @@ import time
 import types
 from pathlib import Path
 
+import char_gpt
+
+from tfm.kernels import hardware
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-
-import char_gpt  # noqa: E402
-
-from tfm.kernels import hardware  # noqa: E402
 
 NO_DROPOUT = "no dropout"
 

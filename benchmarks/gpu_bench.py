@@ -19,25 +19,23 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from tfm import kernels
+from tfm.decode.generate import lm_generate
+from tfm.kernels import hardware
+from tfm.nn import attention
+from tfm.nn.config import ModelConfig
+from tfm.nn.models import DecoderLM
+from tfm.training import flops, losses
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-
-from tfm import kernels  # noqa: E402
-from tfm.decode.generate import lm_generate  # noqa: E402
-from tfm.kernels import hardware  # noqa: E402
-from tfm.nn import attention  # noqa: E402
-from tfm.nn.config import ModelConfig  # noqa: E402
-from tfm.nn.models import DecoderLM  # noqa: E402
-from tfm.training import flops, losses  # noqa: E402
 
 
 def timed(fn, repeats: int = 10) -> float:

@@ -32,7 +32,6 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import platform  # noqa: E402
-import sys  # noqa: E402
 import time  # noqa: E402
 import types  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -40,9 +39,6 @@ from pathlib import Path  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import ml_collections  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 from tfm.data.pipeline import feature_lengths  # noqa: E402
 from tfm.nn.config import paper_base  # noqa: E402
@@ -55,6 +51,8 @@ from tfm.training.experiment import (  # noqa: E402
     TrainConfig,
     state_shardings,
 )
+
+REPO = Path(__file__).resolve().parents[1]
 
 MESHES = {
     "one": {"data": 1, "fsdp": 1, "tensor": 1},

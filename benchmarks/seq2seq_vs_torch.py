@@ -31,21 +31,17 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax.linen import meta as nn_meta
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from flax.linen import meta as nn_meta  # noqa: E402
-
-from tfm.kernels import cpu_compile, cpu_memory, hardware  # noqa: E402
-from tfm.nn.config import paper_base  # noqa: E402
-from tfm.nn.models import EncoderDecoder  # noqa: E402
-from tfm.training import flops, train  # noqa: E402
-from tfm.training.experiment import TrainState  # noqa: E402
+from tfm.kernels import cpu_compile, cpu_memory, hardware
+from tfm.nn.config import paper_base
+from tfm.nn.models import EncoderDecoder
+from tfm.training import flops, train
+from tfm.training.experiment import TrainState
 
 try:
     import torch
@@ -54,7 +50,9 @@ try:
 except ImportError:  # pragma: no cover - the benchmark says what to install
     sys.exit('seq2seq_vs_torch.py needs torch: pip install -e ".[bench]"')
 
-from vs_torch import cpu_info, matmul_peaks  # noqa: E402
+from vs_torch import cpu_info, matmul_peaks
+
+ROOT = Path(__file__).resolve().parents[1]
 
 PAD = 0
 XLA_DEFAULTS = "tfm, XLA's CPU defaults"

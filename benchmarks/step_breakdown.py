@@ -25,17 +25,15 @@ import sys
 import types
 from pathlib import Path
 
+import char_gpt
+import jax.numpy as jnp
+
+from tfm import kernels
+from tfm.kernels import cpu_memory, hardware
+from tfm.nn import layers
+from tfm.training import flops
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import char_gpt  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from tfm import kernels  # noqa: E402
-from tfm.kernels import cpu_memory, hardware  # noqa: E402
-from tfm.nn import layers  # noqa: E402
-from tfm.training import flops  # noqa: E402
 
 FULL, NO_CORE = "whole step", "attention core replaced by q + k + v"
 

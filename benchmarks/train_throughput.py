@@ -12,32 +12,21 @@ per dtype and cached). Writes benchmarks/results/train_throughput.{json,md}.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
+from tfm.kernels import cpu_memory, hardware
+from tfm.parallel import sharding
+from tfm.sweeps.sweep import load_config
+from tfm.training import flops, train
+from tfm.training.experiment import init_state, setup, state_shardings
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from tfm.kernels import cpu_memory, hardware  # noqa: E402
-from tfm.parallel import sharding  # noqa: E402
-from tfm.training import flops, train  # noqa: E402
-from tfm.training.experiment import init_state, setup, state_shardings  # noqa: E402
-
-
-def load_config(spec: str):
-    """configs/FILE.py[:ARG] -> the ConfigDict its get_config(ARG) returns."""
-    path, _, arg = spec.partition(":")
-    loader = importlib.util.spec_from_file_location("bench_config", ROOT / path)
-    config_module = importlib.util.module_from_spec(loader)
-    loader.loader.exec_module(config_module)
-    return config_module.get_config(arg or None)
 
 
 def measure(config, dtype: str, steps: int, repeats: int, workdir: Path) -> dict:

@@ -35,17 +35,13 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from tfm.decode.generate import best_sequences, translate  # noqa: E402
-from tfm.interop import hf as interop  # noqa: E402
-from tfm.kernels import cpu_compile, cpu_memory, hardware  # noqa: E402
+from tfm.decode.generate import best_sequences, translate
+from tfm.interop import hf as interop
+from tfm.kernels import cpu_compile, cpu_memory, hardware
 
 try:
     import torch
@@ -53,7 +49,9 @@ try:
 except ImportError:  # pragma: no cover - the benchmark says what to install
     sys.exit('translate_vs_hf.py needs torch and transformers: pip install -e ".[bench]"')
 
-from vs_torch import cpu_info, memory_bandwidth  # noqa: E402
+from vs_torch import cpu_info, memory_bandwidth
+
+ROOT = Path(__file__).resolve().parents[1]
 
 PAD, EOS = 0, 1
 

@@ -51,21 +51,18 @@ import sys
 import time
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+from char_gpt import VOCAB, init_params, model_config, random_batch, tfm_train_runner
+
+from tfm.decode import search
+from tfm.decode.generate import lm_generate
+from tfm.decode.search import DecodeConfig
+from tfm.kernels import cpu_compile, cpu_memory, hardware
+from tfm.training import flops
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from char_gpt import VOCAB, init_params, model_config, random_batch, tfm_train_runner  # noqa: E402
-
-from tfm.decode import search  # noqa: E402
-from tfm.decode.generate import lm_generate  # noqa: E402
-from tfm.decode.search import DecodeConfig  # noqa: E402
-from tfm.kernels import cpu_compile, cpu_memory, hardware  # noqa: E402
-from tfm.training import flops  # noqa: E402
 
 KERNEL_LABELS = {"xla": "XLA's kernels", "ynnpack": "XLA's defaults (YNNPACK)",
                  "ynnpack_dots": "YNNPACK dots", "onednn": "oneDNN dots"}

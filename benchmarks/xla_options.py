@@ -35,20 +35,18 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import jax
+import numpy as np
+from char_gpt import SHAPE, init_params, model_config, random_batch, tfm_train_runner
+
+from tfm.decode.generate import lm_generate
+from tfm.kernels import cpu_compile, cpu_memory, hardware
+from tfm.parallel import sharding
+from tfm.sweeps.sweep import load_config
+from tfm.training import train
+from tfm.training.experiment import init_state, setup, state_shardings
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from char_gpt import SHAPE, init_params, model_config, random_batch, tfm_train_runner  # noqa: E402
-from train_throughput import load_config  # noqa: E402
-
-from tfm.decode.generate import lm_generate  # noqa: E402
-from tfm.kernels import cpu_compile, cpu_memory, hardware  # noqa: E402
-from tfm.parallel import sharding  # noqa: E402
-from tfm.training import train  # noqa: E402
-from tfm.training.experiment import init_state, setup, state_shardings  # noqa: E402
 
 YNN = cpu_compile.YNN_FUSION
 ALL_SETTINGS: dict[str, dict | None] = {

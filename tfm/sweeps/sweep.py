@@ -108,6 +108,13 @@ def load_sweep(config_arg: str) -> list[Overrides]:
     return list(runs)
 
 
+def load_config(config_arg: str) -> Any:
+    """The ConfigDict of `configs/X.py[:ARG]` (a path relative to the checkout, or absolute):
+    its `get_config(ARG)`, as `./launch.sh train` builds it before command-line overrides."""
+    path, _, arg = config_arg.partition(":")
+    return _load_module(path).get_config(arg or None)
+
+
 def _load_module(path: str) -> Any:
     file = Path(path) if Path(path).is_absolute() else REPO / path
     if not file.is_file():
