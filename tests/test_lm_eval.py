@@ -179,18 +179,25 @@ def test_generate_until_is_greedy_decoding_cut_at_the_stop_string(model):
         assert "e" not in output
 
 
-def test_the_harness_evaluates_local_tasks(model, monkeypatch):
+@pytest.fixture(scope="module")
+def harness_results(model) -> dict:
+    """The harness's evaluator on the fixture tasks, on one process."""
+    from lm_eval.tasks import TaskManager
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(REPO)  # the task files name their data relative to the repository
+        patch.setenv("HF_DATASETS_OFFLINE", "1")
+        return lm_eval.simple_evaluate(
+            model=model, tasks=TASKS, task_manager=TaskManager(include_path=str(FIXTURES)),
+        )["results"]
+
+
+def test_the_harness_evaluates_local_tasks(model, harness_results):
     """simple_evaluate on the fixture tasks; bits_per_byte is the adapter's rolling
     log-likelihoods over the documents' UTF-8 bytes."""
     import json
 
-    from lm_eval.tasks import TaskManager
-
-    monkeypatch.chdir(REPO)  # the task files name their data relative to the repository
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    results = lm_eval.simple_evaluate(
-        model=model, tasks=TASKS, task_manager=TaskManager(include_path=str(FIXTURES)),
-    )["results"]
+    results = harness_results
     assert 0.0 <= results["tfm_tiny_choice"]["acc,none"] <= 1.0
     assert 0.0 <= results["tfm_tiny_generate"]["exact_match,none"] <= 1.0
     texts = [json.loads(line)["text"] for line in open(FIXTURES / "rolling.jsonl")]
@@ -223,6 +230,9 @@ def test_registered_as_tfm():
     from lm_eval.api.registry import get_model
 
     assert get_model("tfm") is adapter.TfmLM
+    # The harness imports its own models only while its registry is empty: registering tfm
+    # must not hide them.
+    assert {"hf", "vllm", "dummy"} <= set(lm_eval.api.registry.model_registry.keys())
 
 
 def test_a_hugging_face_folder_scores_as_transformers_does():
@@ -248,3 +258,166 @@ def test_a_hugging_face_folder_scores_as_transformers_does():
     for (total, greedy), (want, want_greedy) in zip(got, expected, strict=True):
         assert total == pytest.approx(want, abs=1e-4)
         assert greedy == want_greedy
+
+
+# Each process of a 2-process run on localhost (one CPU device each, the run's data axis across
+# them): evaluate() on the fixture tasks, then loglikelihood and generate_until requests on
+# process 0 while process 1 follows. argv: process id, run dir, output dir.
+WORKER = """
+import json, sys
+import jax
+from tfm.interop import lm_eval as adapter
+from lm_eval.api.instance import Instance
+process_id, run_dir, out_dir = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+model = adapter.TfmLM(workdir=run_dir, batch_size=4)  # starts jax.distributed (TFM_*)
+assert model.shared and jax.process_count() == 2 and model.batch_size == 4
+adapter.evaluate(model, {tasks}, out_dir, include_path="tests/fixtures/lm_eval")
+if process_id == 0:
+    try:
+        pairs = model.loglikelihood([Instance("loglikelihood", {{}}, pair, index)
+                                     for index, pair in enumerate({pairs})])
+        texts = model.generate_until([Instance("generate_until", {{}}, (prompt, {{
+            "until": ["e"], "max_gen_toks": 6}}), index) for index, prompt in enumerate({prompts})])
+    finally:
+        model.release_followers()
+    json.dump({{"pairs": pairs, "texts": texts}}, open(out_dir + "/requests.json", "w"))
+else:
+    model.follow()
+"""
+PAIRS = [("ROMEO", ":"), ("To be, or not", " to be"), ("a", "b"), ("Good night", ", good night!"),
+         ("What light", " through yonder")]
+PROMPTS = ["ROMEO:\n", "To be", "JULIET:\nGood night"]
+
+
+def test_two_processes_give_process_0_the_one_process_results(run_dir, model, harness_results,
+                                                             tmp_path):
+    """Levanter's scheme: process 0 runs the harness and broadcasts each batch; the batch is
+    split over the data axis across both processes. The harness's results, log-likelihoods
+    (1e-5 per token) and greedy generations equal those of the one-process model."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        port = sock.getsockname()[1]
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER.format(tasks=TASKS, pairs=PAIRS, prompts=PROMPTS))
+    env = {key: value for key, value in os.environ.items()
+           if not key.startswith(("SLURM_", "OMPI_", "TPU_", "TFM_"))}
+    env.update(XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu",
+               HF_DATASETS_OFFLINE="1", TFM_COORDINATOR=f"localhost:{port}",
+               TFM_NUM_PROCESSES="2", PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
+    procs = [subprocess.Popen(
+        [sys.executable, str(script), str(process_id), str(run_dir), str(tmp_path)],
+        env={**env, "TFM_PROCESS_ID": str(process_id)}, cwd=REPO, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT) for process_id in range(2)]
+    logs = []
+    try:
+        for proc in procs:
+            logs.append(proc.communicate(timeout=240)[0].decode(errors="replace"))
+    finally:
+        for proc in procs:  # never leave a process waiting for its peer
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for process_id, proc in enumerate(procs):
+        assert proc.returncode == 0, f"process {process_id} failed:\n{logs[process_id][-3000:]}"
+    results = json.loads((tmp_path / "results.json").read_text())["results"]
+    for task in TASKS:
+        for metric, value in harness_results[task].items():
+            if isinstance(value, float):
+                assert results[task][metric] == pytest.approx(value, rel=1e-6, abs=1e-9), (
+                    task, metric)
+    shared = json.loads((tmp_path / "requests.json").read_text())
+    alone = model.loglikelihood(requests("loglikelihood", PAIRS))
+    for (total, greedy), (want, want_greedy), (_, continuation) in zip(
+            shared["pairs"], alone, PAIRS, strict=True):
+        assert total == close(want, len(continuation))
+        assert greedy == want_greedy
+    assert shared["texts"] == model.generate_until(requests("generate_until", [
+        (prompt, {"until": ["e"], "max_gen_toks": 6}) for prompt in PROMPTS]))
+
+
+WORD_TASKS = ["tfm_words_choice", "tfm_words_rolling", "tfm_words_generate"]
+
+
+def test_an_exported_gpt2_scores_the_same_under_hf_and_tfm(tmp_path, monkeypatch):
+    """A GPT-2-family model fine-tuned by tfm (3 steps from tests/fixtures/hf/gpt2, its word
+    tokenizer) and exported with save_pretrained: the harness's own `hf` model (torch,
+    transformers) and `tfm` (pretrained=) give each request the same log-likelihood (1e-4) and
+    is_greedy, the same generations, hence the same results. Skipped without torch."""
+    import json
+    import shutil
+
+    for module in ("torch", "transformers", "accelerate"):  # the harness's hf model needs them
+        pytest.importorskip(module)
+    from lm_eval.tasks import TaskManager
+
+    from tfm.interop import hf
+    from tfm.training import train
+
+    folder = tmp_path / "gpt2"
+    shutil.copytree(REPO / "tests" / "fixtures" / "hf" / "gpt2", folder)
+    corpus = tmp_path / "words.txt"
+    corpus.write_text("".join(f"w{i} w{i + 1} w{i + 2}\n" for i in range(1, 60)))
+    config = char_lm.get_config("runlocal")
+    config.data.update(path=str(corpus), text_unit="line", seq_len=16, eval_seq_len=16,
+                       batch_size=8, eval_batch_size=8, tokenizer=f"hf:{folder}",
+                       data_dir=str(tmp_path / "data"))
+    config.optimizer.update(total_steps=3, warmup_steps=1)
+    config.train.update(num_steps=3, log_every=1, eval_every=0, checkpoint_every=3,
+                        progress_bar=False)
+    config.eval.max_batches = 1
+    config.generate.max_new_tokens = 4  # the fixture has 16 learned positions
+    config.init.pretrained = str(folder)
+    train.train_and_evaluate(config, tmp_path / "run")
+    trained = adapter.TfmLM(workdir=str(tmp_path / "run"))
+    exported = tmp_path / "exported"
+    assert hf.save_pretrained(trained.config, trained.params, exported) == "gpt2"
+    shutil.copy(folder / "tokenizer.json", exported / "tokenizer.json")
+    # Without it transformers reads a gpt2 folder's tokenizer as GPT-2's byte-level BPE.
+    (exported / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "w63", "eos_token": "w63",
+        "unk_token": "w0"}))
+
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+
+    def run(model, model_args=None) -> dict:
+        return lm_eval.simple_evaluate(
+            model=model, model_args=model_args, tasks=WORD_TASKS, batch_size=4,
+            task_manager=TaskManager(include_path=str(FIXTURES)), log_samples=True)
+
+    under_hf = run("hf", f"pretrained={exported},dtype=float32,device=cpu")
+    under_tfm = run(adapter.TfmLM(pretrained=str(exported), batch_size=4))
+    differences, generated = [], []
+    for task in WORD_TASKS:
+        hf_samples = sorted(under_hf["samples"][task], key=lambda sample: sample["doc_id"])
+        tfm_samples = sorted(under_tfm["samples"][task], key=lambda sample: sample["doc_id"])
+        assert len(hf_samples) == len(tfm_samples) > 0
+        for hf_sample, tfm_sample in zip(hf_samples, tfm_samples, strict=True):
+            assert hf_sample["arguments"] == tfm_sample["arguments"]
+            for hf_answer, tfm_answer in zip(hf_sample["resps"], tfm_sample["resps"],
+                                             strict=True):
+                [hf_answer], [tfm_answer] = hf_answer, tfm_answer
+                if task == "tfm_words_generate":
+                    assert tfm_answer == hf_answer
+                    generated.append(tfm_answer)
+                    continue
+                hf_total, tfm_total = hf_answer, tfm_answer  # rolling: the document's sum
+                if task == "tfm_words_choice":  # (log-likelihood, is_greedy)
+                    assert tfm_answer[1] == hf_answer[1]
+                    hf_total, tfm_total = hf_answer[0], tfm_answer[0]
+                differences.append(abs(tfm_total - hf_total))
+                assert tfm_total == pytest.approx(hf_total, abs=1e-4), (task, hf_sample["doc_id"])
+    assert sum(map(bool, generated)) >= len(generated) // 2  # words, not only empty strings
+    print(f"largest log-likelihood difference, hf vs tfm: {max(differences):.2e}; "
+          f"generations: {generated}")
+    for task in WORD_TASKS:
+        for metric, value in under_hf["results"][task].items():
+            if isinstance(value, float):
+                assert under_tfm["results"][task][metric] == pytest.approx(value, rel=1e-4), (
+                    task, metric)

@@ -1,195 +1,42 @@
-"""tfm models in EleutherAI's lm-evaluation-harness (`pip install -e ".[eval]"`).
-
-The harness's model `tfm`, built from a training run or a Hugging Face folder:
-
-    lm_eval.simple_evaluate(model="tfm", model_args="workdir=workdirs/char_lm", tasks=[...])
-    lm_eval.simple_evaluate(model="tfm", model_args="pretrained=/models/gpt2", tasks=[...])
-    ./launch.sh lm_eval --workdir workdirs/char_lm --tasks lambada_openai --limit 100
-    python -m tfm.interop.lm_eval run --model tfm --model_args workdir=W --tasks hellaswag
-
-(the last: the harness's own command line, with `tfm` registered; lm-eval 0.4.13 reads no
-entry points, so `lm_eval --model tfm` alone does not find it). Importing this module registers
-the model.
-
-Conventions are the harness's `hf` model's: a (context, continuation) pair is encoded whole and
-split, trailing spaces of the context moving to the continuation; the last continuation token is
-never fed to the model; rows keep the last `max_length + 1` tokens; documents are scored in
-rolling windows of `max_length` tokens (`lm_eval.utils.get_rolling_token_windows` with
-context_len=1, made disjoint); generation keeps the last `max_length - max_gen_toks` prompt
-tokens and is cut at the first stop string. The prefix token (an empty context, the first window
-of a document) is the tokenizer's bos. A tfm run's rows start with bos, so every context starts
-with it too (`add_bos=True`, the default for a workdir); a Hugging Face folder gets it only for an
-empty context, as `hf` does (`add_bos=False`).
-
-Rows are batched by length (longest first, as the harness's own models) into fixed-size batches
-whose width is rounded up to a power of two (few compilations); each row carries its length, and
-only positions below it are attended to and scored: validity is data, never a padding id.
-
-Model arguments: workdir=W | pretrained=DIR, step=N (a workdir's checkpoint; default latest),
-max_length=N (default: a run's training row length, data.seq_len, or a folder's
-model.max_len), batch_size=N (default 16; rounded up to a multiple of the run's data-parallel
-devices, over which each batch is split), add_bos=true|false.
-
-Future work: one process only, and generation runs replicated on the run's mesh (scoring
-batches are split over its data-parallel devices). Several hosts need Levanter's scheme
-(process 0 runs the harness and broadcasts each batch; every process runs the step on the
-mesh).
-"""
+"""The harness's model `tfm` (TfmLM) and `evaluate`, which runs tasks on it from one process or
+several (see the package's docstring)."""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
-try:
-    from lm_eval import utils as harness_utils
-    from lm_eval.api.model import TemplateLM
-    from lm_eval.api.registry import register_model
-except ImportError as error:  # the eval extra is optional
-    raise ImportError(
-        'tfm.interop.lm_eval needs the lm-eval package: pip install -e ".[eval]"'
-    ) from error
+# The harness's own models (registered lazily; no torch): its get_model imports them only while
+# its registry is empty, so registering tfm first would hide them.
+import lm_eval.models  # noqa: F401
+import numpy as np
+from jax.experimental import multihost_utils
+from lm_eval import utils as harness_utils
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
 
 from tfm.decode.generate import lm_generate
 from tfm.decode.search import DecodeConfig
+from tfm.interop.lm_eval import hosts
+from tfm.interop.lm_eval.rows import (
+    bucket_width,
+    cut_at_stop,
+    length_batches,
+    pad_rows,
+    rolling_windows,
+    score_rows,
+    scoring_row,
+)
 from tfm.nn.config import ModelConfig
-from tfm.nn.models import DecoderLM
 
 DEFAULT_BATCH_SIZE = 16
 DEFAULT_MAX_GEN_TOKS = 256  # the harness's default for generate_until
-MIN_WIDTH = 8
-
-
-# ------------------------------------------------------------------------- pure helpers
-
-
-@dataclasses.dataclass(frozen=True)
-class ScoringRow:
-    """One row to score: `inputs` fed to the model, `targets` the next token at each input
-    position (both [length]), the last `num_scored` targets being the continuation."""
-
-    inputs: tuple[int, ...]
-    targets: tuple[int, ...]
-    num_scored: int
-
-
-def scoring_row(
-    context_ids: Sequence[int], continuation_ids: Sequence[int], max_length: int
-) -> ScoringRow:
-    """The row scoring `continuation_ids` after `context_ids`: the last max_length + 1 tokens of
-    both, the final continuation token not fed to the model (it is only a target)."""
-    if not continuation_ids:
-        raise ValueError("a continuation needs at least one token")
-    if len(continuation_ids) > max_length:
-        raise ValueError(
-            f"a continuation of {len(continuation_ids)} tokens does not fit max_length="
-            f"{max_length}"
-        )
-    if not context_ids:
-        raise ValueError("a context needs at least one token (the prefix token when empty)")
-    whole = [*context_ids, *continuation_ids][-(max_length + 1):]
-    return ScoringRow(tuple(whole[:-1]), tuple(whole[1:]), len(continuation_ids))
-
-
-def rolling_windows(
-    token_ids: Sequence[int], prefix_id: int, max_length: int
-) -> list[tuple[list[int], list[int]]]:
-    """(context, continuation) pairs that score every token of a document once, each with as
-    much context as fits max_length: the harness's windows (get_rolling_token_windows,
-    context_len=1) made disjoint (make_disjoint_window), as its `hf` model scores them."""
-    return [
-        harness_utils.make_disjoint_window(window)
-        for window in harness_utils.get_rolling_token_windows(
-            token_list=list(token_ids), prefix_token=prefix_id, max_seq_len=max_length,
-            context_len=1,
-        )
-    ]
-
-
-def length_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
-    """Indices of `lengths` in batches of at most batch_size, longest rows first (the first
-    batch shows at once whether the longest rows fit in memory; similar lengths share a batch)."""
-    order = sorted(range(len(lengths)), key=lambda index: (-lengths[index], index))
-    return [order[start:start + batch_size] for start in range(0, len(order), batch_size)]
-
-
-def bucket_width(longest: int, max_width: int) -> int:
-    """The batch width for rows of up to `longest` tokens: the next power of two (at least
-    MIN_WIDTH), at most max_width, so that few shapes compile."""
-    width = max(MIN_WIDTH, 1 << max(0, longest - 1).bit_length())
-    return max(longest, min(width, max_width))
-
-
-def pad_rows(
-    rows: Sequence[Sequence[int]], width: int, batch_size: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """Right-padded tokens [batch_size, width] int32 and lengths [batch_size] int32 of `rows`;
-    missing rows repeat the last one (one compiled shape), and are dropped by the caller. The
-    filler after a row's length is 0 and is never attended to or scored."""
-    tokens = np.zeros((batch_size, width), np.int32)
-    lengths = np.zeros((batch_size,), np.int32)
-    for index in range(batch_size):
-        row = rows[min(index, len(rows) - 1)]
-        tokens[index, :len(row)] = row
-        lengths[index] = len(row)
-    return tokens, lengths
-
-
-def scored_positions(lengths: jax.Array, num_scored: jax.Array, width: int) -> jax.Array:
-    """[batch, width] bool: the last num_scored [batch] of the lengths [batch] valid positions."""
-    position = jnp.arange(width)[None, :]
-    return (position < lengths[:, None]) & (position >= (lengths - num_scored)[:, None])
-
-
-def score_from_logits(
-    logits: jax.Array,  # [batch, width, vocab]
-    targets: jax.Array,  # [batch, width] int
-    scored: jax.Array,  # [batch, width] bool
-) -> tuple[jax.Array, jax.Array]:
-    """Sum of log p(target) over the scored positions [batch] float32, and whether each scored
-    target is the argmax there [batch] bool (the continuation is the greedy one)."""
-    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    target_log_probs = jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
-    total = jnp.sum(jnp.where(scored, target_log_probs, 0.0), axis=-1)
-    greedy = jnp.all(~scored | (jnp.argmax(logits, axis=-1) == targets), axis=-1)
-    return total, greedy
-
-
-def cut_at_stop(text: str, until: Iterable[str]) -> str:
-    """`text` up to the first occurrence of any stop string (empty strings ignored)."""
-    cut = len(text)
-    for stop in until:
-        if stop:
-            found = text.find(stop)
-            if found != -1:
-                cut = min(cut, found)
-    return text[:cut]
-
-
-@functools.partial(jax.jit, static_argnames=("config",))
-def score_rows(
-    params: Any,
-    tokens: jax.Array,  # [batch, width] int32, right-padded
-    targets: jax.Array,  # [batch, width] int32
-    lengths: jax.Array,  # [batch] int32: valid tokens per row
-    num_scored: jax.Array,  # [batch] int32: scored targets, the last of each row's valid ones
-    config: ModelConfig,
-) -> tuple[jax.Array, jax.Array]:
-    """(log-likelihood [batch] float32, is_greedy [batch] bool) of each row's scored targets
-    under the decoder-only LM `config` with `params`."""
-    width = tokens.shape[1]
-    valid = jnp.arange(width)[None, :] < lengths[:, None]
-    logits = DecoderLM(config).apply({"params": params}, tokens, valid=valid)
-    return score_from_logits(logits, targets, scored_positions(lengths, num_scored, width))
 
 
 # ------------------------------------------------------------------------- the harness's model
@@ -294,6 +141,10 @@ class TfmLM(TemplateLM):
         shards = batch_shards(self.batch_sharding)  # batches split over the run's mesh
         self.batch_size = -(-int(batch_size) // shards) * shards
         self.add_bos = default_bos if add_bos is None else _as_bool(add_bos)
+        # A run's params live on its whole mesh: with several processes every one runs each
+        # batch (process 0 shares it). A Hugging Face folder is loaded whole by each process,
+        # and process 0 runs it alone.
+        self.shared = self.batch_sharding is not None and jax.process_count() > 1
 
     # -- tokens
 
@@ -333,12 +184,12 @@ class TfmLM(TemplateLM):
             targets, _ = pad_rows([row.targets for row in batch], width, self.batch_size)
             num_scored = np.array([batch[min(i, len(batch) - 1)].num_scored
                                    for i in range(self.batch_size)], np.int32)
-            arrays = (tokens, targets, lengths, num_scored)
-            if self.batch_sharding is not None:
-                arrays = jax.device_put(arrays, self.batch_sharding)
-            totals, greedy = jax.device_get(score_rows(self.params, *arrays, self.config))
+            outputs = self.run_step(hosts.Message("score", arrays={
+                "tokens": tokens, "targets": targets, "lengths": lengths,
+                "num_scored": num_scored}))
             for position, index in enumerate(indices):
-                results[index] = (float(totals[position]), bool(greedy[position]))
+                results[index] = (float(outputs["totals"][position]),
+                                  bool(outputs["greedy"][position]))
         return results
 
     def _loglikelihood_tokens(self, requests: list, disable_tqdm: bool = False,
@@ -408,13 +259,57 @@ class TfmLM(TemplateLM):
             batch = [prompts[index] for index in indices]
             width = bucket_width(max(map(len, batch)), max(self.max_length, max(map(len, batch))))
             tokens, lengths = pad_rows(batch, width, self.batch_size)
-            output = lm_generate(self.params, self.config, tokens, lengths, decode,
-                                 eos_id=self.eot_token_id)
-            new_tokens, new_lengths = jax.device_get((output.tokens, output.lengths))
+            generated = self.run_step(hosts.Message(
+                "generate", meta={"decode": dataclasses.asdict(decode)},
+                arrays={"tokens": tokens, "lengths": lengths}))
             for position, index in enumerate(indices):
-                new = new_tokens[position, :new_lengths[position]].tolist()
+                new = generated["tokens"][position, :generated["lengths"][position]].tolist()
                 outputs[index] = self.tok_decode(new)
         return outputs
+
+    # -- one step, on one process or on all of them
+
+    def run_step(self, message: hosts.Message) -> dict[str, np.ndarray]:
+        """Runs one batch (`message`), first sharing it with the other processes when several
+        hold the run's mesh; its outputs (numpy) on every process."""
+        if self.shared:
+            message = hosts.share(message)
+        return self._execute(message)
+
+    def _execute(self, message: hosts.Message) -> dict[str, np.ndarray]:
+        arrays = message.arrays
+        if message.op == "score":
+            if self.batch_sharding is not None:  # rows split over the data-parallel devices
+                arrays = {name: jax.make_array_from_callback(
+                    array.shape, self.batch_sharding, lambda index, array=array: array[index])
+                    for name, array in arrays.items()}
+            totals, greedy = score_rows(
+                self.params, arrays["tokens"], arrays["targets"], arrays["lengths"],
+                arrays["num_scored"], self.config)
+            return {"totals": _fetch(totals), "greedy": _fetch(greedy)}
+        if message.op == "generate":
+            output = lm_generate(self.params, self.config, arrays["tokens"], arrays["lengths"],
+                                 DecodeConfig(**message.meta["decode"]),
+                                 eos_id=self.eot_token_id)
+            return {"tokens": _fetch(output.tokens), "lengths": _fetch(output.lengths)}
+        raise ValueError(f"op={message.op!r} is unknown; choose one of: score, generate")
+
+    def follow(self) -> None:
+        """A process other than 0: runs each batch process 0 shares, until it says stop."""
+        while (message := hosts.share(None)).op != hosts.STOP:
+            self._execute(message)
+
+    def release_followers(self) -> None:
+        """Process 0, once done: ends the other processes' `follow` loops."""
+        if self.shared and hosts.is_leader():
+            hosts.share(hosts.Message(hosts.STOP))
+
+
+def _fetch(array: jax.Array) -> np.ndarray:
+    """The whole of `array` as numpy, also when its shards live on several processes."""
+    if array.is_fully_addressable:
+        return np.asarray(jax.device_get(array))
+    return np.asarray(multihost_utils.process_allgather(array, tiled=True))
 
 
 def evaluate(
@@ -427,14 +322,22 @@ def evaluate(
     include_path: str | None = None,
 ) -> str:
     """Runs the harness's tasks on `model`; writes OUTPUT_DIR/results.json (the harness's
-    results, configs and versions) and returns its table (lm_eval.utils.make_table)."""
+    results, configs and versions) and returns its table (lm_eval.utils.make_table). Every
+    process calls it: process 0 runs the harness, the others run the batches it shares with
+    them and return "" (as does process 0 of a run without results)."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    results = lm_eval.simple_evaluate(
-        model=model, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
-        task_manager=TaskManager(include_path=include_path),
-    )
+    if model.shared and not hosts.is_leader():
+        model.follow()  # process 0 runs the harness and shares its batches
+        return ""
+    try:
+        results = lm_eval.simple_evaluate(
+            model=model, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
+            task_manager=TaskManager(include_path=include_path),
+        )
+    finally:  # also when the harness fails: the other processes must not wait forever
+        model.release_followers()
     if results is None:  # another rank of a distributed harness run
         return ""
     output_dir = Path(output_dir)
@@ -448,7 +351,3 @@ def evaluate(
     return table
 
 
-if __name__ == "__main__":  # the harness's command line with `tfm` registered
-    from lm_eval.__main__ import cli_evaluate
-
-    cli_evaluate()
