@@ -33,7 +33,6 @@ ROOT = Path(__file__).resolve().parents[1]
 START = r"""
 import json, sys, tempfile, time
 start = time.perf_counter()
-sys.path.insert(0, ROOT)
 import jax
 from tfm.training import experiment, metrics, train
 from tfm.parallel import sharding
@@ -65,16 +64,15 @@ print(json.dumps({"times": times, "torch_loaded": "torch" in sys.modules}))
 # The init program compiled both ways from one lowering, in the order ORDER.
 INIT_COMPILE = r"""
 import json, sys, tempfile, time
-sys.path.insert(0, ROOT)
 import jax
 from flax import linen as nn
 from tfm.kernels import hardware, cpu_compile
-from tfm.training import experiment
+from tfm.training import experiment, state
 from tfm.parallel import sharding
 from configs import CONFIG_MODULE as module
 exp = experiment.setup(module.get_config(ARG), tempfile.mkdtemp())
 abstract, shardings = experiment.state_shardings(exp)
-init = experiment._init_fn(exp)
+init = state._init_fn(exp)
 rng = jax.random.PRNGKey(exp.train.seed)
 options = {"run_once": cpu_compile.run_once_options(),
            "steps": cpu_compile.compiler_options()}
@@ -100,6 +98,8 @@ print(json.dumps({"seconds": time.perf_counter() - start, "torch_loaded": "torch
 
 
 def run_child(code: str) -> dict:
+    # cwd=ROOT: `python -c` puts the working directory first on sys.path, so `configs` imports
+    # from the checkout while tfm comes from the installed package.
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             check=False, cwd=ROOT)
     if result.returncode != 0:
@@ -114,13 +114,11 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args()
 
-    sys.path.insert(0, str(ROOT))
 
     path, _, arg = args.config.partition(":")
 
     def child_code(template: str, order: list[str] | None = None) -> str:
-        return (template.replace("ROOT", repr(str(ROOT)))
-                .replace("CONFIG_MODULE", Path(path).stem)
+        return (template.replace("CONFIG_MODULE", Path(path).stem)
                 .replace("ARG", repr(arg or None)).replace("ORDER", repr(order)))
 
     starts, init_compiles, plain = [], [], []

@@ -14,7 +14,7 @@ from ml_collections import config_dict
 
 from tfm.data.build import DataConfig
 from tfm.nn.config import ModelConfig
-from tfm.training.experiment import GENERATE_DEFAULTS, EvalConfig, TrainConfig
+from tfm.training.config import GENERATE_DEFAULTS, EvalConfig, TrainConfig
 from tfm.training.optim import DEFAULTS as OPTIMIZER_DEFAULTS
 
 _OPTIONAL_TYPES = {"int": int, "float": float, "str": str, "tuple": tuple, "bool": bool}

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from tfm.training import metrics, train
-from tfm.training.experiment import restore_params, setup
+from tfm.training.experiment import setup
+from tfm.training.state import restore_params
 
 FIXTURES = Path(__file__).parent / "fixtures" / "checkpoints"
 SAVED_STEP = 4

@@ -18,7 +18,7 @@ from tfm.nn.config import ModelConfig
 from tfm.nn.models import EncoderDecoder, stack_layer_params
 from tfm.sweeps import report, sweep
 from tfm.training import diagnostics, metrics, train
-from tfm.training.experiment import TrainConfig
+from tfm.training.config import TrainConfig
 
 
 def random_weights(rng, batch, heads, q_len, kv_len):

@@ -305,9 +305,9 @@ def test_auto_keeps_the_reference_where_the_mesh_splits_the_vocabulary():
     assert resolved.loss_backend == "fused"
     split = sharding.make_mesh({"data": 2, "fsdp": 1, "tensor": 2}, jax.devices()[:4])
     whole = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 1}, jax.devices()[:4])
-    assert experiment._loss_for_mesh(resolved, "auto", split, rules).loss_backend == "reference"
-    assert experiment._loss_for_mesh(resolved, "auto", whole, rules).loss_backend == "fused"
-    assert experiment._loss_for_mesh(resolved, "fused", split, rules).loss_backend == "fused"
+    assert experiment._loss_backend("auto", "tpu", 4096, split, rules) == "reference"
+    assert experiment._loss_backend("auto", "tpu", 4096, whole, rules) == "auto"  # then fused
+    assert experiment._loss_backend("fused", "tpu", 4096, split, rules) == "fused"
 
 
 def test_sharded_inputs_without_the_mesh_set_are_one_clear_error():

@@ -36,23 +36,16 @@ from configs import char_lm, synthetic_lm, synthetic_seq2seq, translate
 from tfm.checks import ConfigError
 from tfm.kernels import cpu_compile
 from tfm.training import checkpoint, metrics, train
-from tfm.training import experiment as experiment_module
+from tfm.training import state as state_module
+from tfm.training.config import parse_config
 from tfm.training.evaluate import (
     PromptError,
     evaluate,
     evaluate_checkpoint,
     generate_from_checkpoint,
 )
-from tfm.training.experiment import (
-    TrainingError,
-    compute_logits,
-    init_state,
-    parse_config,
-    required_lengths,
-    restore_params,
-    setup,
-    state_shardings,
-)
+from tfm.training.experiment import compute_logits, required_lengths, setup
+from tfm.training.state import TrainingError, init_state, restore_params, state_shardings
 
 NUM_STEPS = 16  # the reference run
 LABEL_SMOOTHING = 0.1
@@ -719,7 +712,7 @@ def test_init_compiled_for_one_run_gives_the_same_parameters_bit_for_bit(
         assert cpu_compile.run_once_options() == cpu_compile.RUN_ONCE_OPTIONS
     _, shardings = state_shardings(experiment)
     state = init_state(experiment, shardings)
-    init = experiment_module._init_fn(experiment)
+    init = state_module._init_fn(experiment)
     default_level = {**(cpu_compile.compiler_options() or {}), cpu_compile.LLVM_LEVEL: 3}
     with train.sharding.sharding_context(experiment.mesh, experiment.rules):
         reference = jax.jit(lambda rng: nn.meta.unbox(init(rng)), out_shardings=shardings,

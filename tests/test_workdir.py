@@ -18,7 +18,7 @@ from configs import char_lm, synthetic_lm
 from tfm.checks import ConfigError
 from tfm.training import optim, train, workdir
 from tfm.training.checkpoint import ConfigMismatchError
-from tfm.training.experiment import parse_config
+from tfm.training.config import parse_config
 
 # ------------------------------------------------------------------------------ the schedule
 

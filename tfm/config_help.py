@@ -23,7 +23,7 @@ def _sections() -> dict[str, list[Any]]:
     from tfm.decode.search import DecodeConfig
     from tfm.nn.config import ModelConfig
     from tfm.training import optim
-    from tfm.training.experiment import EvalConfig, GenerateConfig, TrainConfig
+    from tfm.training.config import EvalConfig, GenerateConfig, TrainConfig
 
     return {
         "model": [ModelConfig],

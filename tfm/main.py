@@ -207,7 +207,7 @@ def _main(argv: list[str]) -> None:
     from tfm.interop.hf import UnreadableCheckpoint, UnsupportedCheckpoint
     from tfm.training.checkpoint import CheckpointError, ConfigMismatchError
     from tfm.training.evaluate import PromptError
-    from tfm.training.experiment import TrainingError
+    from tfm.training.state import TrainingError
 
     # UnreadableCheckpoint, UnsupportedCheckpoint: a bad config.init.pretrained folder
     expected = (ConfigError, DataError, CheckpointError, ConfigMismatchError, TrainingError,
@@ -260,7 +260,7 @@ def os_error_line(error: OSError) -> str:
 
 
 def _run(command: str, config: Any, workdir: Path, config_arg: str) -> None:
-    from tfm.training import checkpoint, evaluate, experiment, train
+    from tfm.training import checkpoint, evaluate, experiment, state, train
 
     if command == "train":
         if os.environ.get("TFM_PROCESS_ID", "0") == "0":  # jax.distributed is not started yet
@@ -285,7 +285,7 @@ def _run(command: str, config: Any, workdir: Path, config_arg: str) -> None:
         for prompt, output in zip(prompts, outputs, strict=True):
             _print(f"{prompt}\t->\t{output}")
     else:
-        abstract, _ = experiment.state_shardings(experiment.setup(config, workdir))
+        abstract, _ = state.state_shardings(experiment.setup(config, workdir))
         step = checkpoint.write_averaged_checkpoint(
             workdir / "checkpoints", Path(_OUTPUT.value) / "checkpoints", abstract,
             last_k=_LAST_K.value,

@@ -49,7 +49,7 @@ def _as_tuple(value: Any) -> Any:
 def load(workdir: str | Path) -> ml_collections.ConfigDict:
     """WORKDIR/config.json as the ConfigDict configs/base.py's base_config() has the shape of
     (sections of ConfigDicts; tuples, typed placeholders for None). Raises NoSavedConfig."""
-    from tfm.training.experiment import TOP_LEVEL_SECTIONS
+    from tfm.training.config import TOP_LEVEL_SECTIONS
 
     path = saved_config_path(workdir)
     if not path.is_file():

@@ -22,7 +22,7 @@ from tfm.decode.search import DecodeConfig
 from tfm.kernels import cpu_compile
 from tfm.nn.cache import grow, init_cache, reorder_beams
 from tfm.nn.config import ModelConfig
-from tfm.nn.families import MODES
+from tfm.nn.families import MODES, get_family
 from tfm.nn.models import DecoderLM, EncoderDecoder, output_kernel
 
 
@@ -230,7 +230,7 @@ def generate_text(
     `options`: DecodeConfig fields, or decode=, eos_id=, rng= (see lm_generate, translate)."""
     pad_id = fill_id(config)
     check_choice("mode", mode, MODES)
-    generator, to_ids = GENERATORS[mode]
+    generator, to_ids = GENERATORS[get_family(mode).generator]
     options = {**special_ids(tokenizer, mode), **options}  # the tokenizer's own, unless given
     inputs, lengths = pad_batch(to_ids(texts, source_tokenizer or tokenizer), pad_id)
     tokens, scores = best_sequences(generator(params, config, inputs, lengths, **options))
@@ -242,10 +242,10 @@ def generate_text(
 
 
 def special_ids(tokenizer: Any, mode: str) -> dict[str, int]:
-    """The generator's eos_id (and bos_id, seq2seq: the decoder's first input) of a tokenizer,
-    which may be a pretrained model's own rather than tfm's 1 and 2."""
+    """The generator's eos_id (and bos_id, for a family that reads a source: the decoder's first
+    input) of a tokenizer, which may be a pretrained model's own rather than tfm's 1 and 2."""
     ids = {"eos_id": tokenizer.eos_id}
-    return {**ids, "bos_id": tokenizer.bos_id} if mode == "seq2seq" else ids
+    return {**ids, "bos_id": tokenizer.bos_id} if get_family(mode).reads_source else ids
 
 
 def _prompt_ids(texts: list[str], tokenizer: Any) -> list[list[int]]:
@@ -256,9 +256,11 @@ def _source_ids(texts: list[str], tokenizer: Any) -> list[list[int]]:
     return [[*tokenizer.encode(text), tokenizer.eos_id] for text in texts]
 
 
-# Per model family (tfm.nn.families.MODES): its generator, called as (params, config, inputs
-# [batch, len], lengths [batch], decode options), and how texts become its input ids.
+# The generators a family names (tfm.nn.families.Family.generator): the function, called as
+# (params, config, inputs [batch, len], lengths [batch], decode options), and how texts become
+# its input ids: a decoder-only model continues [bos] + prompt; an encoder-decoder translates
+# source + [eos].
 GENERATORS: dict[str, tuple[Any, Any]] = {
-    "lm": (lm_generate, _prompt_ids),
-    "seq2seq": (translate, _source_ids),
+    "continue": (lm_generate, _prompt_ids),
+    "translate": (translate, _source_ids),
 }

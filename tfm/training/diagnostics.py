@@ -24,7 +24,8 @@ import optax
 from tfm.kernels import cpu_compile
 from tfm.nn.families import get_family
 from tfm.parallel import sharding
-from tfm.training.experiment import Experiment, InShardingContext, TrainState, model_for
+from tfm.training.experiment import Experiment, model_for
+from tfm.training.state import InShardingContext, TrainState
 
 Array = jax.Array
 _LAYER = re.compile(r"layer_\d+")

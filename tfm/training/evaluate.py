@@ -2,7 +2,7 @@
 (exact match, BLEU) of decoded outputs; `./launch.sh eval` and `./launch.sh generate`.
 
 Decoding options travel as one `tfm.decode.search.DecodeConfig`, built from the config's `eval` or
-`generate` section (see tfm/training/experiment.py) and passed unchanged to tfm.decode.generate.
+`generate` section (see tfm/training/config.py) and passed unchanged to tfm.decode.generate.
 """
 
 from __future__ import annotations
@@ -25,14 +25,9 @@ from tfm.decode.search import DecodeConfig
 from tfm.kernels import cpu_compile
 from tfm.parallel import sharding
 from tfm.training import losses, metrics
-from tfm.training.experiment import (
-    Experiment,
-    InShardingContext,
-    loss_sums,
-    restore_params,
-    setup,
-    state_shardings,
-)
+from tfm.training.experiment import Experiment, setup
+from tfm.training.losses import loss_sums
+from tfm.training.state import InShardingContext, restore_params, state_shardings
 
 logger = logging.getLogger("tfm.training.train")  # the training system's one log name
 
@@ -106,7 +101,7 @@ def decode_texts(
     encoded = [experiment.data.encode_prompt(text) for text in sources]
     batch_size = experiment.data.config.eval_batch_size or experiment.data.config.batch_size
     width = max(len(ids) for ids in encoded)
-    run, _ = generate.GENERATORS[experiment.mode]
+    run, _ = generate.GENERATORS[experiment.family.generator]
     special = generate.special_ids(experiment.data.tokenizer, experiment.mode)
     outputs: list[str] = []
     bar = metrics.progress_bar(
@@ -138,7 +133,7 @@ def generation_score(experiment: Experiment, params: Any, split: str, metric: st
     """Exact-match accuracy (percent) or corpus BLEU of decoded outputs on `split`."""
     sources, targets = experiment.generation_examples(split)
     decode = experiment.eval.decode_config(metric)
-    if experiment.mode == "lm":  # room for the longest target, its eos and one more
+    if not experiment.family.reads_source:  # room for the longest target, its eos and one more
         new_tokens = max(len(experiment.data.tokenizer.encode(t)) for t in targets) + 2
         decode = dataclasses.replace(decode, max_new_tokens=new_tokens)
     hypotheses = decode_texts(
@@ -188,10 +183,11 @@ def check_prompts(experiment: Experiment, prompts: Sequence[str], *, map_unknown
     outside the vocabulary (unless `map_unknown`) and for prompts past a learned position
     table; warns (one line, any scheme) when generation runs past the trained rows: an LM's
     prompt + max_new_tokens past data.seq_len, a translation's source past its training rows."""
-    data, mode, config = experiment.data, experiment.mode, experiment.model_config
-    decode = experiment.generate.decode_config(mode)
+    data, config = experiment.data, experiment.model_config
+    reads_source = experiment.family.reads_source  # prompts are sources (else a prefix)
+    decode = experiment.generate.decode_config(experiment.mode)
     max_new = experiment.generate.decode.max_new_tokens
-    tokenizer = (data.source_tokenizer or data.tokenizer) if mode == "seq2seq" else data.tokenizer
+    tokenizer = (data.source_tokenizer or data.tokenizer) if reads_source else data.tokenizer
     for number, prompt in enumerate(prompts, 1):
         unknown = tokenizers.unknown_characters(tokenizer, prompt)
         if unknown and not map_unknown:
@@ -207,7 +203,7 @@ def check_prompts(experiment: Experiment, prompts: Sequence[str], *, map_unknown
     width, longest = max(widths), prompts[widths.index(max(widths))]
     number = widths.index(width) + 1
     beam = decode.method == "beam"
-    if mode == "seq2seq":
+    if reads_source:
         extra = decode.extra_len  # beam search: at most source length + extra_len tokens
         needs = {"source": width, "output": (width + extra if beam else max_new) + 1}
         trained = data.train_lengths["source"]
@@ -221,9 +217,9 @@ def check_prompts(experiment: Experiment, prompts: Sequence[str], *, map_unknown
                     f"prompt {number} {_short(longest)} is {width} tokens; its "
                     f"{what} needs {length} positions, past model.max_len={config.max_len} of "
                     "the learned position table; shorten the prompt"
-                    + ("" if mode == "seq2seq" and beam else " or lower generate.max_new_tokens")
+                    + ("" if reads_source and beam else " or lower generate.max_new_tokens")
                 )
-    if mode == "seq2seq":
+    if reads_source:
         if width > trained:
             reach = ("has positions up to model.max_len, but those past the trained lengths "
                      "were never trained" if config.scheme.bounded_by_max_len else

@@ -1,4 +1,6 @@
-"""Token cross-entropy with label smoothing, returned as weighted sums.
+"""Token cross-entropy with label smoothing, returned as weighted sums, and `loss_sums`, the
+train and eval steps' loss of a model on a batch (from its logits, or fused with its output
+layer).
 
 Sums (not means) let the caller add them across micro-batches, eval batches and devices and
 divide once (`weighted_metrics`), so every token counts the same however the batches fall.
@@ -8,11 +10,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from tfm import kernels
 from tfm.kernels import fused_cross_entropy
+from tfm.nn.config import ModelConfig, loss_backend_for
+from tfm.nn.families import get_family
+from tfm.nn.models import output_projection
 
 
 def smoothed_target_entropy(vocab_size: int, label_smoothing: float) -> float:
@@ -130,3 +138,40 @@ def weighted_metrics(sums: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
     if "kl_sum" in sums:
         metrics["kl"] = mean("kl_sum")
     return metrics
+
+
+def uses_fused_loss(config: ModelConfig) -> bool:
+    """Whether `config.loss_backend` picks the fused cross-entropy kernel on the platform being
+    compiled for ("auto": tfm.nn.config.loss_backend_for)."""
+    backend = config.loss_backend
+    if backend == "auto":
+        backend = loss_backend_for(kernels.platform(), config.vocab_size)
+    return backend == "fused"
+
+
+def loss_sums(
+    model: nn.Module,
+    params: Any,
+    batch: Mapping[str, jax.Array],
+    weights: jax.Array,  # [batch, len]
+    *,
+    mode: str,
+    deterministic: bool,
+    label_smoothing: float = 0.0,
+    dropout_rng: jax.Array | None = None,
+) -> dict[str, jax.Array]:
+    """The cross-entropy sums of a batch against batch["targets"]: from the
+    logits, or with the fused loss (ModelConfig.loss_backend) from the model's last hidden
+    states and its output layer, without logits in memory."""
+    config = model.config
+    family = get_family(mode)
+    if not uses_fused_loss(config):
+        logits = family.logits(model, params, batch, deterministic=deterministic,
+                               dropout_rng=dropout_rng)
+        return cross_entropy(logits, batch["targets"], weights,
+                                    label_smoothing=label_smoothing)
+    hidden = family.logits(model, params, batch, deterministic=deterministic,
+                           dropout_rng=dropout_rng, return_hidden=True)
+    table, bias = output_projection(params, config)
+    return fused_cross_entropy_sums(hidden, table, bias, batch["targets"], weights,
+                                           label_smoothing=label_smoothing)

@@ -2,10 +2,10 @@
 saves.
 
 Data flows one way: config -> data pipeline -> model -> loss -> optimizer -> checkpoint/metrics.
-`train_and_evaluate(config, workdir)` is what `./launch.sh train` runs. The experiment's setup,
-state and restore live in tfm/training/experiment.py, evaluation and generation in
-tfm/training/evaluate.py;
-their public names are re-exported here, the entry point scripts and tests import.
+`train_and_evaluate(config, workdir)` is what `./launch.sh train` runs. The config's sections
+live in tfm/training/config.py, the experiment's setup in tfm/training/experiment.py, the train
+state and its restore in tfm/training/state.py, the loss in tfm/training/losses.py, evaluation
+and generation in tfm/training/evaluate.py.
 """
 
 from __future__ import annotations
@@ -40,21 +40,18 @@ from tfm.training import (
     trackers,
 )
 from tfm.training import workdir as workdir_record
+from tfm.training.config import ExperimentConfig, TrainConfig, parse_config
 from tfm.training.evaluate import evaluate, jit_eval_step
-from tfm.training.experiment import (
-    Experiment,
-    ExperimentConfig,
+from tfm.training.experiment import Experiment, setup
+from tfm.training.losses import loss_sums
+from tfm.training.state import (
     InShardingContext,
-    TrainConfig,
     TrainingError,
     TrainState,
     init_state,
-    loss_sums,
     make_checkpointer,
     optimizer_differences,
-    parse_config,
     restore_newest_readable,
-    setup,
     state_shardings,
 )
 
