@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tfm.checks import ConfigError
-from tfm.decode import search
+from tfm.decode import beam as beam_module
 from tfm.decode.search import (
     BeamOutput,
     DecodeOutput,
@@ -481,9 +481,9 @@ def reference_beam_search(next_log_probs, beam, limit, eos, alpha):
     (0.6, True, False), (1.5, False, False), (0.6, True, True),
 ])
 def test_beam_search_matches_reference(alpha, eos_possible, blocks, monkeypatch):
-    if blocks:  # candidates through block maxima (search._top_k), as with a real vocabulary
-        monkeypatch.setattr(search, "TOP_K_BLOCK", 2)
-        monkeypatch.setattr(search, "TOP_K_BLOCKS_FROM", 1)
+    if blocks:  # candidates through block maxima (beam._top_k), as with a real vocabulary
+        monkeypatch.setattr(beam_module, "TOP_K_BLOCK", 2)
+        monkeypatch.setattr(beam_module, "TOP_K_BLOCKS_FROM", 1)
     vocab, batch, beam, max_new = 6, 3, 3, 6
     rng = np.random.default_rng(int(alpha * 10))
     # Flat logits, so beams often have several children and the cache really gets reordered.
@@ -548,7 +548,7 @@ def test_top_k_through_block_maxima_equals_lax_top_k_ties_and_minus_inf_included
     scores[1, : n - 20] = -np.inf
     scores[2] = 0.0
     scores[3, rng.integers(0, n, 50)] = 9.0  # the top k all tie
-    top = jax.jit(search._top_k, static_argnums=1)(jnp.asarray(scores), k)
+    top = jax.jit(beam_module._top_k, static_argnums=1)(jnp.asarray(scores), k)
     values, indices = jax.lax.top_k(jnp.asarray(scores), k)
     np.testing.assert_array_equal(top[0], values)
     np.testing.assert_array_equal(top[1], indices)
