@@ -247,9 +247,15 @@ def _fused_names(name: str, computations: dict[str, list[Instruction]]) -> list[
 
 def _group(instruction: Instruction, op_name: str,
            computations: dict[str, list[Instruction]]) -> str:
-    """classify(), and for a fusion whose own name says nothing (a bare `add` at the top of
+    """classify(); "collectives" for a fusion that wraps a collective alone (TPU's
+    async all-gathers); and for a fusion whose own name says nothing (a bare `add` at the top of
     the step: the optimizer's update fused with apply_updates), the optimizer if any of its
     fused instructions is the optimizer's, else the group most of them belong to."""
+    if instruction.opcode == "fusion":  # TPU runs async collectives as fusions
+        opcodes = {inner.opcode.removesuffix("-start") for called in instruction.called()
+                   for inner in computations.get(called, [])}
+        if opcodes & set(_COLLECTIVES) and not opcodes & {"dot", "convolution"}:
+            return "collectives"
     group = classify(instruction.opcode, op_name)
     if group != "other" or instruction.opcode != "fusion":
         return group
@@ -320,12 +326,18 @@ def instruction_costs(program: str) -> list[Cost]:
 
 
 def _short(op_name: str, opcode: str) -> str:
-    """A readable label: the name stack without jit(...)/transforms, up to 80 characters."""
-    parts = [re.sub(r"^(jvp|transpose|remat|checkpoint|vmap|pjit|jit)\((.*)\)$", r"\2", part)
-             for part in op_name.split("/")]
-    parts = [part for part in parts if part and not part.startswith("jit(")]
+    """A readable label: the name stack without jit(...) and transformation wrappers, marked
+    `(backward)` where it came from a transpose (the gradient), up to 90 characters."""
+    parts = []
+    for part in op_name.split("/"):
+        while (match := re.match(r"^(jvp|transpose|remat|checkpoint|vmap|pjit|jit)\((.*)\)$",
+                                 part)):
+            part = match.group(2)
+        parts.append(part)
+    parts = [part for part in parts if part and part != "train_step"]
     label = re.sub(r"(layer|layers|Block|block)_\d+", r"\1_*", "/".join(parts)) or opcode
-    return label if len(label) <= 80 else "..." + label[-77:]
+    label = label + " (backward)" if "transpose(" in op_name else label
+    return label if len(label) <= 90 else "..." + label[-87:]
 
 
 def breakdown(program: str, top: int = 12) -> dict[str, Any]:
