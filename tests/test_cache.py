@@ -27,15 +27,21 @@ SEQ2SEQ = dict(num_encoder_layers=TINY["num_encoder_layers"])
 
 # Every scheme unrolled with the CPU kernels ("auto" here); the scanned cache path and the
 # reference backend (the model-layout cache) on two schemes each, to keep the suite fast.
+# "cpu+reference": the CPU attention kernel reading the model-layout cache, with the reference
+# matmul (the three choices made separately).
 @pytest.mark.parametrize(
     "scheme,scan,backend",
     [(scheme, False, "auto") for scheme in POSITION_SCHEMES]
     + [("rope", True, "auto"), ("t5_bias", True, "auto")]
-    + [("relative", False, "reference"), ("alibi", True, "reference")],
+    + [("relative", False, "reference"), ("alibi", True, "reference")]
+    + [("rope", False, "cpu+reference"), ("t5_bias", True, "cpu+reference")],
 )
 def test_lm_prefill_then_steps_equal_full_forward(scheme, scan, backend):
+    choices = dict(attention_backend=backend)
+    if backend == "cpu+reference":
+        choices = dict(attention_backend="cpu", cache_layout="reference", matmul="reference")
     config = config_for(scheme, scan_layers=scan, local_window=4 if scheme == "alibi" else None,
-                        attention_backend=backend)
+                        **choices)
     model = DecoderLM(config)
     params = model.init(jax.random.PRNGKey(1), TOKENS)["params"]
     full = model.apply({"params": params}, TOKENS)  # [batch, 8, vocab]
@@ -101,7 +107,8 @@ def test_cache_from_another_config_is_rejected():
     with pytest.raises(ValueError, match="another model config"):
         model.apply({"params": params}, TOKENS[:, :2], cache=wrong)
     other_layout = init_cache(config.replace(attention_backend="reference"), 2, 10)
-    with pytest.raises(ValueError, match="'reference' layout but attention_backend='auto'"):
+    layout_error = "'reference' layout but the model .attention_backend='auto'"
+    with pytest.raises(ValueError, match=layout_error):
         model.apply({"params": params}, TOKENS[:, :2], cache=other_layout)
 
 

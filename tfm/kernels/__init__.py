@@ -1,19 +1,25 @@
-"""Platform-specific implementations behind one function per operation, chosen by a registry.
+"""Platform-specific implementations behind one function per operation, chosen by registries.
 
-The model (tfm/nn) calls three operations through this module: `attention` (the attention core),
-`linear` (every dense projection) and `cache_layout` (how the KV cache stores keys and values).
-Each registered backend says which implementation serves each one; None means the reference
-maths (tfm.kernels.reference: dot_product_attention, linear; the model-layout cache), which is
-the specification every other implementation is tested against. The Pallas kernels (splash,
-flex, the fused loss) are imported when first used, so importing the model loads none.
+The model (tfm/nn) makes three separate choices, each a ModelConfig field:
+- `attention_backend` (BACKENDS): the attention core (`attention`);
+- `matmul` (MATMULS): the implementation of every dense projection (`linear`, `projections`);
+- `cache_layout` (CACHE_LAYOUTS): how the KV cache stores keys and values (`cache_layout`).
+An attention backend belongs to a platform profile that names the matmul and cache layout
+measured with it (Backend.matmul, Backend.cache): "auto" for `matmul` and `cache_layout` takes
+those. The reference maths (tfm.kernels.reference: dot_product_attention, linear; the
+model-layout cache) is the specification every other implementation is tested against. Other
+platform choices live here too (`swap_halves`, `tied_output_kernel`, `ffn_activation_dtype`,
+`loss_backend_for`). The Pallas kernels (splash, flex, the fused loss) are imported when first
+used, so importing the model loads none.
 
 `model.attention_backend="auto"` (the default) resolves per platform (AUTO, in order of
-preference): "cpu" on CPU (blocked causal attention, hand-written 16-bit backward passes, CPU
-cache layout); on TPU "splash" (Pallas splash attention), or "flex" for position schemes with a
-logit bias (tfm.kernels.flex_attention: the bias computed per block in the kernel); on GPU
-"cudnn" (cuDNN flash attention), or "flex" (Triton) for those schemes; the reference when none
-of them can serve the model (a logit bias it does not take, a dtype, dropout, weights), with
-the reason (`auto_choice`). A name picks a backend on any platform it runs on.
+preference): "cpu" on CPU (blocked causal attention, hand-written 16-bit backward passes; its
+profile: the "cpu" matmul and cache layout); on TPU "splash" (Pallas splash attention), or
+"flex" for position schemes with a logit bias (tfm.kernels.flex_attention: the bias computed
+per block in the kernel); on GPU "cudnn" (cuDNN flash attention), or "flex" (Triton) for
+those schemes; the reference when none of them can serve the model (a logit bias it does not
+take, a dtype, dropout, weights), with the reason (`auto_choice`). A name picks a backend on
+any platform it runs on.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 
 from tfm.checks import ConfigError
 from tfm.kernels import cpu_attention, cpu_dense, jax_attention, reference
@@ -68,8 +75,9 @@ class Backend:
 
     attention(query, key, value, call: AttentionCall) -> out (| (out, weights)), the
       reference's values; None = the reference.
-    linear: like tfm.kernels.reference.linear; None = the reference.
-    cache: the KV cache layout its attention reads with cache_layout=True.
+    matmul: the matmul implementation (a MATMULS name) of its platform profile, which
+      model.matmul="auto" takes. cache: the KV cache layout its attention reads with
+      cache_layout=True (model.cache_layout="auto" takes it).
     platforms: where it runs (None: everywhere). weights / dropout: whether its attention can
     return the weights / drop them. biases: the logit-bias kinds (BIAS_KINDS) it takes
     (written out whole, unless bias_by_blocks).
@@ -81,7 +89,7 @@ class Backend:
     name: str
     description: str
     attention: Callable[..., Any] | None = None
-    linear: Callable[..., jax.Array] | None = None
+    matmul: str = "reference"
     cache: CacheLayout = REFERENCE
     platforms: tuple[str, ...] | None = None
     weights: bool = False
@@ -115,7 +123,7 @@ BACKENDS: dict[str, Backend] = {
         Backend("reference", "the paper's maths in plain einsums (tfm.kernels.reference)",
                 weights=True, dropout=True),
         Backend("cpu", "query blocks, CPU layouts and 16-bit backward passes (tfm.kernels.cpu_*)",
-                attention=cpu_attention.attention, linear=cpu_dense.linear, cache=CPU_LAYOUT,
+                attention=cpu_attention.attention, matmul="cpu", cache=CPU_LAYOUT,
                 platforms=("cpu",), weights=True, dropout=True),
         Backend("xla", "jax.nn.dot_product_attention(implementation='xla')",
                 attention=_jax_nn("xla")),
@@ -140,6 +148,35 @@ AUTO = {"cpu": ("cpu",), "tpu": ("splash", "flex"), "gpu": ("cudnn", "flex")}
 # Backends that run a Pallas kernel in interpret mode on CPU: correct, slow.
 INTERPRETED_ON_CPU = ("splash", "flex")
 CHOICES = ("auto", *BACKENDS)
+
+
+@dataclasses.dataclass(frozen=True)
+class Matmul:
+    """One implementation of `linear` (every dense projection), like reference.linear.
+    fuses_projections: several projections of one input (query, key, value) run as one matmul
+    over their concatenated kernels (`projections`), measured faster on CPU only."""
+
+    name: str
+    description: str
+    linear: Callable[..., jax.Array]
+    fuses_projections: bool = False
+
+
+MATMULS: dict[str, Matmul] = {
+    matmul.name: matmul
+    for matmul in (
+        Matmul("reference", "one jax.lax.dot_general (tfm.kernels.reference.linear)",
+               reference.linear),
+        Matmul("cpu", "2-D matmuls with 16-bit backward passes (tfm.kernels.cpu_dense)",
+               cpu_dense.linear, fuses_projections=True),
+    )
+}
+# model.matmul: "auto" = the attention backend's platform profile's (Backend.matmul).
+MATMUL_CHOICES = ("auto", *MATMULS)
+# model.cache_layout: "auto" = the layout the attention backend reads (Backend.cache); the
+# reference layout is read by every backend, the others only by their own.
+CACHE_LAYOUTS: dict[str, CacheLayout] = {"reference": REFERENCE, "cpu": CPU_LAYOUT}
+CACHE_LAYOUT_CHOICES = ("auto", *CACHE_LAYOUTS)
 
 
 def platform() -> str:
@@ -274,6 +311,14 @@ def attention(
     return chosen.attention(query, key, value, call)
 
 
+def matmul(name: str) -> Matmul:
+    """The matmul called `name` (one of MATMULS), or, for an attention backend's name (one of
+    CHOICES, "auto" resolved for the platform compiled for), its platform profile's."""
+    if name in MATMULS:
+        return MATMULS[name]
+    return MATMULS[resolve(name).matmul]
+
+
 def linear(
     x: jax.Array,  # [..., *in_dims]
     kernel: jax.Array,  # [*in_dims, *out_dims]
@@ -283,12 +328,102 @@ def linear(
     compute_dtype: Any = None,
     out_dtype: Any = None,
 ) -> jax.Array:  # [..., *out_dims]
-    """`reference.linear` by `backend` (one of CHOICES), same values."""
-    implementation = resolve(backend).linear or reference.linear
-    return implementation(x, kernel, num_contracted=num_contracted,
-                          compute_dtype=compute_dtype, out_dtype=out_dtype)
+    """`reference.linear` by the matmul `backend` names (`matmul(backend)`), same values."""
+    return matmul(backend).linear(x, kernel, num_contracted=num_contracted,
+                                  compute_dtype=compute_dtype, out_dtype=out_dtype)
 
 
-def cache_layout(backend: str) -> CacheLayout:
-    """The KV cache layout of `backend` (one of CHOICES) on this platform."""
-    return resolve(backend).cache
+def cache_layout(backend: str, layout: str = "auto") -> CacheLayout:
+    """The KV cache layout called `layout` (one of CACHE_LAYOUT_CHOICES; "auto": the one
+    attention backend `backend` reads, on this platform). ConfigError for a layout that
+    backend cannot read."""
+    chosen = resolve(backend)
+    if layout == "auto":
+        return chosen.cache
+    if layout not in CACHE_LAYOUTS:
+        raise ConfigError(f"cache_layout={layout!r} is unknown; choose one of: "
+                          f"{', '.join(CACHE_LAYOUT_CHOICES)}")
+    wanted = CACHE_LAYOUTS[layout]
+    if wanted is not REFERENCE and wanted != chosen.cache:
+        readers = [name for name, other in BACKENDS.items() if other.cache == wanted]
+        raise ConfigError(f"cache_layout={layout!r} is read only by attention_backend="
+                          f"{' or '.join(map(repr, readers))}, not by {chosen.name!r}; use "
+                          "'auto' or 'reference'")
+    return wanted
+
+
+def projections(
+    x: jax.Array,  # [..., *in_dims]
+    kernels: list[jax.Array],  # each [*in_dims, *out_dims_i]
+    biases: list[jax.Array] | None = None,  # each [*out_dims_i], or None: no bias
+    *,
+    backend: str = "reference",
+    num_contracted: int = 1,
+    compute_dtype: Any = None,
+    out_dtype: Any = None,
+) -> list[jax.Array]:  # each [..., *out_dims_i] in out_dtype (default compute_dtype)
+    """x . kernel_i (+ bias_i) for several projections of one input (query, key and value),
+    accumulated in float32, the bias added in float32, by the matmul `backend` names. The
+    reference runs one `linear` per kernel; a Matmul with `fuses_projections` runs one matmul
+    over the concatenated kernels and splits it (one wide matmul beats three narrow ones on
+    CPU), with the same values."""
+    out_dtype = jax.numpy.dtype(out_dtype or compute_dtype or x.dtype)
+    options = dict(backend=backend, num_contracted=num_contracted, compute_dtype=compute_dtype,
+                   out_dtype=out_dtype if biases is None else jax.numpy.float32)
+    if matmul(backend).fuses_projections and len(kernels) > 1:
+        together = linear(x, cpu_dense.concatenate_kernels(kernels, num_contracted), **options)
+        outputs = cpu_dense.split_outputs(together, kernels, num_contracted)
+    else:
+        outputs = [linear(x, kernel, **options) for kernel in kernels]
+    if biases is None:
+        return outputs
+    return [(y + bias.astype(jax.numpy.float32)).astype(out_dtype)
+            for y, bias in zip(outputs, biases, strict=True)]
+
+
+def swap_halves(x: jax.Array) -> jax.Array:  # [..., 2 * half] -> [..., 2 * half] float32
+    """(first half, second half) -> (second half, first half) on the last axis, in float32:
+    RoPE's rotate_half partner. On TPU a matmul with a 0/1 permutation (one exact term per
+    output, so bit for bit the halves; a minor dimension is padded to 128 lanes there, and
+    slicing the halves of 64-wide heads cost more traffic: benchmarks/README.md); elsewhere
+    the slices."""
+    half = x.shape[-1] // 2
+    if platform() != "tpu":
+        return jax.numpy.concatenate([x[..., half:], x[..., :half]], axis=-1).astype("float32")
+    swap = np.roll(np.eye(2 * half, dtype=np.float32), half, axis=1)  # x @ swap = roll(x)
+    return jax.numpy.einsum("...h,hk->...k", x, jax.numpy.asarray(swap, x.dtype),
+                            preferred_element_type=jax.numpy.float32,
+                            precision=jax.lax.Precision.HIGHEST)
+
+
+def ffn_activation_dtype(choice: str) -> str:
+    """What ffn_activation_dtype="auto" means on the platform compiled for: "float32" on CPU
+    (the activation on the first matmul's float32 accumulator: one fusion, measured faster),
+    "compute" on TPU and GPU (the [tokens, d_ff] arrays kept for the backward pass at half the
+    bytes). Other choices stay."""
+    if choice != "auto":
+        return choice
+    return "float32" if platform() == "cpu" else "compute"
+
+
+def tied_output_kernel(table: jax.Array, compute_dtype: Any) -> jax.Array | None:
+    """A tied output projection's [d_model, vocab] kernel to make once before a decoding loop,
+    from the embedding table [vocab, d_model]: on CPU the transposed copy, since XLA's CPU
+    matmul reads a transposed table slowly at every step (benchmarks/translate_vs_hf.py);
+    elsewhere None (the table is read as it is)."""
+    if platform() != "cpu":
+        return None
+    return jax.numpy.asarray(table).T.astype(compute_dtype)
+
+
+# The smallest vocabulary "auto" fuses on TPU: below it the logits are a small array XLA fuses
+# well, and the kernel's per-token figures cost more than they save (benchmarks/README.md).
+FUSED_LOSS_MIN_VOCAB = 2048
+
+
+def loss_backend_for(platform: str, vocab_size: int) -> str:
+    """What loss_backend="auto" means on `platform`: the fused kernel on TPU (Mosaic) for a
+    vocabulary of at least FUSED_LOSS_MIN_VOCAB, else the reference (no GPU build of the
+    kernel yet; on CPU it would run interpreted)."""
+    fused = platform == "tpu" and vocab_size >= FUSED_LOSS_MIN_VOCAB
+    return "fused" if fused else "reference"

@@ -24,6 +24,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from tfm.kernels.reference import linear_dtypes
 
@@ -116,3 +117,22 @@ def linear(
     kernel2 = kernel.reshape(math.prod(in_dims), math.prod(out_dims))
     y = _linear_2d(x2, kernel2, compute_dtype, out_dtype)
     return y.reshape(*batch_dims, *out_dims)
+
+
+def concatenate_kernels(kernels: list[jax.Array], num_contracted: int) -> jax.Array:
+    """[*in_dims, *out_dims_i] kernels -> one [*in_dims, sum_i prod(out_dims_i)] kernel, for
+    one wide matmul in place of several narrow ones (faster on CPU)."""
+    in_dims = kernels[0].shape[:num_contracted]
+    flat = [kernel.reshape(*in_dims, -1) for kernel in kernels]
+    return jnp.concatenate(flat, axis=-1)
+
+
+def split_outputs(y: jax.Array, kernels: list[jax.Array],
+                  num_contracted: int) -> list[jax.Array]:
+    """The output [..., sum_i width_i] of `concatenate_kernels`' matmul split back into each
+    kernel's [..., *out_dims_i]."""
+    out_dims = [kernel.shape[num_contracted:] for kernel in kernels]
+    widths = [math.prod(dims) for dims in out_dims]
+    outputs = jnp.split(y, np.cumsum(widths)[:-1].tolist(), axis=-1)
+    return [out.reshape(*out.shape[:-1], *dims)
+            for out, dims in zip(outputs, out_dims, strict=True)]

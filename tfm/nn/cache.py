@@ -9,7 +9,7 @@ Every leaf has batch on axis 0, so decoding algorithms can reorder beams with
   token at position i (RoPE keys are stored already rotated). `layout` (static) says how a
   layer's slots are ordered: the model's own [batch, slots, kv_heads, head_dim] by default, or
   the one the platform's attention kernel reads without copies (tfm/kernels/cpu_cache.py), as
-  `tfm.kernels.cache_layout(config.attention_backend)` chooses.
+  `tfm.kernels.cache_layout(config.attention_backend, config.cache_layout)` chooses.
   `grow` appends empty slots: decoding starts from a cache with room for the prompt and grows
   it before each segment of its loop (tfm.decode.search, `cache_segments`).
 - `lengths`: [batch] int32, how many slots of each row are filled = where the next token is written.
@@ -70,7 +70,7 @@ def init_cache(
     dtype = jnp.dtype(dtype or config.dtype)
     layers = config.num_decoder_layers
     heads, head_dim = config.resolved_num_kv_heads, config.resolved_head_dim
-    layout = kernels.cache_layout(config.attention_backend)
+    layout = kernels.cache_layout(config.attention_backend, config.cache_layout)
     stacked = layout.stacked(config.scan_layers, batch_size)
 
     def empty(is_key: bool, slots: int) -> LayerSlots:
@@ -102,11 +102,12 @@ def check_cache(
     """Raises a readable error when `cache` was built for another model config, or for another
     batch than `batch_size` rows (the tokens' batch), or its leaves disagree on their sizes."""
     check_rows(cache, batch_size)
-    layout = kernels.cache_layout(config.attention_backend)
+    layout = kernels.cache_layout(config.attention_backend, config.cache_layout)
     if cache.layout != layout:
         raise ValueError(
-            f"cache has the {cache.layout.name!r} layout but attention_backend="
-            f"{config.attention_backend!r} reads the {layout.name!r} one here; build it with "
+            f"cache has the {cache.layout.name!r} layout but the model (attention_backend="
+            f"{config.attention_backend!r}, cache_layout={config.cache_layout!r}) reads the "
+            f"{layout.name!r} one here; build it with "
             "tfm.nn.cache.init_cache(config, ...)"
         )
     expected = (

@@ -22,6 +22,9 @@ from tfm.checks import (
     check_rate,
     section_dict,
 )
+
+# loss_backend_for, FUSED_LOSS_MIN_VOCAB: a platform rule, tfm.kernels'; named here for callers.
+from tfm.kernels import FUSED_LOSS_MIN_VOCAB, loss_backend_for  # noqa: F401
 from tfm.nn import remat as remat_lib
 from tfm.nn.positions import ROPE_SCALINGS, get_scheme, rope_frequencies
 
@@ -35,18 +38,6 @@ BIAS_GROUPS = ("qkv", "attention_out", "mlp", "lm_head")
 FFN_ACTIVATION_DTYPES = ("auto", "float32", "compute")
 LOSS_BACKENDS = ("auto", "reference", "fused")
 
-
-# The smallest vocabulary "auto" fuses on TPU: below it the logits are a small array XLA fuses
-# well, and the kernel's per-token figures cost more than they save (benchmarks/README.md).
-FUSED_LOSS_MIN_VOCAB = 2048
-
-
-def loss_backend_for(platform: str, vocab_size: int) -> str:
-    """What loss_backend="auto" means on `platform`: the fused kernel on TPU (Mosaic) for a
-    vocabulary of at least FUSED_LOSS_MIN_VOCAB, else the reference (no GPU build of the
-    kernel yet; on CPU it would run interpreted)."""
-    fused = platform == "tpu" and vocab_size >= FUSED_LOSS_MIN_VOCAB
-    return "fused" if fused else "reference"
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -136,9 +127,15 @@ class ModelConfig:
     local_window: int | None = None  # restricted self-attention radius r (paper Table 1)
 
     # Implementation.
-    # Which implementation computes attention, the dense layers and the KV cache layout
-    # (tfm.kernels.BACKENDS): "auto" = the platform's fast path (CPU) or the reference maths.
+    # Three separate choices (tfm.kernels): the attention core (tfm.kernels.BACKENDS; "auto" =
+    # the platform's fastest that serves the model, else the reference maths); the matmul of
+    # every dense layer (tfm.kernels.MATMULS: reference, cpu); the KV cache layout
+    # (tfm.kernels.CACHE_LAYOUTS: reference, cpu). "auto" for the last two = what the
+    # attention backend's platform profile names (the "cpu" backend: the cpu ones; the
+    # others: the reference).
     attention_backend: str = "auto"
+    matmul: str = "auto"
+    cache_layout: str = "auto"
     dtype: str = "float32"  # compute dtype
     param_dtype: str = "float32"  # dtype the parameters (and optimizer state) are kept in
     scan_layers: bool = False  # nn.scan over layers: compile time flat in depth
@@ -275,6 +272,10 @@ class ModelConfig:
             check_positive("local_window", self.local_window)
         check_choice("attention_backend", self.attention_backend, kernels.CHOICES)
         kernels.check_config(self.attention_backend, **self.attention_needs)
+        check_choice("matmul", self.matmul, kernels.MATMUL_CHOICES)
+        check_choice("cache_layout", self.cache_layout, kernels.CACHE_LAYOUT_CHOICES)
+        if self.attention_backend != "auto":  # "auto" is checked where it is resolved
+            kernels.cache_layout(self.attention_backend, self.cache_layout)
         check_choice("dtype", self.dtype, DTYPES)
         check_choice("param_dtype", self.param_dtype, DTYPES)
         check_choice("ffn_activation_dtype", self.ffn_activation_dtype,
@@ -286,6 +287,12 @@ class ModelConfig:
     def scheme(self) -> Any:
         """The registry entry of `position_scheme` (a tfm.nn.positions.PositionScheme)."""
         return get_scheme(self.position_scheme)
+
+    @property
+    def matmul_choice(self) -> str:
+        """What tfm.kernels.linear is asked for: `matmul`, or with "auto" the attention
+        backend's name (its platform profile's matmul, resolved where it is compiled)."""
+        return self.attention_backend if self.matmul == "auto" else self.matmul
 
     @property
     def resolved_head_dim(self) -> int:

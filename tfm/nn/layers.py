@@ -6,13 +6,11 @@ buckets) so sharding is a matter of rules (tfm/parallel/sharding.py), not code.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from tfm import kernels
 from tfm.kernels.call import AttentionStructure, BlockBias
@@ -35,10 +33,9 @@ class Projection(nn.Module):
     """y = x . kernel (+ bias), contracting the last len(in_features) axes of x.
 
     kernel: [*in_features, *features] with logical axis `names`; Glorot-uniform over those
-    fans. The matmul is `tfm.kernels.linear`: compute-dtype operands in both passes,
-    float32
-    accumulation. `kernel` and `bias` are attributes, so a layer can fuse several projections
-    of one input into one matmul (`project_together`).
+    fans. The matmul is `tfm.kernels.linear`: compute-dtype operands in both passes, float32
+    accumulation. `kernel` and `bias` are attributes, so a layer can hand several projections
+    of one input to the kernels together (`project_together`).
     """
 
     config: ModelConfig
@@ -67,37 +64,24 @@ class Projection(nn.Module):
 def project_together(
     config: ModelConfig, x: Array, projections: list[Projection], out_dtype: Any = None
 ) -> list[Array]:
-    """Applies projections that share x's input axes as ONE matmul over their concatenated
-    kernels (e.g. query, key and value), then splits: one wide matmul runs faster on CPU
-    than three narrow ones, and the parameters stay separate (same checkpoint layout).
+    """x . kernel_i + bias_i for projections that share x's input axes (query, key and value
+    of one input), through `tfm.kernels.projections` (which may run them as one matmul).
 
     x: [..., *in_features] -> [[..., *features_i] for each projection], in out_dtype (default
     the compute dtype).
     """
-    out_dtype = config.compute_dtype if out_dtype is None else out_dtype
-    num_in = len(projections[0].in_features)
-    widths = [math.prod(p.features) for p in projections]
-    flat = [p.kernel.reshape(*p.in_features, math.prod(p.features)) for p in projections]
-    kernel = flat[0] if len(flat) == 1 else jnp.concatenate(flat, axis=-1)
     has_bias = projections[0].bias is not None
     if any((p.bias is not None) != has_bias for p in projections):
         raise ValueError("project_together needs projections that all have a bias or all none")
-    y = kernels.linear(
+    return kernels.projections(
         x,
-        kernel,
-        backend=config.attention_backend,
-        num_contracted=num_in,
+        [p.kernel for p in projections],
+        [p.bias for p in projections] if has_bias else None,
+        backend=config.matmul_choice,
+        num_contracted=len(projections[0].in_features),
         compute_dtype=config.compute_dtype,
-        out_dtype=jnp.float32 if has_bias else out_dtype,
+        out_dtype=config.compute_dtype if out_dtype is None else out_dtype,
     )
-    if has_bias:
-        bias = jnp.concatenate([p.bias.reshape(-1) for p in projections])
-        y = (y + bias.astype(jnp.float32)).astype(out_dtype)
-    outputs = jnp.split(y, np.cumsum(widths)[:-1].tolist(), axis=-1) if len(widths) > 1 else [y]
-    return [
-        out.reshape(*out.shape[:-1], *p.features)
-        for out, p in zip(outputs, projections, strict=True)
-    ]
 
 
 def _dense(
@@ -170,16 +154,15 @@ class TokenEmbedding(nn.Module):
 
     def attend(self, x: Array, kernel: Array | None = None) -> Array:
         """x: [batch, len, d_model] -> logits [batch, len, vocab] float32, x times the table's
-        transpose. kernel: that transpose [d_model, vocab], made once before a decoding loop
-        (`models.output_kernel`), since XLA's CPU matmul reads a transposed table slowly
-        (benchmarks/translate_vs_hf.py); None reads the table."""
+        transpose. kernel: that transpose [d_model, vocab] if the kernels made one before a
+        decoding loop (`models.output_kernel`); None reads the table."""
         config = self.config
         if kernel is None:
             kernel = self.table.T
         elif tuple(kernel.shape) != (config.d_model, self.vocab_size):
             raise ValueError(f"the tied output kernel must be [d_model, vocab] = "
                              f"{(config.d_model, self.vocab_size)}; got {tuple(kernel.shape)}")
-        return kernels.linear(x, kernel, backend=config.attention_backend,
+        return kernels.linear(x, kernel, backend=config.matmul_choice,
                               compute_dtype=config.compute_dtype, out_dtype=jnp.float32)
 
 
@@ -250,8 +233,8 @@ class MultiHeadAttention(nn.Module):
 
     Self-attention applies RoPE or Shaw relative embeddings when configured; cross-attention uses
     no position information (queries from the decoder, keys/values from the encoder output).
-    Query, key and value projections of one input run as one matmul (`project_together`). The
-    attention core is `tfm.kernels.attention` with the config's backend.
+    Query, key and value projections of one input go to the kernels together
+    (`project_together`). The attention core is `tfm.kernels.attention` with the config's backend.
 
     With a KV cache (tfm/nn/cache.py) the new keys and values are written into this layer's
     slots in place, attention reads the slots in the cache's layout, and the updated cache is
@@ -296,8 +279,9 @@ class MultiHeadAttention(nn.Module):
             key, value = _read_cache(cache, self.is_cross, layer)
         out = self._attend(
             query, key, value, mask, bias, query_positions, key_positions,
-            causal=causal, cache_layout=reads_cache, structure=structure,
-            deterministic=deterministic,
+            causal=causal, structure=structure, deterministic=deterministic,
+            # keys and values in a kernel's own layout (the reference one reads as computed)
+            cache_layout=reads_cache and cache.layout.name != "reference",
         )
         num_heads, head_dim = config.num_heads, config.resolved_head_dim
         names = ("heads", "head_dim", "embed")
@@ -418,9 +402,7 @@ class FeedForward(nn.Module):
 
 def _ffn_activation_dtype(config: ModelConfig) -> jnp.dtype:
     """config.ffn_activation_dtype, with "auto" resolved for the platform compiled for."""
-    choice = config.ffn_activation_dtype
-    if choice == "auto":
-        choice = "float32" if kernels.platform() == "cpu" else "compute"
+    choice = kernels.ffn_activation_dtype(config.ffn_activation_dtype)
     return jnp.dtype(jnp.float32) if choice == "float32" else config.compute_dtype
 
 

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from tfm import kernels
 from tfm.checks import ConfigError
 from tfm.kernels.call import AttentionStructure, BlockBias
 from tfm.nn import attention
@@ -692,16 +693,14 @@ def output_projection(params: Any, config: ModelConfig) -> tuple[Array, Array | 
 
 
 def output_kernel(params: Any, config: ModelConfig) -> Array | None:
-    """The tied output projection as its own [d_model, vocab] array in the compute dtype (the
-    target embedding's transpose), or None for an untied model. Made once before a decoding loop
-    and passed as `output_kernel=` to DecoderLM / EncoderDecoder.decode, it replaces the table
-    read transposed at every step, which XLA's CPU matmul reads slowly
-    (benchmarks/translate_vs_hf.py); the logits are the same up to summation order. params: the
-    model's parameters (boxed or not)."""
+    """What to pass as `output_kernel=` to DecoderLM / EncoderDecoder.decode at every step of a
+    decoding loop, made once before it: the tied output projection as the kernels want it
+    (`tfm.kernels.tied_output_kernel`; None = read the table), None for an untied model.
+    params: the model's parameters (boxed or not)."""
     if not config.tie_output:
         return None
     table = nn.meta.unbox(params["embed"]["embedding"])  # [vocab, d_model]
-    return jnp.asarray(table).T.astype(config.compute_dtype)
+    return kernels.tied_output_kernel(table, config.compute_dtype)
 
 
 def stack_layer_params(params: Any) -> Any:

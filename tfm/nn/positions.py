@@ -17,7 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tfm import kernels
 from tfm.checks import ConfigError
+from tfm.kernels import block_bias
 
 Array = jax.Array
 ArrayLike = jax.Array | np.ndarray  # concrete or traced ids; numpy for static inputs
@@ -179,17 +181,10 @@ def apply_rope(
     rot, rest = x[..., :rotated].astype(jnp.float32), x[..., rotated:]
     if layout == "rotate_half":
         # (first, second) -> (first cos - second sin, second cos + first sin), on whole rows:
-        # x cos + swap(x) sin, where swap(x) = (second, first) is a matmul with a 0/1
-        # permutation (one exact term per output, so the values are bit for bit those of the
-        # halves). No [.., half]-wide array appears: TPUs pad a minor dimension to 128 lanes,
-        # and slicing the halves of 64-wide heads (also by jnp.roll) cost a 2-layer GPT-2-small
-        # step on v5e 15.4 ms of traffic against 11.7 ms this way (benchmarks/README.md).
+        # x cos + swap(x) sin, where swap(x) = (second, first).
         cos_row = jnp.concatenate([cos, cos], axis=-1)
         sin_row = jnp.concatenate([-sin, sin], axis=-1)
-        swap = np.roll(np.eye(rotated, dtype=np.float32), half, axis=1)  # x @ swap = roll(x)
-        swapped = jnp.einsum("...h,hk->...k", x[..., :rotated], jnp.asarray(swap, x.dtype),
-                             preferred_element_type=jnp.float32,
-                             precision=jax.lax.Precision.HIGHEST)
+        swapped = kernels.swap_halves(x[..., :rotated])
         out = rot * cos_row + swapped * sin_row
     else:
         first, second = rot[..., 0::2], rot[..., 1::2]
@@ -330,13 +325,6 @@ def shaw_value_term(weights: Array, value_table: Array, rel_idx: Array) -> Array
 BlockBiasFn = Callable[[Any, Array, Array], Array]
 
 
-def pick_column(row: Array, index: int) -> Array:
-    """row[:, index] kept [rows, 1], by a masked sum instead of a slice, so its gradient is a
-    broadcast (a TPU kernel cannot scatter into a lane)."""
-    columns = jax.lax.broadcasted_iota(jnp.int32, row.shape, row.ndim - 1)
-    return jnp.sum(jnp.where(columns == index, row, 0.0), axis=-1, keepdims=True)
-
-
 def alibi_block_bias(head_params: tuple[Array], query_positions: Array,
                      key_positions: Array) -> Array:
     """-slope * |k - q| for one head; head_params: ([1, 1] slope,) -> [bq, bk] (alibi_bias)."""
@@ -348,14 +336,11 @@ def alibi_block_bias(head_params: tuple[Array], query_positions: Array,
 def t5_block_bias(head_params: tuple[Array], query_positions: Array, key_positions: Array, *,
                   bidirectional: bool, num_buckets: int, max_distance: int) -> Array:
     """table[bucket(k - q), head] for one head; head_params: ([1, num_buckets] table row,)
-    -> [bq, bk] (t5_bias), by one select per bucket: the table lookup without a gather."""
+    -> [bq, bk] (t5_bias), looked up in the form a fused kernel evaluates (no gather)."""
     (table_row,) = head_params
     buckets = t5_relative_bucket(key_positions - query_positions, bidirectional=bidirectional,
                                  num_buckets=num_buckets, max_distance=max_distance)
-    bias = jnp.zeros(buckets.shape, jnp.float32)
-    for bucket in range(num_buckets):
-        bias = bias + jnp.where(buckets == bucket, pick_column(table_row, bucket), 0.0)
-    return bias
+    return block_bias.row_lookup(table_row, buckets)
 
 
 def dense_from_blocks(function: BlockBiasFn, params: Any, query_positions: ArrayLike,
