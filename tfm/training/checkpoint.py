@@ -136,7 +136,8 @@ def _model_field_defaults() -> dict[str, Any]:
 # Model fields a restored run may change: they choose an implementation, not the parameters
 # (remat also was a bool before it named a policy; "auto" backends resolve per platform, so a
 # run saved on a TPU restores on a CPU).
-IMPLEMENTATION_ONLY = ("model.attention_backend", "model.remat", "model.loss_backend")
+IMPLEMENTATION_ONLY = ("model.attention_backend", "model.matmul", "model.cache_layout",
+                       "model.remat", "model.loss_backend")
 
 
 def model_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
