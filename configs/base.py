@@ -12,7 +12,7 @@ import typing
 import ml_collections
 from ml_collections import config_dict
 
-from tfm.data.build import DataConfig
+from tfm.data.config import DataConfig
 from tfm.nn.config import ModelConfig
 from tfm.training.config import GENERATE_DEFAULTS, EvalConfig, TrainConfig
 from tfm.training.optim import DEFAULTS as OPTIMIZER_DEFAULTS

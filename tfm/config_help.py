@@ -19,7 +19,7 @@ DOC_WIDTH = 100  # characters of a doc before it is cut with "..."
 
 def _sections() -> dict[str, list[Any]]:
     """Where each config section's fields are defined: dataclasses, or (module, dict name)."""
-    from tfm.data.build import DataConfig
+    from tfm.data.config import DataConfig
     from tfm.decode.search import DecodeConfig
     from tfm.nn.config import ModelConfig
     from tfm.training import optim

@@ -6,8 +6,9 @@ config fields). Batch formats and special token ids (pad 0, bos 1, eos 2) follow
 
 from pathlib import Path
 
-from tfm.data.build import Data, DataConfig, build_data
+from tfm.data.build import Data, build_data
 from tfm.data.builders import DataError
+from tfm.data.config import DataConfig
 from tfm.data.pipeline import checkpoint_restore_args, checkpoint_save_args
 from tfm.data.tokenizers import (
     BOS_ID,

@@ -24,7 +24,7 @@ from tfm.checks import (
     field_prefix,
     section_dict,
 )
-from tfm.data.build import DataConfig
+from tfm.data.config import DataConfig
 from tfm.decode.search import DecodeConfig
 from tfm.kernels import cpu_compile
 from tfm.nn.config import ModelConfig, from_dict
