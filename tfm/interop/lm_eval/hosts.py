@@ -18,6 +18,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 STOP = "stop"  # the message that ends a follower's loop
+HEADER_QUANTUM = 256  # bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +50,8 @@ def share(message: Message | None) -> Message:
             "arrays": {name: [list(array.shape), array.dtype.name]
                        for name, array in message.arrays.items()},
         }).encode()
+        # Padded (JSON allows trailing spaces) to few sizes: each size compiles a broadcast.
+        header = header.ljust(-(-len(header) // HEADER_QUANTUM) * HEADER_QUANTUM)
         size = np.array([len(header)], np.int32)
         header_bytes = np.frombuffer(header, np.uint8).astype(np.int32)
     else:
