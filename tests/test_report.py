@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tfm.sweeps import report, sweep
+from tfm.sweeps import plots, report, sweep
 
 # (scheme, seed) -> final eval_exact_match, eval_loss
 FINAL = {
@@ -180,7 +180,7 @@ def test_a_rate_is_drawn_in_percent_on_an_axis_from_0_to_100(tmp_path):
     # The pilot: 7.8% vs 9.4% exact match filled the whole plot (auto-zoomed y axis).
     rows = [{**row, "eval_test_exact_match": row.pop("eval_metric")}
             for row in _rows({"rope": (7.8, 1.0), "alibi": (9.4, 0.5)})]
-    figure = report.metric_figure(rows, ["model.position_scheme"], "eval_test_exact_match",
+    figure = plots.metric_figure(rows, ["model.position_scheme"], "eval_test_exact_match",
                                   "model.position_scheme")
     axes = figure.axes[0]
     assert axes.get_ylim() == (0.0, 100.0)
@@ -192,7 +192,7 @@ def test_a_rate_is_drawn_in_percent_on_an_axis_from_0_to_100(tmp_path):
     # Accuracy is logged as a fraction: drawn in percent, on the same 0-100 axis.
     rows = [{**row, "eval_accuracy": row.pop("eval_metric")}
             for row in _rows({"rope": (0.85, 0.05), "alibi": (0.75, 0.0)}, seeds=1)]
-    figure = report.metric_figure(rows, ["model.position_scheme"], "eval_accuracy",
+    figure = plots.metric_figure(rows, ["model.position_scheme"], "eval_accuracy",
                                   "model.position_scheme", title="Pilot")
     axes = figure.axes[0]
     drawn = [line for line in axes.get_lines() if len(line.get_ydata()) == 2][0]
@@ -205,7 +205,7 @@ def test_a_rate_is_drawn_in_percent_on_an_axis_from_0_to_100(tmp_path):
 def test_a_loss_keeps_its_own_range_and_says_its_unit():
     rows = [{**row, "eval_loss": row.pop("eval_metric")}
             for row in _rows({"rope": (1.8, 0.1), "alibi": (1.9, 0.1)})]
-    figure = report.metric_figure(rows, ["model.position_scheme"], "eval_loss",
+    figure = plots.metric_figure(rows, ["model.position_scheme"], "eval_loss",
                                   "model.position_scheme")
     axes = figure.axes[0]
     assert axes.get_ylabel() == "eval_loss (nats/token)"
@@ -222,10 +222,10 @@ def test_a_curve_has_a_point_per_evaluation_and_a_colour_per_group(tmp_path):
              {"step": 20, "eval_exact_match": 30.0}, {"step": 20, "eval_exact_match": 40.0},
              {"step": 30, "eval_exact_match": 90.0}]
     rope_0.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    assert report.curve_points(runs[0].workdir, "eval_exact_match") == [
+    assert plots.curve_points(runs[0].workdir, "eval_exact_match") == [
         (10, 20.0), (20, 40.0), (30, 90.0)]
     found = report.find_runs(tmp_path)
-    figure = report.curves_figure(found, "eval_exact_match", ["model.position_scheme"])
+    figure = plots.curves_figure(found, "eval_exact_match", ["model.position_scheme"])
     axes = figure.axes[0]
     by_name = {line.get_label(): line for line in axes.get_lines()}
     first = by_name[runs[0].name]
@@ -245,7 +245,7 @@ def test_a_curve_has_a_point_per_evaluation_and_a_colour_per_group(tmp_path):
     assert axes.get_ylabel() == "eval_exact_match (%)" and axes.get_ylim() == (0.0, 100.0)
     assert axes.get_title() == "eval_exact_match during training (a line per run)"
     _close(figure)
-    assert report.curves_figure(found, "eval_bleu") is None  # nobody logged it
+    assert plots.curves_figure(found, "eval_bleu") is None  # nobody logged it
 
 
 def test_every_plot_of_a_report_has_a_title_and_labelled_axes(tmp_path, monkeypatch):
@@ -261,7 +261,7 @@ def test_every_plot_of_a_report_has_a_title_and_labelled_axes(tmp_path, monkeypa
                            axes.get_ylim())
         _close(figure)
 
-    monkeypatch.setattr(report, "_write", record)
+    monkeypatch.setattr(plots, "write_png", record)
     report.write_report(tmp_path, ["eval_exact_match", "eval_loss"], title="Fabricated")
     assert sorted(seen) == sorted([
         "report_eval_exact_match.png", "report_eval_loss.png", "curves_eval_exact_match.png",

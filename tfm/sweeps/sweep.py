@@ -135,6 +135,12 @@ def format_value(value: Any) -> str:
     return value if isinstance(value, str) else repr(value)
 
 
+def group_key(overrides: Overrides, fields: Sequence[str]) -> tuple[str, ...]:
+    """A run's values of `fields` as the command line writes them ("" where unset): runs with
+    equal keys differ only in other fields (the seed) and form one group of a report."""
+    return tuple(format_value(overrides.get(field, "")) for field in fields)
+
+
 def run_name(overrides: Overrides) -> str:
     """A readable, filesystem-safe, stable directory name: `position_scheme=rope,seed=0`.
 
