@@ -8,7 +8,8 @@ chip, `v5e-8`, deviceless (libtpu: `pip install -e ".[tpu]"`).
         [--maxtext_dir ~/maxtext --maxtext_python ~/maxtext-venv/bin/python]
 
 Each tfm row is one `./launch.sh compile configs/char_lm.py --target v5e-8 ... --json FILE
---breakdown` (printed before it runs; a few minutes each on a 2-core host). MaxText rows are
+--breakdown` (printed before it runs; a few minutes each on a 2-core host), with XLA's
+windowed einsums off as for MaxText (`--windowed_einsum` keeps them). MaxText rows are
 compiled only when its checkout and a Python environment with its requirements are given
 (MaxText at commit e591f30c wants Python >= 3.12): its `train_compile` with layers unrolled and
 windowed einsums off, since XLA's cost analysis counts a loop body once. Writes
@@ -76,7 +77,7 @@ def roofline(bytes_per_chip: float, flops_per_chip: float) -> tuple[float, float
     return step, MODEL_FLOPS_PER_CHIP / (step * PEAK_FLOPS)
 
 
-def tfm_row(name: str, text: str, workdir: Path) -> dict:
+def tfm_row(name: str, text: str, workdir: Path, windowed_einsum: bool) -> dict:
     mesh, remat, extra = TFM_ROWS[name]
     out = workdir / f"{name}.json"
     command = ["./launch.sh", "compile", "configs/char_lm.py", "--target", "v5e-8",
@@ -86,6 +87,8 @@ def tfm_row(name: str, text: str, workdir: Path) -> dict:
     start = time.time()
     # Deviceless compiles use no chip: several may load libtpu at once.
     env = {**os.environ, "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+    if not windowed_einsum:  # as MaxText's rows are compiled
+        env["LIBTPU_INIT_ARGS"] = MAXTEXT_LIBTPU_ARGS
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env)
     if result.returncode != 0 and not out.exists():
         raise SystemExit(f"{name}: compile failed:\n{result.stderr[-3000:]}")
@@ -94,6 +97,7 @@ def tfm_row(name: str, text: str, workdir: Path) -> dict:
     groups = {group: figures["bytes"] for group, figures in
               report.get("breakdown", {}).get("groups", {}).items()}
     return {"row": name, "system": "tfm", "mesh": mesh, "remat": remat,
+            "windowed_einsum": windowed_einsum,
             "bytes_per_chip": report["bytes_per_chip"],
             "compiled_flops_per_chip": report["compiled_flops_per_chip"],
             "roofline_ms": 1e3 * step, "mfu": mfu, "needed_bytes": report["needed_bytes"],
@@ -149,6 +153,9 @@ def main() -> None:
                         help=f"tfm rows, of: {', '.join(TFM_ROWS)}")
     parser.add_argument("--maxtext_dir", type=Path, help="a MaxText checkout (commit e591f30c)")
     parser.add_argument("--maxtext_python", help="a Python with MaxText's requirements")
+    parser.add_argument("--windowed_einsum", action="store_true",
+                        help="compile the tfm rows with XLA's windowed einsums (its default); "
+                        "off by default, as MaxText's rows are compiled")
     parser.add_argument("--out", type=Path, default=RESULTS / "vs_maxtext")
     args = parser.parse_args()
     if not Path(args.text).exists():
@@ -164,7 +171,7 @@ def main() -> None:
                  for name in MAXTEXT_ROWS]
     with tempfile.TemporaryDirectory() as scratch:
         for name in names:
-            rows.append(tfm_row(name, args.text, Path(scratch)))
+            rows.append(tfm_row(name, args.text, Path(scratch), args.windowed_einsum))
             print(markdown(rows[-1:]).splitlines()[-1], flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")
