@@ -196,13 +196,12 @@ def test_truncated_weights_are_one_line_naming_the_file(tmp_path):
     reason="needs transformers and torch",
 )
 @pytest.mark.parametrize("family", ["gpt2", "llama", "qwen2"])
-def test_live_regenerate_compare_and_open_the_export_in_transformers(family, tmp_path):
-    import sys
-
+def test_live_regenerate_compare_and_open_the_export_in_transformers(family, tmp_path,
+                                                                   monkeypatch):
     import torch
     import transformers
 
-    sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "fixtures"))  # undone afterwards
     import make_hf_fixtures
 
     reference = make_hf_fixtures.make(family, tmp_path / "hf", seed=1)
