@@ -223,7 +223,7 @@ def decode_report(experiment: Experiment, target: Target) -> dict[str, Any]:
         lambda leaf, where: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=where),
         abstract.params, shardings.params)
     special = generate.special_ids(experiment.data.tokenizer, experiment.mode)
-    if experiment.mode == "seq2seq":
+    if experiment.family.reads_source:
         source_len = batch["source"].shape[1]
         if decode.max_new_tokens is None:
             decode = dataclasses.replace(decode, max_new_tokens=source_len + decode.extra_len)
@@ -400,7 +400,7 @@ def compile_for(config: Any, workdir: Any, target_name: str, breakdown: bool = F
     target, devices = target_devices(target_name)
     experiment = setup(config, workdir, devices=devices)
     report = compile_report(experiment, target, breakdown)
-    if experiment.mode == "seq2seq" or experiment.generate.decode.max_new_tokens:
+    if experiment.family.reads_source or experiment.generate.decode.max_new_tokens:
         try:
             report["decode"] = decode_report(experiment, target)
         except Exception as error:  # the compiler's out-of-memory verdict on the loop alone
