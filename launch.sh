@@ -18,7 +18,8 @@ commands:
             roofline MFU; exits 1 if it does not fit
   lm_eval   tasks of EleutherAI's lm-evaluation-harness on DIR's checkpoint: --tasks a,b
             [--limit N] [--num_fewshot K] [--include_path TASK_DIR]; results printed and in
-            DIR/lm_eval/results.json (needs pip install -e ".[eval]")
+            DIR/lm_eval/results.json (needs pip install -e ".[eval]"); with --num_processes
+            process 0 runs the harness and shares each batch with the others
   data      ./launch.sh data multi30k: download Multi30k into data/multi30k/ (what
             configs/translate.py reads); offline it says where to put the files
   sweep     train every run of CONFIG's get_sweep(ARG), one workdir each (resumable):
