@@ -64,7 +64,7 @@ def load_run(
     from tfm.training.experiment import restore_params, setup
 
     experiment = setup(saved_config.load(workdir) if run_config is None else run_config, workdir)
-    if experiment.mode != "lm":
+    if experiment.family.reads_source:  # an encoder-decoder: the harness scores one text
         raise ValueError(
             f"{workdir} is a {experiment.mode} run; the harness's tasks need a decoder-only LM"
         )
