@@ -190,6 +190,15 @@ def _family_name_uses(source: str, names: frozenset[str]) -> list[str]:
     return found
 
 
+def test_family_names_are_compared_only_in_the_registry():
+    """tfm/nn/families.py owns what differs between families: elsewhere, code asks the entry."""
+    names = frozenset(FAMILIES)
+    found = [f"{name} {use}" for name, path in sorted(_modules().items())
+             if name != "tfm.nn.families"
+             for use in _family_name_uses(path.read_text(), names)]
+    assert not found, found
+
+
 def test_the_family_check_sees_comparisons_cases_and_tables():
     source = """
 if config.mode == "seq2seq": pass
