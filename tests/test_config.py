@@ -35,8 +35,12 @@ from tfm.nn.config import ModelConfig, from_dict, paper_base, paper_big
         (dict(pad_id=-1), "pad_id=-1 must be an integer >= 0"),
         (dict(type_vocab_size=-2), "type_vocab_size=-2 must be an integer >= 0"),
         (dict(embedding_norm=None), "embedding_norm=None must be one of: True or False"),
-        (dict(rope_scaling="yarn"), "rope_scaling='yarn' is unknown; choose one of: none, "
-         "linear, ntk, llama3"),
+        (dict(rope_scaling="yaarn"), "rope_scaling='yaarn' is unknown; choose one of: none, "
+         "linear, ntk, dynamic, yarn, longrope, llama3"),
+        (dict(rope_scaling="yarn", rope_scaling_factor=4.0, rope_beta_fast=1.0),
+         "rope_beta_fast=1.0 must be > rope_beta_slow=1.0 > 0 for rope_scaling='yarn'"),
+        (dict(rope_scaling="longrope", rope_short_factor=[1.0]),
+         "rope_short_factor must hold 32 positive numbers"),
         (dict(rope_scaling_factor=0), "rope_scaling_factor=0 must be a number > 0"),
         (dict(rope_original_max_len=0), "rope_original_max_len=0 must be an integer > 0"),
         (dict(rope_scaling="llama3", rope_low_freq_factor=4.0, rope_high_freq_factor=1.0),

@@ -19,7 +19,9 @@ from tfm.nn.models import stack_layer_params
 from tfm.training.experiment import init_state, setup, state_shardings
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
-DECODERS = ("gpt2", "llama", "llama3_rope", "linear_rope", "qwen2", "mistral")
+DECODERS = ("gpt2", "llama", "llama3_rope", "linear_rope", "yarn_rope", "dynamic_rope",
+            "longrope_rope", "qwen2", "qwen2_window", "mistral")
+SCALED = ("llama3_rope", "linear_rope", "yarn_rope", "dynamic_rope", "longrope_rope")
 TOLERANCE = 1e-4
 
 
@@ -52,7 +54,7 @@ def test_logits_match_the_reference(family):
     assert np.abs(reference["logits"]).max() > 1e-2  # the reference is not trivially zero
 
 
-@pytest.mark.parametrize("family", ["llama3_rope", "linear_rope"])
+@pytest.mark.parametrize("family", SCALED)
 def test_rope_scaling_is_what_makes_the_scaled_fixtures_match(family):
     config, params, reference = load(family)
     assert config.rope_scaling != "none"
@@ -102,10 +104,11 @@ def test_scanned_layers_load_the_same_checkpoint():
     assert np.abs(logits - reference["logits"]).max() < TOLERANCE
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama", "llama3_rope", "qwen2"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen2", *SCALED])
 def test_save_then_load_round_trips_config_params_and_logits(family, tmp_path):
     config, params, reference = load(family)
-    assert hf.save_pretrained(config, params, tmp_path) == family.replace("3_rope", "")
+    saved_type = family if family in ("gpt2", "qwen2") else "llama"
+    assert hf.save_pretrained(config, params, tmp_path) == saved_type
     again, params_again = hf.load_pretrained(tmp_path)
     assert again == config
     flat = lambda p: {k: v for k, v in _flatten(p)}
@@ -130,8 +133,9 @@ def _flatten(tree, prefix=""):
         ("gpt2", dict(model_type="gptj"), "model_type='gptj' is not supported; supported: gpt2"),
         ("gpt2", dict(activation_function="swish"), "activation_function='swish' is not"),
         ("gpt2", dict(scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx"),
-        ("llama", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}),
-         "rope_scaling.rope_type='yarn' is not supported"),
+        ("llama", dict(rope_parameters={"rope_type": "proportional", "rope_theta": 1e4}),
+         "rope_scaling.rope_type='proportional' is not supported"),
+        ("qwen2_window", dict(max_window_layers=1), "max_window_layers=1 is not supported"),
         ("llama", dict(hidden_act="gelu"), "hidden_act='gelu' is not supported; supported: 'silu'"),
         ("t5", dict(feed_forward_proj="gated-silu"), "feed_forward_proj='gated-silu' is not"),
         ("bert", dict(position_embedding_type="relative_key"), "position_embedding_type="),
@@ -195,7 +199,7 @@ def test_truncated_weights_are_one_line_naming_the_file(tmp_path):
     importlib.util.find_spec("transformers") is None or importlib.util.find_spec("torch") is None,
     reason="needs transformers and torch",
 )
-@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen2"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen2", *SCALED])
 def test_live_regenerate_compare_and_open_the_export_in_transformers(family, tmp_path,
                                                                    monkeypatch):
     import torch

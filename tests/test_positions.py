@@ -401,5 +401,5 @@ def test_rope_frequency_scalings():
     middle = ~low & ~high
     assert middle.any() and np.all((llama3[middle] < plain[middle]) &
                                    (llama3[middle] > plain[middle] / 8))
-    with pytest.raises(ValueError, match="scaling='yarn' is unknown; choose one of: none, linear"):
-        rope_frequencies(8, scaling="yarn")
+    with pytest.raises(ValueError, match="scaling='yaarn' is unknown; choose one of: none, linear"):
+        rope_frequencies(8, scaling="yaarn")

@@ -26,7 +26,8 @@ from tfm.checks import (
 # loss_backend_for, FUSED_LOSS_MIN_VOCAB: a platform rule, tfm.kernels'; named here for callers.
 from tfm.kernels import FUSED_LOSS_MIN_VOCAB, loss_backend_for  # noqa: F401
 from tfm.nn import remat as remat_lib
-from tfm.nn.positions import ROPE_SCALINGS, get_scheme, rope_frequencies
+from tfm.nn import rope_scaling
+from tfm.nn.positions import ROPE_SCALINGS, get_scheme  # noqa: F401  (ROPE_SCALINGS: public)
 
 SINUSOIDAL_LAYOUTS = ("paper", "concat")
 ROPE_LAYOUTS = ("interleaved", "rotate_half")
@@ -90,13 +91,21 @@ class ModelConfig:
     rope_base: float = 10000.0  # theta of the rotation frequencies base^(-2i/d)
     rope_layout: str = "rotate_half"  # which dimensions pair up: "rotate_half" or "interleaved"
     rope_fraction: float = 1.0  # fraction of head_dim rotated (partial rotary, GPT-NeoX)
-    # Long-context RoPE scaling (positions.rope_frequencies): none, linear, ntk, llama3, by
-    # rope_scaling_factor; llama3 also reads the original context and its two band edges.
+    # Long-context RoPE scaling (tfm.nn.rope_scaling): none, linear, ntk, dynamic, yarn,
+    # longrope or llama3, by rope_scaling_factor over the original context rope_original_max_len.
     rope_scaling: str = "none"
     rope_scaling_factor: float = 1.0
     rope_original_max_len: int = 8192
-    rope_low_freq_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0  # llama3: the band edges of the smooth blend
     rope_high_freq_factor: float = 4.0
+    rope_beta_fast: float = 32.0  # yarn: dimensions making more turns in the context extrapolate
+    rope_beta_slow: float = 1.0  # yarn: dimensions making fewer turns interpolate
+    rope_mscale: float = 0.0  # yarn: Hugging Face's mscale / mscale_all_dim (0: unset)
+    rope_mscale_all_dim: float = 0.0
+    rope_truncate: bool = True  # yarn: the ramp's ends rounded to whole dimensions
+    rope_attention_factor: float = 0.0  # factor on rotated q and k; 0: the scaling's own
+    rope_short_factor: tuple[float, ...] = ()  # longrope: per-frequency factors up to the
+    rope_long_factor: tuple[float, ...] = ()  # original context, and past it
     relative_max_distance: int = 16  # Shaw et al. clipping distance k
     relative_values: bool = True  # Shaw et al. also add relative embeddings to values
     t5_num_buckets: int = 32  # relative-position buckets of the T5 bias
@@ -174,6 +183,8 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "remat", remat_lib.resolve(self.remat))  # frozen: set once
+        for field in ("rope_short_factor", "rope_long_factor"):  # lists from JSON or a command
+            object.__setattr__(self, field, tuple(float(x) for x in getattr(self, field)))
         self._check_vocabulary_and_switches()
         self._check_sizes()
         self.scheme  # noqa: B018  (ConfigError naming the registered schemes if unknown)
@@ -243,19 +254,12 @@ class ModelConfig:
         check_choice("rope_layout", self.rope_layout, ROPE_LAYOUTS)
         if not self.rope_base > 1:
             raise ConfigError(f"rope_base={self.rope_base!r} must be > 1")
-        check_choice("rope_scaling", self.rope_scaling, ROPE_SCALINGS)
         for field in ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
                 raise ConfigError(f"{field}={value!r} must be a number > 0")
         check_positive("rope_original_max_len", self.rope_original_max_len)
-        if self.rope_scaling == "llama3" and not (
-            self.rope_high_freq_factor > self.rope_low_freq_factor
-        ):
-            raise ConfigError(
-                f"rope_high_freq_factor={self.rope_high_freq_factor} must be > "
-                f"rope_low_freq_factor={self.rope_low_freq_factor} for rope_scaling='llama3'"
-            )
+        self.rope_scaling_spec.check(round(self.resolved_head_dim * self.rope_fraction))
         if not 0.0 < self.rope_fraction <= 1.0:
             raise ConfigError(f"rope_fraction={self.rope_fraction!r} must be in (0, 1]")
         check_positive("relative_max_distance", self.relative_max_distance)
@@ -315,17 +319,21 @@ class ModelConfig:
         return float(self.attention_scale)
 
     @property
-    def rope_frequencies(self) -> np.ndarray:
-        """RoPE's rotation frequencies (float64, static) with this config's scaling."""
-        return rope_frequencies(
-            round(self.resolved_head_dim * self.rope_fraction),
-            self.rope_base,
-            self.rope_scaling,
-            self.rope_scaling_factor,
-            self.rope_original_max_len,
-            self.rope_low_freq_factor,
-            self.rope_high_freq_factor,
+    def rope_scaling_spec(self) -> rope_scaling.RopeScaling:
+        """The RoPE scaling these fields describe."""
+        return rope_scaling.RopeScaling(
+            self.rope_scaling, self.rope_scaling_factor, self.rope_original_max_len,
+            self.rope_low_freq_factor, self.rope_high_freq_factor, self.rope_beta_fast,
+            self.rope_beta_slow, self.rope_mscale, self.rope_mscale_all_dim, self.rope_truncate,
+            self.rope_attention_factor, self.rope_short_factor, self.rope_long_factor,
         )
+
+    @property
+    def rope_frequencies(self) -> np.ndarray:
+        """RoPE's rotation frequencies (float64, static) with this config's scaling (those up
+        to the original context for the length-dependent dynamic and longrope)."""
+        rotated = round(self.resolved_head_dim * self.rope_fraction)
+        return rope_scaling.static_frequencies(self.rope_scaling_spec, rotated, self.rope_base)
 
     @property
     def resolved_num_kv_heads(self) -> int:

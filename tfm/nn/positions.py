@@ -20,6 +20,7 @@ import numpy as np
 from tfm import kernels
 from tfm.checks import ConfigError
 from tfm.kernels import block_bias
+from tfm.nn import rope_scaling
 
 Array = jax.Array
 ArrayLike = jax.Array | np.ndarray  # concrete or traced ids; numpy for static inputs
@@ -100,7 +101,7 @@ def learned_lookup(table: Array, positions: ArrayLike) -> Array:
     return jnp.take(table, positions, axis=0, mode="fill", fill_value=jnp.nan)
 
 
-ROPE_SCALINGS = ("none", "linear", "ntk", "llama3")
+ROPE_SCALINGS = rope_scaling.ROPE_SCALINGS
 
 
 def rope_frequencies(
@@ -112,34 +113,16 @@ def rope_frequencies(
     low_freq_factor: float = 1.0,
     high_freq_factor: float = 4.0,
 ) -> np.ndarray:
-    """RoPE's rotation frequencies [rotated // 2] (float64), base^(-2i/rotated), optionally
-    rescaled for long context by `factor`:
-    - linear: frequencies / factor, i.e. positions interpolated (Chen et al. 2023);
-    - ntk: the "NTK-aware" base change base * factor^(d / (d - 2)) (bloc97, 2023), static;
-    - llama3: low frequencies (wavelength > original_max_len / low_freq_factor) divided by
-      factor, high ones (wavelength < original_max_len / high_freq_factor) kept, and a smooth
-      blend between (Meta's Llama 3.1 recipe, as in Hugging Face's `rope_type="llama3"`).
-    """
+    """RoPE's rotation frequencies [rotated // 2] (float64), base^(-2i/rotated), rescaled for
+    long context by `scaling` with its parameters at their defaults beyond those named here
+    (tfm.nn.rope_scaling has every scaling and all of its parameters). Length-dependent
+    scalings (dynamic, longrope) give their frequencies up to the original context."""
+    spec = rope_scaling.RopeScaling(scaling, factor, original_max_len, low_freq_factor,
+                                    high_freq_factor)
     if scaling not in ROPE_SCALINGS:
-        allowed = ", ".join(ROPE_SCALINGS)
-        raise ValueError(f"scaling={scaling!r} is unknown; choose one of: {allowed}")
-    if scaling == "ntk":
-        base = base * factor ** (rotated / (rotated - 2))
-    inv_freq = base ** (-np.arange(0, rotated, 2, dtype=np.float64) / rotated)
-    if scaling == "linear":
-        return inv_freq / factor
-    if scaling == "llama3":
-        wavelength = 2 * np.pi / inv_freq
-        low_wavelength = original_max_len / low_freq_factor
-        high_wavelength = original_max_len / high_freq_factor
-        scaled = np.where(wavelength > low_wavelength, inv_freq / factor, inv_freq)
-        smooth = (original_max_len / wavelength - low_freq_factor) / (
-            high_freq_factor - low_freq_factor
-        )
-        blended = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelength >= high_wavelength) & (wavelength <= low_wavelength)
-        return np.where(medium, blended, scaled)
-    return inv_freq
+        raise ValueError(f"scaling={scaling!r} is unknown; choose one of: "
+                         f"{', '.join(ROPE_SCALINGS)}")
+    return rope_scaling.static_frequencies(spec, rotated, base)
 
 
 def apply_rope(
@@ -149,14 +132,18 @@ def apply_rope(
     base: float = 10000.0,
     layout: str = "rotate_half",
     fraction: float = 1.0,
-    frequencies: np.ndarray | None = None,
+    frequencies: np.ndarray | Array | None = None,
+    attention_factor: float = 1.0,
 ) -> Array:
     """Rotary position embedding (Su et al. 2021); x: [B, T, N, H], positions: [B, T] -> x's shape.
 
     The first d = round(fraction * H) dims (even) are rotated by angles pos * base^(-2i/d);
     the rest pass through. layout="interleaved" rotates pairs (2i, 2i+1) (paper, GPT-J);
     layout="rotate_half" rotates pairs (i, i + d/2) (GPT-NeoX, Llama). `frequencies` [d / 2]
-    (static, e.g. from `rope_frequencies` with long-context scaling) replace base^(-2i/d).
+    (e.g. from tfm.nn.rope_scaling) replace base^(-2i/d): numpy (static) ones get the exact
+    angle reduction of `_sin_cos`; a jax array (a length-dependent scaling's, traced) the plain
+    float32 product pos * f, as Hugging Face computes it. `attention_factor` multiplies the
+    rotated dimensions (YaRN's and LongRoPE's m: cos and sin scaled, as Hugging Face does).
     Computed in float32, returned in x's dtype.
     """
     if layout not in ("interleaved", "rotate_half"):
@@ -176,7 +163,13 @@ def apply_rope(
         frequencies = base ** (-2.0 * np.arange(half) / rotated)
     if np.shape(frequencies) != (half,):
         raise ValueError(f"frequencies must have shape ({half},); got {np.shape(frequencies)}")
-    sin, cos = _sin_cos(positions, frequencies)
+    if isinstance(frequencies, jax.Array):
+        angle = positions[..., None].astype(jnp.float32) * frequencies.astype(jnp.float32)
+        sin, cos = jnp.sin(angle), jnp.cos(angle)
+    else:
+        sin, cos = _sin_cos(positions, frequencies)
+    if attention_factor != 1.0:
+        sin, cos = sin * attention_factor, cos * attention_factor
     sin, cos = sin[:, :, None, :], cos[:, :, None, :]  # [B, T, 1, half]
     rot, rest = x[..., :rotated].astype(jnp.float32), x[..., rotated:]
     if layout == "rotate_half":
@@ -444,12 +437,21 @@ def _learned_embedding(config: Any, token_positions: Array, width: int, param: P
 
 
 def _rope_rotate(config: Any, x: Array, positions: Array) -> Array:
+    spec = config.rope_scaling_spec
+    frequencies = config.rope_frequencies
+    if spec.kind in rope_scaling.LENGTH_DEPENDENT:
+        # The length is the call's largest position + 1, as Hugging Face takes it: while
+        # decoding it grows step by step, and cached keys keep their earlier rotation.
+        length = jnp.max(jnp.asarray(positions)) + 1
+        frequencies = rope_scaling.frequencies_at(spec, 2 * len(frequencies), config.rope_base,
+                                                  length)
     return apply_rope(
         x,
         positions,
         layout=config.rope_layout,
         fraction=config.rope_fraction,
-        frequencies=config.rope_frequencies,
+        frequencies=frequencies,
+        attention_factor=rope_scaling.attention_factor(spec),
     )
 
 

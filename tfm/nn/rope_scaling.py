@@ -65,12 +65,12 @@ class RopeScaling:
             raise ConfigError(
                 f"rope_scaling={self.kind!r} is unknown; choose one of: {', '.join(ROPE_SCALINGS)}"
             )
-        if self.kind in ("none", "longrope"):
-            pass
-        elif not self.factor >= 1.0:
+        if self.kind in ("dynamic", "yarn") and not self.factor >= 1.0:
             raise ConfigError(
                 f"rope_scaling_factor={self.factor!r} must be >= 1 for rope_scaling={self.kind!r}"
             )
+        if not self.factor > 0:
+            raise ConfigError(f"rope_scaling_factor={self.factor!r} must be > 0")
         if not self.original_max_len > 0:
             raise ConfigError(f"rope_original_max_len={self.original_max_len!r} must be > 0")
         if self.attention_factor < 0:

@@ -22,10 +22,15 @@ from tfm.interop.hf.common import (
 )
 from tfm.nn.config import ModelConfig
 
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
+
 
 def _rope_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
     """rope_base and the long-context scaling fields of ModelConfig (transformers 4 keeps
-    them in rope_theta / rope_scaling, transformers 5 in rope_parameters)."""
+    them in rope_theta / rope_scaling, transformers 5 in rope_parameters). The original
+    context is where Hugging Face reads it for each type: dynamic's is max_position_embeddings;
+    yarn's rope_scaling.original_max_position_embeddings (else max_position_embeddings);
+    longrope's the config's original_max_position_embeddings, with the factor their ratio."""
     rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
     kind = rope.get("rope_type", rope.get("type", "default"))
     fields: dict[str, Any] = dict(
@@ -33,10 +38,32 @@ def _rope_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
     )
     if kind == "default":
         return fields
-    if kind not in ("linear", "llama3"):
-        raise unsupported("rope_scaling.rope_type", kind, "'default', 'linear', 'llama3'")
-    fields.update(rope_scaling=kind, rope_scaling_factor=float(rope["factor"]))
-    if kind == "llama3":
+    if kind not in ROPE_TYPES:
+        raise unsupported("rope_scaling.rope_type", kind, ", ".join(map(repr, ROPE_TYPES)))
+    context = int(hf.get("max_position_embeddings", 2048))
+    fields.update(rope_scaling=kind, rope_scaling_factor=float(rope.get("factor", 1.0)),
+                  rope_attention_factor=float(rope.get("attention_factor") or 0.0))
+    if kind == "dynamic":
+        fields.update(rope_original_max_len=context)
+    elif kind == "yarn":
+        fields.update(
+            rope_original_max_len=int(rope.get("original_max_position_embeddings") or context),
+            rope_beta_fast=float(rope.get("beta_fast") or 32.0),
+            rope_beta_slow=float(rope.get("beta_slow") or 1.0),
+            rope_mscale=float(rope.get("mscale") or 0.0),
+            rope_mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0),
+            rope_truncate=bool(rope.get("truncate", True)),
+        )
+    elif kind == "longrope":
+        original = hf.get("original_max_position_embeddings") or rope.get(
+            "original_max_position_embeddings")
+        fields.update(
+            rope_original_max_len=int(original or context),
+            rope_scaling_factor=context / original if original else fields["rope_scaling_factor"],
+            rope_short_factor=tuple(float(x) for x in rope["short_factor"]),
+            rope_long_factor=tuple(float(x) for x in rope["long_factor"]),
+        )
+    elif kind == "llama3":
         fields.update(
             rope_original_max_len=int(rope["original_max_position_embeddings"]),
             rope_low_freq_factor=float(rope["low_freq_factor"]),
@@ -45,15 +72,25 @@ def _rope_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
     return fields
 
 
+def _sliding_window(hf: Mapping[str, Any]) -> int | None:
+    """tfm's local_window (a query sees keys q - k <= window) from Mistral's or Qwen2's
+    sliding window (keys q - k < sliding_window). Qwen2 windows layers from max_window_layers
+    on: only a window on every layer (max_window_layers 0) has a tfm equivalent."""
+    if hf["model_type"] == "qwen2" and not hf.get("use_sliding_window", False):
+        return None
+    if hf.get("sliding_window") is None:
+        return None
+    if hf["model_type"] == "qwen2" and hf.get("max_window_layers", 0) not in (0, None):
+        raise unsupported("max_window_layers", hf["max_window_layers"],
+                          "0 (a sliding window on every layer, as tfm's local_window)")
+    return int(hf["sliding_window"]) - 1
+
+
 def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
     model_type = hf["model_type"]
     require(hf, "hidden_act", ("silu",))
     require(hf, "pretraining_tp", (1,), 1)
-    local_window = None
-    if model_type == "mistral" and hf.get("sliding_window") is not None:
-        local_window = int(hf["sliding_window"]) - 1  # HF: a query sees keys q - k < window
-    if model_type == "qwen2":
-        require(hf, "use_sliding_window", (False,), False)
+    local_window = _sliding_window(hf)
     attention_bias = bool(hf.get("attention_bias", False))
     heads = hf["num_attention_heads"]
     return ModelConfig(
@@ -139,19 +176,45 @@ def save_type(config: ModelConfig) -> str:
 
 
 def _rope_scaling_for_save(config: ModelConfig) -> dict[str, Any] | None:
-    if config.rope_scaling == "none":
+    kind = config.rope_scaling
+    if kind == "none":
         return None
-    if config.rope_scaling == "ntk":
-        raise unsupported("rope_scaling", "ntk", "none, linear, llama3 (Hugging Face has no "
-                          "static NTK-aware scaling)")
-    scaling = dict(rope_type=config.rope_scaling, factor=config.rope_scaling_factor)
-    if config.rope_scaling == "llama3":
+    if kind == "ntk":
+        raise unsupported("rope_scaling", "ntk", "none, linear, dynamic, yarn, longrope, llama3 "
+                          "(Hugging Face has no static NTK-aware scaling)")
+    scaling: dict[str, Any] = dict(rope_type=kind, factor=config.rope_scaling_factor)
+    if config.rope_attention_factor:
+        scaling.update(attention_factor=config.rope_attention_factor)
+    if kind == "yarn":
+        scaling.update(original_max_position_embeddings=config.rope_original_max_len,
+                       beta_fast=config.rope_beta_fast, beta_slow=config.rope_beta_slow,
+                       truncate=config.rope_truncate)
+        if config.rope_mscale and config.rope_mscale_all_dim:
+            scaling.update(mscale=config.rope_mscale, mscale_all_dim=config.rope_mscale_all_dim)
+    elif kind == "longrope":
+        scaling.update(short_factor=list(config.rope_short_factor),
+                       long_factor=list(config.rope_long_factor))
+    elif kind == "llama3":
         scaling.update(
             original_max_position_embeddings=config.rope_original_max_len,
             low_freq_factor=config.rope_low_freq_factor,
             high_freq_factor=config.rope_high_freq_factor,
         )
     return scaling
+
+
+def _context_fields(config: ModelConfig) -> dict[str, Any]:
+    """max_position_embeddings (and longrope's original_max_position_embeddings) as Hugging
+    Face reads the original context of each scaling back."""
+    if config.rope_scaling == "dynamic":
+        return dict(max_position_embeddings=config.rope_original_max_len)
+    if config.rope_scaling == "longrope":
+        return dict(
+            max_position_embeddings=round(
+                config.rope_scaling_factor * config.rope_original_max_len),
+            original_max_position_embeddings=config.rope_original_max_len,
+        )
+    return dict(max_position_embeddings=config.max_len)
 
 
 def hf_config(config: ModelConfig, model_type: str) -> dict[str, Any]:
@@ -162,7 +225,7 @@ def hf_config(config: ModelConfig, model_type: str) -> dict[str, Any]:
         hidden_size=config.d_model, intermediate_size=config.d_ff,
         num_attention_heads=config.num_heads, num_key_value_heads=config.resolved_num_kv_heads,
         head_dim=config.resolved_head_dim, num_hidden_layers=config.num_decoder_layers,
-        max_position_embeddings=config.max_len, rms_norm_eps=config.norm_eps,
+        **_context_fields(config), rms_norm_eps=config.norm_eps,
         rope_theta=config.rope_base, hidden_act="silu",
         rope_scaling=_rope_scaling_for_save(config),
         tie_word_embeddings=config.tie_output, attention_bias=config.has_bias("qkv"),
