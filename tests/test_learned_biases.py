@@ -1,14 +1,25 @@
 """Kerple and FIRE block biases (tfm.nn.learned_biases) against their formulas written
-directly in numpy, on whole rows, for both orientations a fused kernel evaluates."""
+directly in numpy, on whole rows, for both orientations a fused kernel evaluates; as position
+schemes, through the flex kernel against the reference (values and every gradient), cached
+decoding against the full pass, and the TPU program without a [T, T] array."""
 
 from __future__ import annotations
+
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from attention_cases import (
+    assert_cached_decoding_matches_full_pass,
+    assert_model_matches_reference,
+    lowered_lm_grad,
+)
+from tiny_model import TINY
 
 from tfm.nn import learned_biases as lb
+from tfm.nn.config import ModelConfig
 
 HEADS = 3
 
@@ -114,3 +125,42 @@ def test_parameter_gradients_equal_finite_differences(hook):
         analytic = float(np.asarray(grads[last])[index])
         assert analytic == pytest.approx(numeric, rel=2e-2, abs=1e-2), (hook.__name__, index)
         assert abs(analytic) > 1e-3
+
+
+# ------------------------------------------------------------------ in the model, through flex
+
+
+def _config(backend: str, scheme: str, **changes) -> ModelConfig:
+    return ModelConfig(**{**TINY, "max_len": 256, "attention_backend": backend,
+                          "position_scheme": scheme, **changes})
+
+
+@pytest.mark.parametrize("mode,scheme", [("lm", "kerple_log"), ("lm", "fire"),
+                                         ("seq2seq", "kerple_power")])
+def test_models_with_flex_equal_the_reference_values_and_every_gradient(mode, scheme):
+    """Flex (Pallas, interpret mode here) computes the bias per block from positions; the
+    reference adds the dense bias: logits and every parameter gradient, the bias's included,
+    agree (a packed LM with a local window; an encoder-decoder with padded rows)."""
+    changes = dict(num_encoder_layers=0, local_window=11) if mode == "lm" else {}
+    paths = assert_model_matches_reference(
+        "flex", mode, lambda backend: _config(backend, scheme, **changes))
+    assert any(scheme.split("_")[0] in path for path in paths), paths
+
+
+@pytest.mark.parametrize("scheme", ["fire"])
+def test_cached_decoding_equals_the_full_pass(scheme):
+    assert_cached_decoding_matches_full_pass(_config("reference", scheme, num_encoder_layers=0))
+
+
+@pytest.mark.parametrize("scheme", ["fire"])
+def test_the_tpu_program_has_no_square_array(scheme):
+    """Lowered for TPU: the train gradient calls the Pallas kernel and holds no [.., T, T]
+    array, where the reference's program does."""
+    length = 256
+    square = re.compile(rf"x{length}x{length}x")
+    config = lambda backend: _config(backend, scheme, num_encoder_layers=0,  # noqa: E731
+                                     dtype="bfloat16")
+    flex_text = lowered_lm_grad(config("flex"), length, "tpu")
+    assert flex_text.count("tpu_custom_call") >= 3
+    assert not square.search(flex_text)
+    assert square.search(lowered_lm_grad(config("reference"), length, "tpu"))

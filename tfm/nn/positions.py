@@ -20,7 +20,7 @@ import numpy as np
 from tfm import kernels
 from tfm.checks import ConfigError
 from tfm.kernels import block_bias
-from tfm.nn import rope_scaling
+from tfm.nn import learned_biases, rope_scaling
 
 Array = jax.Array
 ArrayLike = jax.Array | np.ndarray  # concrete or traced ids; numpy for static inputs
@@ -369,6 +369,10 @@ def _never(config: Any) -> bool:
     return False
 
 
+def _always(config: Any) -> bool:
+    return True
+
+
 def _no_check(config: Any) -> None:
     return None
 
@@ -571,6 +575,22 @@ SCHEMES: dict[str, PositionScheme] = {
         PositionScheme(
             "alibi", "bias", "ALiBi linear distance penalty per head",
             logit_bias=_alibi_logit_bias, block_bias=_alibi_block_bias, logit_bias_kind="fixed",
+        ),
+        # Learned long-context biases (tfm.nn.learned_biases), one set per layer as in their
+        # papers; only the block form is given, so the dense one comes from it.
+        PositionScheme(
+            "kerple_log", "bias", "Kerple: -r1 log(1 + r2 |i - j|), learned per head",
+            block_bias=learned_biases.kerple_log, logit_bias_kind="learned",
+            bias_per_layer=_always,
+        ),
+        PositionScheme(
+            "kerple_power", "bias", "Kerple: -r1 |i - j|^r2, learned per head",
+            block_bias=learned_biases.kerple_power, logit_bias_kind="learned",
+            bias_per_layer=_always,
+        ),
+        PositionScheme(
+            "fire", "bias", "FIRE: an MLP of the log distance over the log query position",
+            block_bias=learned_biases.fire, logit_bias_kind="learned", bias_per_layer=_always,
         ),
     )
 }
