@@ -125,21 +125,25 @@ def maxtext_row(name: str, maxtext_dir: Path, python: str) -> dict:
             "roofline_ms": 1e3 * step, "mfu": mfu, "command": shlex.join(command)}
 
 
+def _windowed(row: dict) -> str:
+    return "on" if row.get("windowed_einsum") else "off"
+
+
 def markdown(rows: list[dict]) -> str:
-    lines = ["| step (per v5e chip) | mesh | remat | bytes accessed | roofline step "
-             "| MFU at most |", "|---|---|---|---:|---:|---:|"]
+    lines = ["| step (per v5e chip) | mesh | remat | windowed einsums | bytes accessed "
+             "| roofline step | MFU at most |", "|---|---|---|---|---:|---:|---:|"]
     for row in rows:
         label = ("MaxText, splash, layers unrolled" if row["system"] == "MaxText"
                  else "tfm, splash, fused loss")
-        lines.append(f"| {label} | {row['mesh']} | `{row['remat']}` | "
+        lines.append(f"| {label} | {row['mesh']} | `{row['remat']}` | {_windowed(row)} | "
                      f"{row['bytes_per_chip'] / 1e9:.1f} GB | {row['roofline_ms']:.1f} ms | "
                      f"{100 * row['mfu']:.1f}% |")
     groups = sorted({group for row in rows for group in row.get("bytes_by_group", {})})
     if groups:
         lines += ["", "tfm's bytes by part of the step (`--breakdown`), GB per chip:", "",
-                  "| row | " + " | ".join(groups) + " |",
-                  "|---|" + "---:|" * len(groups)]
-        lines += [f"| {row['row']} | " + " | ".join(
+                  "| row | windowed einsums | " + " | ".join(groups) + " |",
+                  "|---|---|" + "---:|" * len(groups)]
+        lines += [f"| {row['row']} | {_windowed(row)} | " + " | ".join(
             f"{row['bytes_by_group'].get(group, 0) / 1e9:.2f}" for group in groups) + " |"
                   for row in rows if row.get("bytes_by_group")]
     return "\n".join(lines) + "\n"
