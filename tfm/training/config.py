@@ -171,9 +171,30 @@ class EvalConfig:
     alpha: float = 0.6
     extra_len: int = 50  # seq2seq: at most source length + 50 tokens
     cache_segments: int = 4  # decode loops, the KV cache grown before each (tfm.decode.search)
+    # Long-context probes (tfm/training/long_context.py), off by default. Passkey retrieval:
+    # prompts of these lengths (tokens) with the key at these depths (fractions of the text).
+    passkey_lengths: tuple[int, ...] = ()
+    passkey_depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
+    passkey_examples: int = 4  # prompts per (length, depth) cell
+    passkey_task: str = "passkey"  # or "multi_key": several named keys, one asked for
+    passkey_alphabet: str = "0123456789"  # the keys' characters
+    passkey_key_length: int = 5
+    position_buckets: int = 0  # > 0: perplexity per bucket of positions along the eval rows
 
     def __post_init__(self) -> None:
         check_int("eval.max_batches", self.max_batches, 0, " (0 = all)")
+        for length in self.passkey_lengths:
+            check_int("eval.passkey_lengths", length, 16)
+        for depth in self.passkey_depths:
+            check_number("eval.passkey_depths", depth, "numbers in [0, 1]",
+                         lambda v: 0.0 <= v <= 1.0)
+        check_int("eval.passkey_examples", self.passkey_examples, 1)
+        check_choice("eval.passkey_task", self.passkey_task, ("passkey", "multi_key"))
+        if len(self.passkey_alphabet) < 2:
+            raise ConfigError(f"eval.passkey_alphabet={self.passkey_alphabet!r} needs at least "
+                              "2 characters")
+        check_int("eval.passkey_key_length", self.passkey_key_length, 1)
+        check_int("eval.position_buckets", self.position_buckets, 0, " (0 = off)")
         check_int("eval.max_generation_examples", self.max_generation_examples, 0, " (0 = all)")
         if self.generation_metric is not None:
             check_choice("eval.generation_metric", self.generation_metric, GENERATION_METRICS)

@@ -24,7 +24,7 @@ from tfm.decode import generate
 from tfm.decode.search import DecodeConfig
 from tfm.kernels import cpu_compile
 from tfm.parallel import sharding
-from tfm.training import losses, metrics
+from tfm.training import long_context, losses, metrics
 from tfm.training.experiment import Experiment, setup
 from tfm.training.losses import loss_sums
 from tfm.training.state import InShardingContext, restore_params, state_shardings
@@ -61,7 +61,8 @@ def jit_eval_step(experiment: Experiment, param_shardings: Any) -> InShardingCon
 
 
 def evaluate(experiment: Experiment, params: Any, eval_fn: Callable | None = None) -> dict:
-    """Loss/perplexity/accuracy on every eval split, plus exact match or BLEU from decoding."""
+    """Loss/perplexity/accuracy on every eval split, plus exact match or BLEU from decoding,
+    and the long-context probes the eval section turns on (tfm.training.long_context)."""
     options = experiment.eval
     eval_fn = eval_fn or jit_eval_step(experiment, state_shardings(experiment)[1].params)
     metric = experiment.generation_metric
@@ -83,6 +84,8 @@ def evaluate(experiment: Experiment, params: Any, eval_fn: Callable | None = Non
                 results[f"{prefix}_{name}"] = float(value)
         if metric != "none":
             results[f"{prefix}_{metric}"] = generation_score(experiment, params, split, metric)
+        results.update(long_context.position_perplexity(experiment, params, split))
+    results.update(long_context.passkey_scores(experiment, params, decode_texts))
     return results
 
 

@@ -31,7 +31,7 @@ from tfm.nn import positions, remat
 from tfm.nn.config import ModelConfig, from_dict, loss_backend_for
 from tfm.nn.families import Family, family_of, get_family
 from tfm.parallel import distributed, sharding
-from tfm.training import optim
+from tfm.training import long_context, optim
 from tfm.training.config import (  # noqa: F401  (re-exported: the public import path)
     DROPOUT_RNGS,
     EVAL_DEFAULTS,
@@ -216,6 +216,7 @@ def setup(
         rules=sections.rules,
         pretrained=sections.pretrained,
     )
+    long_context.check(experiment)
     for split in sections.eval.splits or ():
         if split not in data.sources:
             raise ConfigError(
