@@ -54,8 +54,8 @@ def check(experiment: Any) -> None:
     if unknown:
         raise ConfigError(
             f"eval.passkey_lengths: the passkey prompts use characters outside the vocabulary "
-            f"({', '.join(map(repr, unknown))}); train on text that has them (e.g. "
-            "data.passkey_fraction) or set eval.passkey_alphabet to characters it has"
+            f"({', '.join(map(repr, unknown))}); train on text that has them, or set "
+            "eval.passkey_alphabet to characters it has"
         )
 
 
