@@ -171,10 +171,9 @@ class EvalConfig:
     alpha: float = 0.6
     extra_len: int = 50  # seq2seq: at most source length + 50 tokens
     cache_segments: int = 4  # decode loops, the KV cache grown before each (tfm.decode.search)
-    # Long-context probes (tfm/training/long_context.py), off by default. Passkey retrieval:
-    # prompts of these lengths (tokens) with the key at these depths (fractions of the text).
-    passkey_lengths: tuple[int, ...] = ()
-    passkey_depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
+    # Long-context probes (tfm/training/long_context.py), off by default.
+    passkey_lengths: tuple[int, ...] = ()  # passkey prompt lengths in tokens; () = off
+    passkey_depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)  # where the key sits
     passkey_examples: int = 4  # prompts per (length, depth) cell
     passkey_task: str = "passkey"  # or "multi_key": several named keys, one asked for
     passkey_alphabet: str = "0123456789"  # the keys' characters
