@@ -1,7 +1,8 @@
-"""tfm in EleutherAI's lm-evaluation-harness (tfm/interop/lm_eval.py): the adapter's numbers
-against tfm's own forward pass computed here (float32, 1e-5), and the harness's evaluator on the
+"""tfm in EleutherAI's lm-evaluation-harness (tfm/interop/lm_eval/): the adapter's numbers
+against tfm's own forward pass computed here (float32, 1e-5), the harness's evaluator on the
 local tasks of tests/fixtures/lm_eval/ (multiple choice, rolling perplexity, generate_until),
-offline, on a one-step char LM."""
+offline, on a one-step char LM; two processes against one; and, where torch is installed, the
+harness's own `hf` model against `tfm` on a GPT-2 exported by tfm."""
 
 from __future__ import annotations
 

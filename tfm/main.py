@@ -458,7 +458,7 @@ COMMAND_HELP: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "./launch.sh lm_eval [CONFIG[:ARG]] [--workdir DIR] --tasks a,b [--limit N] "
         "[--num_fewshot K] [--include_path TASK_DIR] [--step N]",
         "Runs EleutherAI's lm-evaluation-harness tasks on DIR's checkpoint (the model `tfm`, "
-        'tfm/interop/lm_eval.py; pip install -e ".[eval]"); prints the harness\'s table and '
+        'tfm/interop/lm_eval/; pip install -e ".[eval]"); prints the harness\'s table and '
         "writes DIR/lm_eval/results.json. Tasks download their data from the Hugging Face Hub "
         "unless they are local (--include_path).",
         ("workdir", "tasks", "limit", "num_fewshot", "include_path", "step"),
