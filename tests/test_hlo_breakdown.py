@@ -63,5 +63,22 @@ def test_groups_follow_the_name_stack_and_collectives_the_opcode():
     assert hlo_breakdown.classify("all-gather-start", "jit(step)/M/feed_forward") \
         == "collectives"
     assert hlo_breakdown.classify("fusion", "jit(step)/M/final_norm/layer_norm") == "norm"
+    assert hlo_breakdown.classify(  # the norm before the FFN is a norm, not the FFN
+        "fusion", "jit(step)/transpose(jvp(M))/layer_2/feed_forward_norm/layer_norm/mul") == "norm"
     assert hlo_breakdown.classify("fusion", "jit(step)/M/decoder/embed/gather") \
         == "embedding/loss"
+
+
+def test_a_dot_written_as_a_padded_convolution_counts_its_real_taps():
+    """TPU writes the [B, T, D] x [D, N, H] projection as a convolution whose 12-tap window
+    slides over a padded length-1 axis: one tap in twelve touches the input."""
+    program = """HloModule m
+ENTRY %main (a: bf16[8,1024,768,1], b: bf16[768,12,64,1]) -> f32[8,1024,12,64] {
+  %a = bf16[8,1024,768,1]{3,2,1,0} parameter(0)
+  %b = bf16[768,12,64,1]{3,2,1,0} parameter(1)
+  ROOT %c = f32[8,1024,12,64]{3,2,1,0} convolution(%a, %b), WINDOW, dim_labels=0bf1_i1o0->0b1f
+}
+""".replace("WINDOW", "window={size=1x12 pad=0_0x11_11 rhs_reversal=0x1}")
+    (cost,) = hlo_breakdown.instruction_costs(program)
+    assert cost.flops == 2 * 8 * 1024 * 12 * 64 * 768
+    assert cost.bytes == 2 * (8 * 1024 * 768 + 768 * 12 * 64) + 4 * 8 * 1024 * 12 * 64

@@ -144,13 +144,44 @@ def _matmul_flops(instruction: Instruction, shapes: dict[str, str]) -> float:
         contracted = math.prod(lhs[int(d)] for d in match.group(1).split(",") if d) if (
             match and lhs) else 1
         return 2.0 * out * contracted
-    rhs = _dims(shapes.get(instruction.operands[1], "")) if len(instruction.operands) > 1 else []
-    labels = re.search(r"dim_labels=\w+_(\w+)->", instruction.attributes)
-    if not rhs or not labels or "o" not in labels.group(1):
+    return _convolution_flops(instruction, shapes, out)
+
+
+def _convolution_flops(instruction: Instruction, shapes: dict[str, str], out: int) -> float:
+    """2 x (output elements / output positions) x input features x the (output position,
+    kernel tap) pairs that land inside the input: taps over padding are not work (TPU writes
+    some dots as convolutions whose window slides over a padded length-1 axis)."""
+    if len(instruction.operands) < 2:
         return 0.0
-    kernel = math.prod(rhs) // max(1, rhs[labels.group(1).index("o")])
+    lhs = _dims(shapes.get(instruction.operands[0], ""))
+    rhs = _dims(shapes.get(instruction.operands[1], ""))
+    labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", instruction.attributes)
+    if not lhs or not rhs or not labels:
+        return 0.0
+    lhs_labels, rhs_labels, out_labels = labels.groups()
+    out_dims = _dims(instruction.shape)
+    window = re.search(r"window=\{([^}]*)\}", instruction.attributes)
+    sizes = pads = strides = None
+    if window:
+        fields = dict(part.split("=", 1) for part in window.group(1).split() if "=" in part)
+        sizes = [int(v) for v in fields.get("size", "").split("x") if v]
+        pads = [tuple(int(p) for p in v.split("_")) for v in fields.get("pad", "").split("x") if v]
+        strides = [int(v) for v in fields.get("stride", "").split("x") if v]
+    pairs, positions = 1, 1
+    for axis in sorted(label for label in out_labels if label.isdigit()):
+        length = lhs[lhs_labels.index(axis)]
+        outputs = out_dims[out_labels.index(axis)]
+        index = int(axis)
+        taps = sizes[index] if sizes and index < len(sizes) else rhs[rhs_labels.index(axis)]
+        low = pads[index][0] if pads and index < len(pads) else 0
+        stride = strides[index] if strides and index < len(strides) else 1
+        pairs *= sum(1 for position in range(outputs) for tap in range(taps)
+                     if 0 <= position * stride + tap - low < length)
+        positions *= outputs
     groups = re.search(r"feature_group_count=(\d+)", instruction.attributes)
-    return 2.0 * out * kernel / (int(groups.group(1)) if groups else 1)
+    features = rhs[rhs_labels.index("i")] if "i" in rhs_labels else 1
+    del groups  # rhs's "i" is already the input features of one group
+    return 2.0 * out / max(positions, 1) * features * pairs
 
 
 def _computation_flops(name: str, computations: dict[str, list[Instruction]],
@@ -227,12 +258,13 @@ def classify(opcode: str, op_name: str) -> str:
     if any(word in name for word in ("optax", "adam", "optimizer", "clip", "apply_updates",
                                      "global_norm", "scale_by")):
         return "optimizer"
+    # A norm module sits beside the sublayer it feeds (`feed_forward_norm/layer_norm`).
+    if any(part.endswith("norm") for part in name.split("/")):
+        return "norm"
     if any(word in name for word in ("attention", "splash", "/attn")):
         return "attention"
     if any(word in name for word in ("mlp", "ffn", "feedforward", "feed_forward", "/dense_ff")):
         return "ffn"
-    if "norm" in name:
-        return "norm"
     if any(word in name for word in ("embed", "logits", "loss", "cross_entropy", "softmax",
                                      "position")):
         return "embedding/loss"
