@@ -9,7 +9,7 @@ row update costs the row); a fusion's FLOPs are those of the dots and convolutio
 (2 x output elements x contracted size; elementwise work is left out, it is small beside the
 matmuls and absent from a memory-bound verdict; Pallas kernels declare none). Loop bodies
 (`while`) are costed once, as XLA does. The bytes sum to `cost_analysis()["bytes accessed"]`
-exactly on CPU and within 5% on TPU for GPT-2 small (whose cost analysis has rules of its own
+exactly on CPU and within 2-7% on TPU for GPT-2 small (whose cost analysis has rules of its own
 for tile padding; tests/test_hlo_breakdown.py, docs/performance.md), so the groups say why a
 step is memory-bound.
 
