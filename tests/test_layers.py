@@ -10,7 +10,14 @@ from tiny_model import TINY
 
 from tfm.nn import layers, positions
 from tfm.nn.config import ModelConfig
-from tfm.nn.layers import FeedForward, MultiHeadAttention, Norm, PositionBias, PositionEmbedding
+from tfm.nn.layers import (
+    AttentionInputs,
+    FeedForward,
+    MultiHeadAttention,
+    Norm,
+    PositionBias,
+    PositionEmbedding,
+)
 from tfm.nn.models import DecoderLM
 
 
@@ -73,10 +80,8 @@ def test_attention_bias_switches(changes, with_bias):
     config = tiny(**changes)
     x = jnp.ones((1, 3, config.d_model))
     positions = jnp.arange(3)[None]
-    params = MultiHeadAttention(config).init(
-        jax.random.PRNGKey(0), x, x, mask=None, bias=None, query_positions=positions,
-        key_positions=positions,
-    )["params"]
+    inputs = AttentionInputs(None, None, positions, positions)
+    params = MultiHeadAttention(config).init(jax.random.PRNGKey(0), x, x, inputs)["params"]
     assert {name for name, p in params.items() if "bias" in p} == with_bias
 
 

@@ -292,3 +292,45 @@ def test_decoder_only_config_and_decoder_lm_refuses_encoder_layers():
         ModelConfig.decoder_only(vocab_size=13, num_encoder_layers=1)
     with pytest.raises(ConfigError, match="num_layers= sets the decoder's depth"):
         ModelConfig.decoder_only(vocab_size=13, num_decoder_layers=1)
+
+
+def test_attention_takes_few_arguments_and_blocks_no_lambdas():
+    """MultiHeadAttention takes its cache plumbing as one value (tfm.nn.cache.CacheSlot) and its
+    masks, bias and positions as another (AttentionInputs); Block calls its sublayers directly."""
+    import ast
+    import inspect
+    import textwrap
+
+    from tfm.nn.layers import MultiHeadAttention
+    from tfm.nn.models import Block
+
+    assert len(inspect.signature(MultiHeadAttention.__call__).parameters) - 1 <= 6
+    source = textwrap.dedent(inspect.getsource(Block.__call__))
+    assert not [node for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Lambda)]
+
+
+@pytest.mark.parametrize("lm_head_bias", [False, True])
+def test_untied_head_goes_through_kernels_linear(monkeypatch, lm_head_bias):
+    from tfm import kernels
+
+    config = ModelConfig(**{**TINY, "num_encoder_layers": 0, "tie_output": False,
+                            "lm_head_bias": lm_head_bias, "num_decoder_layers": 1})
+    tokens = jnp.asarray([[1, 2, 3]])
+    model = DecoderLM(config)
+    params = nn.meta.unbox(model.init(jax.random.PRNGKey(0), tokens)["params"])
+    head = params["decoder"]["output_projection"]
+    assert head["kernel"].shape == (config.d_model, config.vocab_size)
+    assert ("bias" in head) == lm_head_bias
+    kernels_used = []
+    real_linear = kernels.linear
+
+    def linear(x, kernel, **options):
+        kernels_used.append(tuple(kernel.shape))
+        return real_linear(x, kernel, **options)
+
+    monkeypatch.setattr(kernels, "linear", linear)
+    logits = model.apply({"params": params}, tokens)
+    assert (config.d_model, config.vocab_size) in kernels_used
+    hidden = model.apply({"params": params}, tokens, return_hidden=True)
+    want = np.asarray(hidden) @ np.asarray(head["kernel"]) + np.asarray(head.get("bias", 0.0))
+    np.testing.assert_allclose(logits, want, rtol=1e-5, atol=1e-5)

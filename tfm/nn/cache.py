@@ -53,6 +53,19 @@ class DecoderCache:
         return self.lengths.shape[0]
 
 
+
+@struct.dataclass
+class CacheSlot:
+    """One attention layer's place in the KV cache: the cache of every layer, which layer's
+    slots are its own (`layer`: a python int unrolled, traced under nn.scan) and where its new
+    self-attention keys go (`write_index`: [batch] int32; None for cross-attention, written
+    from slot 0)."""
+
+    cache: DecoderCache
+    layer: jax.Array | int = struct.field(pytree_node=True, default=0)
+    write_index: jax.Array | None = None
+
+
 def init_cache(
     config: ModelConfig,
     batch_size: int,

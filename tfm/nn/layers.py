@@ -11,11 +11,12 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from tfm import kernels
 from tfm.kernels.call import AttentionStructure, BlockBias
 from tfm.nn import positions
-from tfm.nn.cache import DecoderCache
+from tfm.nn.cache import CacheSlot, DecoderCache
 from tfm.nn.config import ModelConfig
 
 Array = jax.Array
@@ -166,6 +167,27 @@ class TokenEmbedding(nn.Module):
                               compute_dtype=config.compute_dtype, out_dtype=jnp.float32)
 
 
+class OutputProjection(nn.Module):
+    """The untied output layer: logits = x . kernel (+ bias with lm_head_bias) in float32,
+    through `tfm.kernels.linear`. kernel: [d_model, vocab] (Glorot-uniform), bias: [vocab]."""
+
+    config: ModelConfig
+    vocab_size: int
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:  # x: [batch, len, d_model] -> [batch, len, vocab]
+        config = self.config
+        kernel = self.param("kernel", _kernel(("embed", "vocab")),
+                            (config.d_model, self.vocab_size), config.params_dtype)
+        logits = kernels.linear(x, kernel, backend=config.matmul_choice,
+                                compute_dtype=config.compute_dtype, out_dtype=jnp.float32)
+        if config.lm_head_bias:
+            bias = self.param("bias", nn.initializers.zeros_init(), (self.vocab_size,),
+                              config.params_dtype)
+            logits = logits + bias.astype(jnp.float32)
+        return logits
+
+
 def _param_fn(module: nn.Module, config: ModelConfig) -> positions.ParamFn:
     """The `param` hook tfm.nn.positions' schemes create their tables with, in `module`."""
 
@@ -228,6 +250,25 @@ class PositionBias(nn.Module):
         return dense, by_blocks
 
 
+@struct.dataclass
+class AttentionInputs:
+    """What one attention call reads besides its hidden states, computed once per stack call.
+
+    mask: [batch, 1, q_len, kv_len] bool or None; bias: [batch | 1, heads, q_len, kv_len] (a
+    position scheme's logit bias) or None; query_positions: [batch, q_len]; key_positions:
+    [batch, kv_len], of every key attended to; structure: the mask (and bias) by parts, for
+    fused kernels (None where only the dense mask can say it); causal: no cache and causal
+    masking, so query i sees no key after i (a kernel may skip that work).
+    """
+
+    mask: Array | None
+    bias: Array | None
+    query_positions: Array
+    key_positions: Array
+    structure: AttentionStructure | None = None
+    causal: bool = struct.field(pytree_node=False, default=False)
+
+
 class MultiHeadAttention(nn.Module):
     """Multi-head (or grouped-query) attention, self or cross (Vaswani et al. 2017 sec. 3.2.2).
 
@@ -236,9 +277,9 @@ class MultiHeadAttention(nn.Module):
     Query, key and value projections of one input go to the kernels together
     (`project_together`). The attention core is `tfm.kernels.attention` with the config's backend.
 
-    With a KV cache (tfm/nn/cache.py) the new keys and values are written into this layer's
-    slots in place, attention reads the slots in the cache's layout, and the updated cache is
-    returned.
+    With a KV cache slot (tfm.nn.cache.CacheSlot) the new keys and values are written into
+    this layer's slots in place, attention reads the slots in the cache's layout, and the
+    updated cache is returned (None without one).
 
     Applied with the "intermediates" collection mutable, it also sows its attention weights
     [batch, heads, q_len, kv_len] as "attention_weights" (the backend must return weights:
@@ -253,36 +294,27 @@ class MultiHeadAttention(nn.Module):
         self,
         inputs_q: Array,  # [batch, q_len, d_model]
         inputs_kv: Array | None,  # [batch, kv_len, d_model], or None to read the cross cache
-        *,
-        mask: Array | None,  # [batch, 1, q_len, kv_len] bool
-        bias: Array | None,  # [batch | 1, heads, q_len, kv_len]
-        query_positions: Array,  # [batch, q_len]
-        key_positions: Array,  # [batch, kv_len] positions of every key attended to
-        cache: DecoderCache | None = None,  # every layer's slots
-        layer: Array | int = 0,  # which layer's slots are this module's
-        write_index: Array | None = None,  # [batch] slot where new self-attention keys go
-        causal: bool = False,  # self-attention without a cache: query i sees no key after i
-        structure: AttentionStructure | None = None,  # mask and bias by parts, for fused kernels
+        inputs: AttentionInputs,  # mask, shared bias and positions
+        slot: CacheSlot | None = None,  # this layer's place in the KV cache, or None
         deterministic: bool = True,
-    ) -> tuple[Array, DecoderCache | None]:
+    ) -> tuple[Array, DecoderCache | None]:  # [batch, q_len, d_model], the updated cache
         config = self.config
         query, key, value = self._project(inputs_q, inputs_kv)
         rotate = config.scheme.rotate
         if rotate is not None and not self.is_cross:
-            query = rotate(config, query, query_positions)
-            key = rotate(config, key, query_positions)
+            query = rotate(config, query, inputs.query_positions)
+            key = rotate(config, key, inputs.query_positions)
+        cache = None if slot is None else slot.cache
         reads_cache = cache is not None and (not self.is_cross or inputs_kv is None)
         if cache is not None and inputs_kv is not None:  # new keys/values into this layer's slots
-            start = jnp.zeros_like(query_positions[:, 0]) if self.is_cross else write_index
-            cache = _write_cache(cache, self.is_cross, key, value, layer, start)
+            start = (jnp.zeros_like(inputs.query_positions[:, 0]) if self.is_cross
+                     else slot.write_index)
+            cache = _write_cache(cache, self.is_cross, key, value, slot.layer, start)
         if reads_cache:
-            key, value = _read_cache(cache, self.is_cross, layer)
-        out = self._attend(
-            query, key, value, mask, bias, query_positions, key_positions,
-            causal=causal, structure=structure, deterministic=deterministic,
-            # keys and values in a kernel's own layout (the reference one reads as computed)
-            cache_layout=reads_cache and cache.layout.name != "reference",
-        )
+            key, value = _read_cache(cache, self.is_cross, slot.layer)
+        # keys and values in a kernel's own layout (the reference one reads as computed)
+        in_cache_layout = reads_cache and cache.layout.name != "reference"
+        out = self._attend(query, key, value, inputs, in_cache_layout, deterministic)
         num_heads, head_dim = config.num_heads, config.resolved_head_dim
         names = ("heads", "head_dim", "embed")
         out_proj = _dense(config, (num_heads, head_dim), config.d_model, names, "out",
@@ -307,18 +339,18 @@ class MultiHeadAttention(nn.Module):
         return query_proj(inputs_q), *project_together(config, inputs_kv, [key_proj, value_proj])
 
     def _attend(
-        self, query: Array, key: Array, value: Array, mask: Array | None, bias: Array | None,
-        query_positions: Array, key_positions: Array, *, causal: bool, cache_layout: bool,
-        structure: AttentionStructure | None, deterministic: bool,
+        self, query: Array, key: Array, value: Array, inputs: AttentionInputs,
+        cache_layout: bool, deterministic: bool,
     ) -> Array:  # [batch, q_len, heads, head_dim]
         """The attention core, with a Shaw relative scheme's logit bias and value term."""
         config = self.config
         scale = config.resolved_attention_scale
-        value_term = None
+        value_term, bias = None, inputs.bias
         collect = self.is_mutable_collection("intermediates")
         if config.scheme.relative is not None and not self.is_cross:
             relative_bias, value_term = config.scheme.relative(
-                config, query, query_positions, key_positions, scale, _param_fn(self, config)
+                config, query, inputs.query_positions, inputs.key_positions, scale,
+                _param_fn(self, config)
             )
             bias = relative_bias if bias is None else bias + relative_bias
         dropout_rate = 0.0 if deterministic else config.attention_dropout_rate
@@ -328,14 +360,14 @@ class MultiHeadAttention(nn.Module):
             value.astype(query.dtype),
             backend=config.attention_backend,
             bias=bias,
-            mask=mask,
+            mask=inputs.mask,
             scale=scale,
             dropout_rate=dropout_rate,
             dropout_rng=self.make_rng("dropout") if dropout_rate > 0 else None,
             return_weights=value_term is not None or collect,
-            causal=causal,
+            causal=inputs.causal,
             cache_layout=cache_layout,
-            structure=structure,
+            structure=inputs.structure,
         )
         if value_term is None and not collect:
             return result
