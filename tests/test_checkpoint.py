@@ -300,3 +300,17 @@ def test_no_readable_step_error_lists_each_step_and_what_to_do(tmp_path):
         f"{tmp_path / 'run'} aside), or move these step folders elsewhere: {directory / '2'}, "
         f"{directory / '1'}")
     assert sorted(p.name for p in directory.iterdir()) == ["1", "2"]  # nothing moved
+
+
+def test_a_tuple_field_compares_as_config_json_holds_it():
+    """A run saved before a tuple-valued model field existed (rope_long_factor) resumes: the
+    field's default () equals the [] config.json writes; a real change is still reported."""
+    from tfm.training.checkpoint import model_differences
+
+    before = {"model": {"d_model": 4}}
+    assert model_differences(before, {"model": {"d_model": 4, "rope_long_factor": []}}) == []
+    assert model_differences({"model": {"rope_long_factor": [1.0]}},
+                             {"model": {"rope_long_factor": (1.0,)}}) == []
+    assert model_differences({"model": {"rope_long_factor": [1.0]}},
+                             {"model": {"rope_long_factor": (2.0,)}}) == [
+        "model.rope_long_factor: saved [1.0], current [2.0]"]

@@ -130,7 +130,12 @@ class ConfigMismatchError(ValueError):
 def _model_field_defaults() -> dict[str, Any]:
     from tfm.nn.config import ModelConfig
 
-    return {f"model.{f.name}": f.default for f in dataclasses.fields(ModelConfig)}
+    return {f"model.{f.name}": _as_json(f.default) for f in dataclasses.fields(ModelConfig)}
+
+
+def _as_json(value: Any) -> Any:
+    """`value` as config.json holds it (tuples as lists), so both sides compare alike."""
+    return json.loads(json.dumps(value))
 
 
 # Model fields a restored run may change: they choose an implementation, not the parameters
@@ -151,7 +156,7 @@ def model_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> l
         new.pop(key, None)
     missing = "<absent>"
     defaults = _model_field_defaults()
-    value = lambda side, key: side.get(key, defaults.get(key, missing))
+    value = lambda side, key: _as_json(side.get(key, defaults.get(key, missing)))
     return [
         f"{key}: saved {value(old, key)!r}, current {value(new, key)!r}"
         for key in sorted(set(old) | set(new))
