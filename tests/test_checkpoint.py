@@ -314,3 +314,18 @@ def test_a_tuple_field_compares_as_config_json_holds_it():
     assert model_differences({"model": {"rope_long_factor": [1.0]}},
                              {"model": {"rope_long_factor": (2.0,)}}) == [
         "model.rope_long_factor: saved [1.0], current [2.0]"]
+
+
+def test_evaluation_may_change_how_positions_are_scaled_and_training_may_not():
+    from tfm.training.checkpoint import EVAL_TIME, model_differences
+
+    saved = {"model": {"d_model": 4, "rope_scaling": "none"}}
+    current = {"model": {"d_model": 4, "rope_scaling": "yarn", "rope_scaling_factor": 4.0,
+                         "attention_log_length": 256}}
+    assert model_differences(saved, current, EVAL_TIME) == []
+    assert model_differences(saved, current) == [
+        "model.attention_log_length: saved 0, current 256",
+        "model.rope_scaling: saved 'none', current 'yarn'",
+        "model.rope_scaling_factor: saved 1.0, current 4.0"]
+    assert model_differences(saved, {"model": {"d_model": 8}}, EVAL_TIME) == [
+        "model.d_model: saved 4, current 8"]

@@ -403,3 +403,31 @@ def test_rope_frequency_scalings():
                                    (llama3[middle] > plain[middle] / 8))
     with pytest.raises(ValueError, match="scaling='yaarn' is unknown; choose one of: none, linear"):
         rope_frequencies(8, scaling="yaarn")
+
+
+def test_log_length_scale_is_one_up_to_the_length_then_grows_with_its_log():
+    from tfm.nn.positions import log_length_scale
+
+    positions = np.array([[0, 63, 64, 255, 4095]])
+    scale = np.asarray(log_length_scale(positions, 64))
+    np.testing.assert_allclose(scale[0, :3], [1.0, 1.0, np.log(65) / np.log(64)], rtol=1e-6)
+    np.testing.assert_allclose(scale[0, 3:], [np.log(256) / np.log(64), 2.0], rtol=1e-6)
+
+
+def test_attention_log_length_scales_the_logits_of_late_queries_only():
+    """Within the length the model is unchanged; past it only later tokens' outputs move, and a
+    model whose queries are scaled by hand gives the same logits."""
+
+    from tfm.nn.config import ModelConfig
+    from tfm.nn.models import DecoderLM
+
+    base = ModelConfig.decoder_only(32, 2, d_model=16, num_heads=2, d_ff=32,
+                                    position_scheme="none")
+    tokens = jnp.asarray(np.random.default_rng(0).integers(1, 32, (2, 40)), jnp.int32)
+    params = DecoderLM(base).init(jax.random.key(0), tokens)
+    plain = DecoderLM(base).apply(params, tokens)
+    scaled = DecoderLM(base.replace(attention_log_length=16)).apply(params, tokens)
+    np.testing.assert_allclose(scaled[:, :16], plain[:, :16], atol=1e-6)
+    assert float(jnp.abs(scaled[:, 20:] - plain[:, 20:]).max()) > 1e-3
+    with pytest.raises(ConfigError, match="attention_log_length=1 must be 0"):
+        base.replace(attention_log_length=1)

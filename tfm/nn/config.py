@@ -106,6 +106,10 @@ class ModelConfig:
     rope_attention_factor: float = 0.0  # factor on rotated q and k; 0: the scaling's own
     rope_short_factor: tuple[float, ...] = ()  # longrope: per-frequency factors up to the
     rope_long_factor: tuple[float, ...] = ()  # original context, and past it
+    # > 0: self-attention queries at position p are scaled by max(1, ln(p + 1) / ln(this)),
+    # a temperature that grows with the log of the position past this length (log-length
+    # scaling, for NoPE or with YaRN); evaluation may change it on a trained model. 0 = off.
+    attention_log_length: int = 0
     relative_max_distance: int = 16  # Shaw et al. clipping distance k
     relative_values: bool = True  # Shaw et al. also add relative embeddings to values
     t5_num_buckets: int = 32  # relative-position buckets of the T5 bias
@@ -259,6 +263,11 @@ class ModelConfig:
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
                 raise ConfigError(f"{field}={value!r} must be a number > 0")
         check_positive("rope_original_max_len", self.rope_original_max_len)
+        log_length = self.attention_log_length
+        if isinstance(log_length, bool) or not isinstance(log_length, int) or log_length in (1,) \
+                or log_length < 0:
+            raise ConfigError(f"attention_log_length={log_length!r} must be 0 (off) or an "
+                              "integer >= 2")
         self.rope_scaling_spec.check(round(self.resolved_head_dim * self.rope_fraction))
         if not 0.0 < self.rope_fraction <= 1.0:
             raise ConfigError(f"rope_fraction={self.rope_fraction!r} must be in (0, 1]")

@@ -304,6 +304,9 @@ class MultiHeadAttention(nn.Module):
         if rotate is not None and not self.is_cross:
             query = rotate(config, query, inputs.query_positions)
             key = rotate(config, key, inputs.query_positions)
+        if config.attention_log_length and not self.is_cross:
+            scale = positions.log_length_scale(inputs.query_positions, config.attention_log_length)
+            query = (query * scale[:, :, None, None]).astype(query.dtype)
         cache = None if slot is None else slot.cache
         reads_cache = cache is not None and (not self.is_cross or inputs_kv is None)
         if cache is not None and inputs_kv is not None:  # new keys/values into this layer's slots

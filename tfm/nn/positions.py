@@ -186,6 +186,14 @@ def apply_rope(
     return jnp.concatenate([out.astype(x.dtype), rest], axis=-1)
 
 
+def log_length_scale(positions: ArrayLike, length: int) -> Array:
+    """max(1, ln(p + 1) / ln(length)) for each position p: the factor on a query's logits that
+    keeps attention from flattening past `length` tokens (Chiang and Cholak 2022's log-length
+    scaling). positions: [B, T] -> [B, T] float32."""
+    positions = _int_positions(positions).astype(jnp.float32)
+    return jnp.maximum(1.0, jnp.log(positions + 1.0) / np.float32(np.log(length)))
+
+
 def alibi_slopes(num_heads: int) -> np.ndarray:
     """ALiBi head slopes (Press et al. 2022) -> [num_heads] float32.
 

@@ -143,15 +143,24 @@ def _as_json(value: Any) -> Any:
 # run saved on a TPU restores on a CPU).
 IMPLEMENTATION_ONLY = ("model.attention_backend", "model.matmul", "model.cache_layout",
                        "model.remat", "model.loss_backend")
+# Model fields evaluation and generation may change on trained parameters (a context-extension
+# study evaluates one RoPE model under each scaling, zero-shot): how positions are scaled, not
+# what was learned. A training run resuming with one of them changed is still refused.
+EVAL_TIME = ("model.rope_scaling", "model.rope_scaling_factor", "model.rope_original_max_len",
+             "model.rope_low_freq_factor", "model.rope_high_freq_factor", "model.rope_beta_fast",
+             "model.rope_beta_slow", "model.rope_mscale", "model.rope_mscale_all_dim",
+             "model.rope_truncate", "model.rope_attention_factor", "model.rope_short_factor",
+             "model.rope_long_factor", "model.attention_log_length")
 
 
-def model_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+def model_differences(saved: Mapping[str, Any], current: Mapping[str, Any],
+                      may_differ: tuple[str, ...] = ()) -> list[str]:
     """'model.FIELD: saved X, current Y' for every field under "model" whose saved and current
-    values differ, IMPLEMENTATION_ONLY aside. A field one side lacks (a checkpoint from before
-    the field existed) counts as its default."""
+    values differ, IMPLEMENTATION_ONLY and `may_differ` aside. A field one side lacks (a
+    checkpoint from before the field existed) counts as its default."""
     old = _flatten(saved.get("model", {}), "model")
     new = _flatten(current.get("model", {}), "model")
-    for key in IMPLEMENTATION_ONLY:
+    for key in (*IMPLEMENTATION_ONLY, *may_differ):
         old.pop(key, None)
         new.pop(key, None)
     missing = "<absent>"
@@ -164,10 +173,11 @@ def model_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> l
     ]
 
 
-def check_model_config(saved: Mapping[str, Any], current: Mapping[str, Any], where: str) -> None:
+def check_model_config(saved: Mapping[str, Any], current: Mapping[str, Any], where: str,
+                       may_differ: tuple[str, ...] = ()) -> None:
     """Raises ConfigMismatchError (a ValueError) listing every model field that differs (see
     `model_differences`; other sections, e.g. the learning rate, may change between runs)."""
-    diffs = model_differences(saved, current)
+    diffs = model_differences(saved, current, may_differ)
     if diffs:
         raise ConfigMismatchError(
             f"checkpoint {where} was saved with a different model config; differing fields:\n"
@@ -317,18 +327,21 @@ class Checkpointer:
         abstract_state: Any = None,
         data_iterator: Any = None,
         config_json: str | None = None,
+        may_differ: tuple[str, ...] = (),
     ) -> Any:
         """Returns the state saved at `step` (default: the latest).
 
         abstract_state: a pytree of jax.ShapeDtypeStruct whose `sharding`s place the restored
         arrays (resharding as needed); None restores arrays as saved. data_iterator: a grain
         iterator set in place to the saved position. config_json: the current experiment
-        config; if given, any difference under "model" raises a ValueError naming each field.
-        Raises FileNotFoundError if the step does not exist, CheckpointError if it is unreadable.
+        config; if given, any difference under "model" (but the `may_differ` fields) raises a
+        ValueError naming each field. Raises FileNotFoundError if the step does not exist,
+        CheckpointError if it is unreadable.
         """
         step, path = self._step_path(step)
         if config_json is not None:
-            check_model_config(self.saved_config(step), json.loads(config_json), str(path))
+            check_model_config(self.saved_config(step), json.loads(config_json), str(path),
+                               may_differ)
         items = {"state": ocp.args.StandardRestore(abstract_state)}
         if data_iterator is not None:
             if not (path / "data").exists():

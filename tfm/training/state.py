@@ -238,7 +238,9 @@ def make_checkpointer(experiment: Experiment) -> checkpoint.Checkpointer:
 
 
 def restore_params(experiment: Experiment, step: int | None = None) -> tuple[Any, int]:
-    """Params of the latest (or given) checkpoint, checked against the current model config."""
+    """Params of the latest (or given) checkpoint, checked against the current model config
+    (the position-scaling fields of checkpoint.EVAL_TIME may differ: evaluation may extend the
+    context of a trained model)."""
     abstract, _ = state_shardings(experiment)
     with make_checkpointer(experiment) as checkpointer:
         step = checkpointer.latest_step() if step is None else step
@@ -248,6 +250,7 @@ def restore_params(experiment: Experiment, step: int | None = None) -> tuple[Any
                 "./launch.sh train"
             )
         state = checkpointer.restore(
-            step, abstract_state=abstract, config_json=experiment.config_json()
+            step, abstract_state=abstract, config_json=experiment.config_json(),
+            may_differ=checkpoint.EVAL_TIME,
         )
     return state.params, step
