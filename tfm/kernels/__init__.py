@@ -367,18 +367,20 @@ def projections(
     reference runs one `linear` per kernel; a Matmul with `fuses_projections` runs one matmul
     over the concatenated kernels and splits it (one wide matmul beats three narrow ones on
     CPU), with the same values."""
+    shapes = [kernel.shape[num_contracted:] for kernel in kernels]  # each out_dims_i
     out_dtype = jax.numpy.dtype(out_dtype or compute_dtype or x.dtype)
     options = dict(backend=backend, num_contracted=num_contracted, compute_dtype=compute_dtype,
                    out_dtype=out_dtype if biases is None else jax.numpy.float32)
-    if matmul(backend).fuses_projections and len(kernels) > 1:
-        together = linear(x, cpu_dense.concatenate_kernels(kernels, num_contracted), **options)
-        outputs = cpu_dense.split_outputs(together, kernels, num_contracted)
-    else:
-        outputs = [linear(x, kernel, **options) for kernel in kernels]
-    if biases is None:
-        return outputs
-    return [(y + bias.astype(jax.numpy.float32)).astype(out_dtype)
-            for y, bias in zip(outputs, biases, strict=True)]
+    fused = matmul(backend).fuses_projections  # as one [*in_dims, sum of widths] kernel
+    if fused:
+        kernels = [cpu_dense.concatenate_kernels(kernels, num_contracted)]
+        biases = None if biases is None else [jax.numpy.concatenate(
+            [bias.reshape(-1) for bias in biases])]
+    outputs = [linear(x, kernel, **options) for kernel in kernels]
+    if biases is not None:
+        outputs = [(y + bias.astype(jax.numpy.float32)).astype(out_dtype)
+                   for y, bias in zip(outputs, biases, strict=True)]
+    return cpu_dense.split_outputs(outputs[0], shapes) if fused else outputs
 
 
 def swap_halves(x: jax.Array) -> jax.Array:  # [..., 2 * half] -> [..., 2 * half] float32

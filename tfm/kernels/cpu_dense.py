@@ -124,15 +124,13 @@ def concatenate_kernels(kernels: list[jax.Array], num_contracted: int) -> jax.Ar
     one wide matmul in place of several narrow ones (faster on CPU)."""
     in_dims = kernels[0].shape[:num_contracted]
     flat = [kernel.reshape(*in_dims, -1) for kernel in kernels]
-    return jnp.concatenate(flat, axis=-1)
+    return flat[0] if len(flat) == 1 else jnp.concatenate(flat, axis=-1)
 
 
-def split_outputs(y: jax.Array, kernels: list[jax.Array],
-                  num_contracted: int) -> list[jax.Array]:
-    """The output [..., sum_i width_i] of `concatenate_kernels`' matmul split back into each
-    kernel's [..., *out_dims_i]."""
-    out_dims = [kernel.shape[num_contracted:] for kernel in kernels]
+def split_outputs(y: jax.Array, out_dims: list[tuple[int, ...]]) -> list[jax.Array]:
+    """The output [..., sum_i prod(out_dims_i)] of `concatenate_kernels`' matmul split back
+    into each kernel's [..., *out_dims_i]."""
     widths = [math.prod(dims) for dims in out_dims]
-    outputs = jnp.split(y, np.cumsum(widths)[:-1].tolist(), axis=-1)
+    outputs = jnp.split(y, np.cumsum(widths)[:-1].tolist(), axis=-1) if len(widths) > 1 else [y]
     return [out.reshape(*out.shape[:-1], *dims)
             for out, dims in zip(outputs, out_dims, strict=True)]
