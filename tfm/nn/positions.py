@@ -21,6 +21,7 @@ from tfm import kernels
 from tfm.checks import ConfigError
 from tfm.kernels import block_bias
 from tfm.nn import learned_biases, rope_scaling
+from tfm.nn.shaw import relative_indices, shaw_logit_bias, shaw_value_term  # noqa: F401
 
 Array = jax.Array
 ArrayLike = jax.Array | np.ndarray  # concrete or traced ids; numpy for static inputs
@@ -278,39 +279,6 @@ def t5_bias(
         max_distance=max_distance,
     )
     return jnp.moveaxis(jnp.take(table, buckets, axis=0), -1, 1)  # [B, T, S, N] -> [B, N, T, S]
-
-
-def relative_indices(
-    query_positions: ArrayLike, key_positions: ArrayLike, max_distance: int
-) -> Array:
-    """Shaw et al. 2018 indices clip(key - query, -k, k) + k, k = max_distance;
-    query_positions: [B, T], key_positions: [B, S] -> [B, T, S] int32 in [0, 2k]."""
-    if max_distance <= 0:
-        raise ValueError(f"max_distance={max_distance} must be > 0")
-    offsets = _offsets(query_positions, key_positions)
-    return jnp.clip(offsets, -max_distance, max_distance) + max_distance
-
-
-def shaw_logit_bias(query: Array, key_table: Array, rel_idx: Array, scale: float) -> Array:
-    """scale * q_i . a^K_ij (Shaw et al. 2018, eq. 5); query: [B, T, N, H], key_table: [2k+1, H],
-    rel_idx: [B, T, S] -> [B, N, T, S].
-
-    Dots each query with all 2k+1 table rows first, then gathers: no [B, T, S, H] tensor.
-    """
-    per_row = jnp.einsum("btnh,rh->bntr", query, key_table)  # [B, N, T, 2k+1]
-    gathered = jnp.take_along_axis(per_row, rel_idx[:, None].astype(jnp.int32), axis=-1)
-    return scale * gathered
-
-
-def shaw_value_term(weights: Array, value_table: Array, rel_idx: Array) -> Array:
-    """sum_j w_ij a^V_ij (Shaw et al. 2018, eq. 3); weights: [B, N, T, S], value_table: [2k+1, H],
-    rel_idx: [B, T, S] -> [B, T, N, H].
-
-    Sums the weights per relative index first, then multiplies by the table.
-    """
-    one_hot = jax.nn.one_hot(rel_idx, value_table.shape[0], dtype=weights.dtype)  # [B, T, S, R]
-    per_row = jnp.einsum("bnts,btsr->btnr", weights, one_hot)
-    return jnp.einsum("btnr,rh->btnh", per_row, value_table)
 
 
 # ---------------------------------------------------------------------------------------------
