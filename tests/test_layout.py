@@ -219,6 +219,11 @@ def _long_files(paths: dict[str, Path]) -> list[str]:
             if lines > MAX_FILE_LINES]
 
 
+def test_no_library_file_is_longer_than_600_lines():
+    long = _long_files(_modules())
+    assert not long, long
+
+
 def test_the_file_length_check_counts_lines(tmp_path):
     short, long = tmp_path / "short.py", tmp_path / "long.py"
     short.write_text("x = 1\n" * MAX_FILE_LINES)
