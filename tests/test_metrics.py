@@ -1,6 +1,5 @@
 import math
 import os
-import struct
 import subprocess
 import sys
 import textwrap
@@ -8,24 +7,9 @@ import textwrap
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tensorboardX.proto import event_pb2
+from tensorboard_events import _read_events
 
 from tfm.training.metrics import MetricWriter, progress_bar, read_metrics
-
-
-def _read_events(directory):
-    """Scalars from TensorBoard event files (TFRecord: u64 length, u32 crc, data, u32 crc)."""
-    scalars = []
-    for path in sorted(directory.glob("events.out.tfevents.*")):
-        data = path.read_bytes()
-        offset = 0
-        while offset < len(data):
-            (length,) = struct.unpack("<Q", data[offset:offset + 8])
-            event = event_pb2.Event.FromString(data[offset + 12:offset + 12 + length])
-            offset += 12 + length + 4
-            for value in event.summary.value:
-                scalars.append((event.step, value.tag, value.simple_value))
-    return scalars
 
 
 def test_jsonl_and_tensorboard_round_trip(tmp_path):

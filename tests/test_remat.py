@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from decode_cases import EXTRA_LEN, MAX_NEW, PAD, PROMPT_LENGTHS, PROMPTS, SOURCE, random_params
+from decode_cases import TINY as DECODE_TINY
 from jax.extend import core as jax_core
-from test_generate import EXTRA_LEN, MAX_NEW, PAD, PROMPT_LENGTHS, PROMPTS, SOURCE, random_params
-from test_generate import TINY as DECODE_TINY
 from tiny_model import TINY
 
 from configs import synthetic_lm

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 from compile_cache import persistent_compilation_cache
-from test_metrics import _read_events as tensorboard_scalars
+from tensorboard_events import _read_events as tensorboard_scalars
 
 from configs import synthetic_lm
 from tfm.checks import ConfigError
