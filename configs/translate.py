@@ -47,7 +47,7 @@ def get_config(arg: str | None = None):
     config.data.batch_size = 64
     # Packing applies to the training rows: Multi30k captions are short, so a row of 64 holds
     # 3.8 pairs on average with this 8k vocabulary (2.8 with runlocal's 1k; measured, and
-    # tests/test_data_build.py checks that rows pack). Eval rows hold one pair each on purpose:
+    # tests/data/test_build.py checks that rows pack). Eval rows hold one pair each on purpose:
     # decoding and BLEU go example by example.
     config.data.packing = True
 

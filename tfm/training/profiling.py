@@ -89,7 +89,7 @@ def memory_line(figures: dict[str, int], device_figures: dict[str, int] | None) 
 class MemoryOnFirstCall:
     """A jitted train step whose first call compiles it through `.lower(...).compile()`, reports
     its memory, then runs. jax (0.10) keeps that executable for the call, so the step still
-    compiles once (tests/test_profile.py counts)."""
+    compiles once (tests/training/test_profile.py counts)."""
 
     def __init__(self, jitted: Any, abstract_state: Any, report: Callable[[str], None]) -> None:
         self.jitted, self.abstract_state = jitted, abstract_state

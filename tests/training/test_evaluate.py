@@ -1,7 +1,7 @@
 """Generation checks of tfm/training/evaluate.py that run before any checkpoint is read or
 anything compiles: generation past the trained context (a warning for every position scheme)
 and past a learned position table (an error). The metrics themselves are tested end to end in
-tests/test_train.py."""
+tests/training/test_train.py."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 roofline. The CPU target runs everywhere; TPU targets need libtpu (`pip install -e ".[tpu]"`),
 and their tests skip without it:
 
-    pip install -e ".[dev,tpu]" && python -m pytest tests/test_compile_report.py
+    pip install -e ".[dev,tpu]" && python -m pytest tests/training/test_compile_report.py
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from tfm.checks import ConfigError
 from tfm.kernels.hardware import CHIPS
 from tfm.training import compile_report
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 HAS_CUDA_PLUGIN = importlib.util.find_spec("jax_cuda12_plugin") is not None
 

@@ -256,7 +256,7 @@ def test_under_a_mesh_each_device_runs_its_rows_and_heads_with_their_bias_rows()
 
 def test_sharded_inputs_without_the_mesh_set_are_one_clear_error():
     """Inputs on 8 devices, no mesh set while tracing: one error naming what to add, before
-    any kernel is traced (tests/test_tpu_attention.py runs the whole step both ways)."""
+    any kernel is traced (tests/kernels/test_tpu_attention.py runs the whole step both ways)."""
     from jax.sharding import NamedSharding, PartitionSpec
 
     from tfm.kernels.per_device import MeshContextError

@@ -16,7 +16,7 @@ from tfm.data.build import DataConfig
 from tfm.data.tokenizers import HFTokenizer, unknown_characters
 from tfm.interop import hf
 
-FIXTURES = Path(__file__).parent / "fixtures" / "hf"
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "hf"
 TEXT = "The cat sat on the mat.\nA dog ran; the cat hid.\nÜber café, naïve façade!\n"
 SPECIAL = ["<pad>", "<s>", "</s>"]
 

@@ -16,11 +16,12 @@ from pathlib import Path
 
 import pytest
 
+from tfm.nn.positions import POSITION_SCHEMES
 from tfm.sweeps import sweep
 from tfm.sweeps.sweep import product, run_name, zip_
 from tfm.sweeps.sweep import sweep as axis
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_product_and_zip():
@@ -77,10 +78,12 @@ def test_commands_and_config_sweeps():
         "--config.model.position_scheme=alibi", "--config.train.label_smoothing=0.1",
         "--config.train.seed=3", "--config.train.num_steps=5",
     ]
-    schemes = ["none", "sinusoidal", "learned", "rope", "relative", "t5_bias", "alibi"]
+    # Every registered scheme, in the registry's order.
     assert sweep.load_sweep("configs/synthetic_lm.py:reverse,runlocal") == [
-        {"model.position_scheme": s} for s in schemes]
-    assert len(sweep.load_sweep("configs/synthetic_seq2seq.py")) == 3 * 7
+        {"model.position_scheme": s} for s in POSITION_SCHEMES]
+    assert POSITION_SCHEMES[:7] == ("none", "sinusoidal", "learned", "rope", "relative",
+                                    "t5_bias", "alibi")
+    assert len(sweep.load_sweep("configs/synthetic_seq2seq.py")) == 3 * len(POSITION_SCHEMES)
     # Schemes in ARG keep just those (a pilot); the task and the variants still apply.
     assert sweep.load_sweep("configs/synthetic_lm.py:reverse,alibi,none,runlocal") == [
         {"model.position_scheme": "none"}, {"model.position_scheme": "alibi"}]
@@ -124,7 +127,8 @@ def test_only_keeps_the_matching_runs_under_the_whole_sweeps_names(capsys):
     args = ["configs/synthetic_lm.py:short", "--seeds", "1", "--dry_run", "--workdir", "/tmp/nw"]
     assert sweep.main([*args, "--only", "data.task=reverse", "--only", "seed=1"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("7 runs of configs/synthetic_lm.py:short under /tmp/nw:")
+    assert out.startswith(f"{len(POSITION_SCHEMES)} runs of configs/synthetic_lm.py:short "
+                          "under /tmp/nw:")
     assert "task=reverse,position_scheme=alibi,seed=1\n" in out  # the task stays in the name
     assert "task=copy" not in out
     assert sweep.main([*args, "--only", "position_scheme=rope"]) == 0
@@ -144,7 +148,8 @@ def test_launch_sh_sweep_dry_run():
         capture_output=True, text=True, timeout=60,
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.count("./launch.sh train configs/synthetic_lm.py:reverse,runlocal") == 7
+    assert result.stdout.count("./launch.sh train configs/synthetic_lm.py:reverse,runlocal") == len(
+        POSITION_SCHEMES)
 
 
 def test_slurm_script(tmp_path, capsys):

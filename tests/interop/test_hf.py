@@ -18,7 +18,7 @@ from tfm.interop import hf
 from tfm.nn.models import stack_layer_params
 from tfm.training.experiment import init_state, setup, state_shardings
 
-FIXTURES = Path(__file__).parent / "fixtures" / "hf"
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "hf"
 DECODERS = ("gpt2", "llama", "llama3_rope", "linear_rope", "yarn_rope", "dynamic_rope",
             "longrope_rope", "qwen2", "qwen2_window", "mistral")
 SCALED = ("llama3_rope", "linear_rope", "yarn_rope", "dynamic_rope", "longrope_rope")
@@ -205,7 +205,7 @@ def test_live_regenerate_compare_and_open_the_export_in_transformers(family, tmp
     import torch
     import transformers
 
-    monkeypatch.syspath_prepend(str(Path(__file__).parent / "fixtures"))  # undone afterwards
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "fixtures"))  # undone afterwards
     import make_hf_fixtures
 
     reference = make_hf_fixtures.make(family, tmp_path / "hf", seed=1)
@@ -252,7 +252,7 @@ def test_torch_transformer_post_ln_with_final_norms_matches_logits_and_greedy():
 
 
 def launch(*args: str) -> subprocess.CompletedProcess:
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     return subprocess.run(["bash", str(repo / "launch.sh"), *args], cwd=repo,
                           capture_output=True, text=True, timeout=300)
 

@@ -17,7 +17,7 @@ from tfm.training import metrics, train
 from tfm.training.experiment import setup
 from tfm.training.state import restore_params
 
-FIXTURES = Path(__file__).parent / "fixtures" / "checkpoints"
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "checkpoints"
 SAVED_STEP = 4
 
 

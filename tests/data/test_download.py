@@ -13,7 +13,7 @@ import pytest
 from configs import char_lm, translate
 from tfm.data import ASSETS, builders, download
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def fake_files() -> dict[str, bytes]:

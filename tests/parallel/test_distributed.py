@@ -14,7 +14,7 @@ import pytest
 from tfm.checks import ConfigError
 from tfm.parallel import distributed
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CLEAN_ENV: dict[str, str] = {}  # no SLURM / MPI / TPU / TFM_* variables
 
 

@@ -15,7 +15,7 @@ import pytest
 from tfm.checks import ConfigError
 from tfm.nn import rope_scaling as rs
 
-FIXTURE = Path(__file__).parent / "fixtures" / "rope_scaling.json"
+FIXTURE = Path(__file__).parents[1] / "fixtures" / "rope_scaling.json"
 D, BASE = 64, 10000.0
 
 

@@ -32,7 +32,7 @@ from tfm.training import train
 from tfm.training.evaluate import evaluate
 from tfm.training.experiment import restore_params, setup, state_shardings
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 OVERRIDES = {
     "model.d_model": 32, "model.num_heads": 4, "model.d_ff": 64, "model.num_encoder_layers": 1,
     "model.num_decoder_layers": 1,

@@ -24,7 +24,7 @@ from configs import char_lm  # noqa: E402
 from tfm.interop import lm_eval as adapter  # noqa: E402
 from tfm.nn.models import DecoderLM  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "fixtures" / "lm_eval"
 TASKS = ["tfm_tiny_choice", "tfm_tiny_rolling", "tfm_tiny_generate"]
 SEQ_LEN = 32  # the run's training rows: the adapter's max_length

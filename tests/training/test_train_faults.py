@@ -18,7 +18,7 @@ import numpy as np
 
 from tfm.training import checkpoint, metrics
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 NUM_STEPS = 16
 RUN_TIMEOUT_S = 240
 
