@@ -10,8 +10,8 @@ row update costs the row); a fusion's FLOPs are those of the dots and convolutio
 matmuls and absent from a memory-bound verdict; Pallas kernels declare none). Loop bodies
 (`while`) are costed once, as XLA does. The bytes sum to `cost_analysis()["bytes accessed"]`
 exactly on CPU and within 2-7% on TPU for GPT-2 small (whose cost analysis has rules of its own
-for tile padding; tests/training/test_hlo_breakdown.py, docs/performance.md), so the groups say why a
-step is memory-bound.
+for tile padding; tests/training/test_hlo_breakdown.py, docs/performance.md), so the groups
+say why a step is memory-bound.
 
 Each instruction is put in a group by its opcode (collectives) or by its `op_name`, the JAX
 name stack of the code that made it (flax module paths such as `layer_3/self_attention`, the

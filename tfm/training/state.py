@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -22,8 +22,9 @@ from tfm.kernels import cpu_compile
 from tfm.parallel import sharding
 from tfm.training import checkpoint, optim
 
-if TYPE_CHECKING:
-    from tfm.training.experiment import Experiment
+# tfm.training.experiment.Experiment: that module builds on this one (and re-exports it), so
+# this one names the type without importing it.
+Experiment = Any
 
 logger = logging.getLogger("tfm.training.train")  # the training system's one log name
 
