@@ -59,7 +59,13 @@ def base_config() -> ml_collections.ConfigDict:
     # init.pretrained: a Hugging Face model folder (tfm.interop.hf) to start training from;
     # its architecture replaces config.model except the implementation fields (dtype,
     # param_dtype, scan_layers, remat, attention_backend). A workdir checkpoint wins on resume.
-    config.init = ml_collections.ConfigDict(dict(pretrained=config_dict.placeholder(str)))
+    # init.checkpoint: a tfm workdir whose checkpoint (init.checkpoint_step, None = the latest)
+    # gives the first state's params, with a fresh optimizer and step 0: fine-tune a trained
+    # model, e.g. at a longer context with a RoPE scaling (its model must be this run's, the
+    # fields of tfm.training.checkpoint.EVAL_TIME aside).
+    config.init = ml_collections.ConfigDict(dict(
+        pretrained=config_dict.placeholder(str), checkpoint=config_dict.placeholder(str),
+        checkpoint_step=config_dict.placeholder(int)))
     config.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
     # (("embed", None), ...) overrides tfm.parallel.sharding's defaults
     config.logical_axis_rules = ()

@@ -39,6 +39,15 @@ def test_unknown_field_and_bad_values_name_the_data_field():
         DataConfig(kind="text", path="a.txt", mode="seq2seq")
     with pytest.raises(ConfigError, match=r"data.features is required"):
         DataConfig(kind="tfds", name="lm1b")
+    with pytest.raises(ConfigError, match=r"data.passkey_rows=5 is only used by data.kind='text'"):
+        DataConfig(passkey_rows=5)
+    with pytest.raises(ConfigError, match=r"data.passkey_rows: data.seq_len=64 is too short"):
+        DataConfig(kind="text", path="a.txt", passkey_rows=5, seq_len=64)
+    with pytest.raises(ConfigError, match=r"data.passkey_alphabet='7' needs at least two"):
+        DataConfig(kind="text", path="a.txt", passkey_rows=5, seq_len=256, passkey_alphabet="7")
+    with pytest.raises(ConfigError, match=r"data.passkey_rows=-2 must be an integer > 0"):
+        DataConfig(kind="text", path="a.txt", passkey_rows=-2)
+    DataConfig(kind="text", path="a.txt", passkey_rows=5, seq_len=256)
 
 
 def test_config_dict_input_and_resolved_defaults():

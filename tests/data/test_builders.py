@@ -7,7 +7,7 @@ import pytest
 import tensorflow_datasets as tfds
 
 from tfm.checks import ConfigError
-from tfm.data import builders
+from tfm.data import builders, passkey
 from tfm.data.builders import DataError
 
 
@@ -217,3 +217,19 @@ def test_building_prints_no_custom_configuration_warning(tmp_path, caplog):
             tmp_path, task="copy", seed=0, num_symbols=4, train_lengths=(1, 3),
             eval_lengths=(4, 5), num_train=8, num_validation=4, num_test=4))
     assert not [r for r in caplog.records if "custom data configuration" in r.getMessage()]
+
+
+def test_passkey_rows_join_the_training_split_only(tmp_path, monkeypatch):
+    monkeypatch.setattr(builders, "TEXT_BLOCK_CHARS", 7)
+    text = "ab\n\ncd ef\n" * 6
+    path = tmp_path / "corpus.txt"
+    path.write_text(text, encoding="utf-8")
+    plain = builders.prepare(builders.text_file_builder(
+        tmp_path, path, text_unit="block", validation_fraction=0.25))
+    mixed = builders.prepare(builders.text_file_builder(
+        tmp_path, path, text_unit="block", validation_fraction=0.25, passkey_rows=5,
+        passkey_length=120, passkey_alphabet="xyz", passkey_key_length=3))
+    train = _texts(mixed["train"])
+    assert train[:7] == _texts(plain["train"])
+    assert train[7:] == passkey.training_texts(5, 120, alphabet="xyz", key_length=3)
+    assert _texts(mixed["validation"]) == _texts(plain["validation"])

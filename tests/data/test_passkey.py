@@ -65,3 +65,22 @@ def test_accuracy_by_cell_counts_exact_keys():
                    for i, example in enumerate(cells)]
     table = passkey.accuracy_by_cell(cells, predictions)
     assert table == {(200, 0.0): 0.5, (200, 1.0): 0.5, (400, 0.0): 0.5, (400, 1.0): 0.5}
+
+
+def test_training_rows_hold_their_key_at_spread_depths_and_fit_their_length():
+    """Training rows: prompt (at most `length` characters) + " " + key, the key inside the
+    prompt once, at depths that cover [0, 1]; none equals an evaluation example's text."""
+    texts = passkey.training_texts(40, 249, alphabet="abcdefghij", key_length=4)
+    assert texts == passkey.training_texts(40, 249, alphabet="abcdefghij", key_length=4)
+    fractions = []
+    for text in texts:
+        prompt, key = text.rsplit(" ", 1)
+        assert len(prompt) <= 249 and len(key) == 4 and set(key) <= set("abcdefghij")
+        assert prompt.endswith("What is the pass key? It is")
+        assert prompt.count(f"The pass key is {key}.") == 1
+        fractions.append(prompt.index("The pass key is") / len(prompt))
+    assert min(fractions) < 0.25 and max(fractions) > 0.6  # near the start and near the end
+    assert len({round(f, 1) for f in fractions}) >= 6
+    evaluation = passkey.make_cells("passkey", [249], [0.0, 0.5, 1.0], 8, encode=list,
+                                    alphabet="abcdefghij", key_length=4)
+    assert not {e.prompt + e.answer for e in evaluation} & set(texts)

@@ -203,3 +203,13 @@ def test_config_json_is_replaced_whole(tmp_path, monkeypatch):
     assert seen == [{"old": 1}]
     assert workdir.read_config(tmp_path) == {"new": 2}
     assert [p.name for p in tmp_path.iterdir()] == ["config.json"]
+
+
+def test_a_workdir_from_before_passkey_rows_resumes_and_new_rows_are_another_dataset():
+    before = _saved(path="x.txt")  # written before the passkey fields existed
+    now = _saved(path="x.txt", passkey_rows=0, passkey_alphabet="0123456789",
+                 passkey_key_length=5)
+    assert workdir.data_differences(before, now) == []
+    mixed = _saved(path="x.txt", passkey_rows=100, passkey_alphabet="0123456789",
+                   passkey_key_length=5)
+    assert workdir.data_differences(before, mixed) == ["data.passkey_rows: saved 0, current 100"]

@@ -78,11 +78,20 @@ def _prepare_sources(config: DataConfig) -> tuple[dict[str, Any], str]:
             num_test=config.num_eval_examples,
         )
     elif config.kind == "text":
+        passkey_rows = {}  # only when set: data prepared without them keeps its name
+        if config.passkey_rows:
+            passkey_rows = dict(
+                passkey_rows=config.passkey_rows,
+                passkey_length=config.passkey_prompt_length,
+                passkey_alphabet=config.passkey_alphabet,
+                passkey_key_length=config.passkey_key_length,
+            )
         builder = builders.text_file_builder(
             data_dir,
             config.path,
             text_unit=config.text_unit,
             validation_fraction=config.validation_fraction,
+            **passkey_rows,
         )
     else:
         builder = builders.parallel_files_builder(

@@ -49,7 +49,7 @@ from etils import epath
 from tensorflow_datasets.proto import tf_example_pb2
 
 from tfm.checks import ConfigError
-from tfm.data import synthetic
+from tfm.data import passkey, synthetic
 from tfm.logs import silence_absl_message
 
 logger = logging.getLogger(__name__)
@@ -298,11 +298,16 @@ class TextFileConfig(tfds.core.BuilderConfig):
     path: str = ""
     text_unit: str = "paragraph"
     validation_fraction: float = 0.1
+    passkey_rows: int = 0  # passkey examples added to the training split (tfm.data.passkey)
+    passkey_length: int = 0  # their prompts' length in characters
+    passkey_alphabet: str = "0123456789"
+    passkey_key_length: int = 5
 
 
 class TfmTextFile(_LocalBuilder):
     """Paragraphs, lines or blocks of one local text file; the last fraction is the validation
-    split."""
+    split. `passkey_rows` > 0 adds that many passkey examples (prompt and answer as one record)
+    to the training split, shuffled in with the text by the training pipeline."""
 
     def _info(self) -> tfds.core.DatasetInfo:
         return _text_info(self, "text")
@@ -314,6 +319,9 @@ class TfmTextFile(_LocalBuilder):
         text = read_text_file(config.path, "data.path")
         train, validation = text_splits(
             text, config.text_unit, config.validation_fraction, config.path)
+        train = train + passkey.training_texts(
+            config.passkey_rows, config.passkey_length, alphabet=config.passkey_alphabet,
+            key_length=config.passkey_key_length)
         return {
             "train": self._generate_examples(train),
             "validation": self._generate_examples(validation),

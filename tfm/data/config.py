@@ -22,6 +22,11 @@ Fields (default), by topic; a kind-specific field may only differ from its defau
       as one stream cut into every non-overlapping window of exactly eval_seq_len (or seq_len)
       tokens, dropping the shorter remainder: every eval row has the full context (Press et al.
       2022's extrapolation evaluation). Paragraphs and lines are each cut into windows instead.
+      passkey_rows (0): passkey retrieval examples (tfm.data.passkey, keys of
+      passkey_key_length (5) characters of passkey_alphabet ("0123456789")) added to the
+      training split, each one row: a prompt of seq_len - passkey_key_length - 2 characters
+      and its answer, the key at depths spread over the row (a long-context study's training
+      mix; the validation split stays the text's).
   parallel: source_path, target_path (required; plain or .gz; line i of each is a pair),
       eval_source_path, eval_target_path (None: hold out the last validation_fraction of pairs).
   tfds: name (e.g. "wmt14_translate/de-en", "lm1b"), features (our field -> feature key:
@@ -57,7 +62,7 @@ from typing import Any
 import tensorflow_datasets as tfds
 
 from tfm.checks import ConfigError, check_choice, check_positive, section_dict
-from tfm.data import builders, pipeline, synthetic
+from tfm.data import builders, passkey, pipeline, synthetic
 from tfm.data.tokenizers import (
     SENTENCEPIECE_MODEL_TYPES,
     TOKENIZER_KINDS,
@@ -77,7 +82,7 @@ _KIND_FIELDS = {
         "num_train_examples",
         "num_eval_examples",
     ),
-    "text": ("path", "text_unit"),
+    "text": ("path", "text_unit", "passkey_rows", "passkey_alphabet", "passkey_key_length"),
     "parallel": ("source_path", "target_path", "eval_source_path", "eval_target_path"),
     "tfds": ("name", "features", "download"),
 }
@@ -101,6 +106,9 @@ class DataConfig:
     path: str | None = None
     text_unit: str = "paragraph"  # lines when the file has no blank lines (see above)
     validation_fraction: float = 0.1
+    passkey_rows: int = 0
+    passkey_alphabet: str = "0123456789"
+    passkey_key_length: int = 5
     # parallel
     source_path: str | None = None
     target_path: str | None = None
@@ -199,6 +207,12 @@ class DataConfig:
             raise ConfigError(f"data.eval_splits={self.eval_splits!r} must be a tuple of names")
 
     @property
+    def passkey_prompt_length(self) -> int:
+        """Characters of a passkey training row's prompt: bos, the prompt, a space and the key
+        make one row of seq_len."""
+        return self.seq_len - self.passkey_key_length - 2
+
+    @property
     def is_text(self) -> bool:
         """Language modelling on plain text (no source/target pairs)."""
         return self.kind == "text" or (self.kind == "tfds" and set(self.features) == {"text"})
@@ -267,6 +281,20 @@ def _check_synthetic(config: DataConfig) -> None:
 def _check_text(config: DataConfig) -> None:
         _required(config, "path")
         check_choice("data.text_unit", config.text_unit, builders.TEXT_UNITS)
+        if not config.passkey_rows:
+            return
+        check_positive("data.passkey_rows", config.passkey_rows)
+        check_positive("data.passkey_key_length", config.passkey_key_length)
+        if not isinstance(config.passkey_alphabet, str) or len(set(config.passkey_alphabet)) < 2:
+            raise ConfigError(f"data.passkey_alphabet={config.passkey_alphabet!r} needs at least "
+                              "two different characters")
+        try:
+            passkey.make_example("passkey", config.passkey_prompt_length, 0.5, 0, encode=list,
+                                 alphabet=config.passkey_alphabet,
+                                 key_length=config.passkey_key_length)
+        except ValueError as error:
+            raise ConfigError(f"data.passkey_rows: data.seq_len={config.seq_len} is too short "
+                              f"for a passkey row ({error})") from None
 
 
 def _check_parallel(config: DataConfig) -> None:

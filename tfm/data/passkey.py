@@ -10,6 +10,9 @@ example i of a (task, length, depth) cell depends only on (seed, task, length, d
 `length` is the prompt's length in tokens of the given tokenizer (its `encode`), answer excluded;
 `depth` in [0, 1] is where the (asked-for) key line starts, as a fraction of the filler. Keys use
 `alphabet` (digits by default; a character model whose vocabulary lacks digits can use letters).
+
+`training_texts` makes rows to train on (prompt and answer as one text, `data.passkey_rows`):
+their keys come from a seed no evaluation cell uses, their depths spread evenly over [0, 1].
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from collections.abc import Callable, Sequence
 TASKS = ("passkey", "multi_key")
 INTRO = "Find the pass key in this text."  # short: character models train at a few hundred
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+TRAINING_SEED = -1  # evaluation seeds are data.seed >= 0
+GOLDEN = (5**0.5 - 1) / 2  # depth of training row i: i * GOLDEN mod 1, evenly spread
 NAMES = ("alder", "birch", "cedar", "elm", "hazel", "larch", "maple", "oak", "rowan", "yew")
 
 
@@ -126,3 +131,16 @@ def accuracy_by_cell(examples: Sequence[Example], predictions: Sequence[str]
         right = prediction.strip().startswith(example.answer.strip())
         hits.setdefault((example.length, example.depth), []).append(right)
     return {cell: sum(values) / len(values) for cell, values in hits.items()}
+
+
+def training_texts(count: int, length: int, *, task: str = "passkey",
+                   alphabet: str = "0123456789", key_length: int = 5) -> list[str]:
+    """`count` training rows, each a prompt of `length` characters and its answer as one text
+    (length + 1 + key_length characters), at depths i * GOLDEN mod 1 (rounded to 1e-6)."""
+    texts = []
+    for index in range(count):
+        depth = round((index * GOLDEN) % 1.0, 6)
+        example = make_example(task, length, depth, index, encode=list, seed=TRAINING_SEED,
+                               alphabet=alphabet, key_length=key_length)
+        texts.append(example.prompt + example.answer)
+    return texts

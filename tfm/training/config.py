@@ -282,6 +282,7 @@ class ExperimentConfig:
     mesh: Any
     distributed: Any
     pretrained: str | None  # a Hugging Face folder the first state's params come from
+    init_checkpoint: tuple[str, int | None] | None  # (a tfm workdir, its step or None = latest)
 
 
 def parse_config(config: ml_collections.ConfigDict) -> ExperimentConfig:
@@ -310,6 +311,7 @@ def parse_config(config: ml_collections.ConfigDict) -> ExperimentConfig:
         mesh=config.get("mesh"),
         distributed=config.get("distributed"),
         pretrained=_pretrained_folder(config),
+        init_checkpoint=_init_checkpoint(config),
     )
 
 
@@ -323,3 +325,22 @@ def _pretrained_folder(config: ml_collections.ConfigDict) -> str | None:
             f"init.pretrained={folder!r} must be a Hugging Face model folder holding config.json"
         )
     return folder
+
+
+def _init_checkpoint(config: ml_collections.ConfigDict) -> tuple[str, int | None] | None:
+    """(workdir, step) of init.checkpoint / init.checkpoint_step, checked to exist."""
+    init = section_dict(config.get("init"), "init", ["pretrained", "checkpoint", "checkpoint_step"])
+    folder, step = init.get("checkpoint"), init.get("checkpoint_step")
+    if folder is None:
+        if step is not None:
+            raise ConfigError("init.checkpoint_step is set without init.checkpoint")
+        return None
+    if init.get("pretrained") is not None:
+        raise ConfigError("init.pretrained and init.checkpoint both give the first params; "
+                          "set one")
+    if not isinstance(folder, str) or not (Path(folder) / "checkpoints").is_dir():
+        raise ConfigError(f"init.checkpoint={folder!r} must be a tfm workdir holding "
+                          "checkpoints/ (./launch.sh train --workdir DIR)")
+    if step is not None:
+        check_int("init.checkpoint_step", step, 0)
+    return str(Path(folder).resolve()), step

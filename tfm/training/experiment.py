@@ -102,6 +102,7 @@ class Experiment:
     mesh: jax.sharding.Mesh
     rules: Any
     pretrained: str | None = None  # a Hugging Face folder the first state's params come from
+    init_checkpoint: tuple[str, int | None] | None = None  # (tfm workdir, step): the same
 
     @property
     def model(self) -> nn.Module:
@@ -215,6 +216,7 @@ def setup(
         mesh=mesh,
         rules=sections.rules,
         pretrained=sections.pretrained,
+        init_checkpoint=sections.init_checkpoint,
     )
     long_context.check(experiment)
     for split in sections.eval.splits or ():

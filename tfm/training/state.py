@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import flax.linen as nn
@@ -87,7 +88,30 @@ def init_state(experiment: Experiment, shardings: Any) -> TrainState:
                                      out_shardings=shardings)(rng)
     if experiment.pretrained is not None:
         state = _with_pretrained_params(experiment, state, shardings)
+    if experiment.init_checkpoint is not None:
+        state = _with_checkpoint_params(experiment, state, shardings)
     return state
+
+
+def _with_checkpoint_params(experiment: Experiment, state: TrainState, shardings: Any):
+    """`state` with the params of init.checkpoint's step (its model checked against this run's,
+    the checkpoint.EVAL_TIME fields aside) and a fresh optimizer state for them."""
+    folder, step = experiment.init_checkpoint
+    abstract, _ = state_shardings(experiment)
+    with checkpoint.Checkpointer(Path(folder) / "checkpoints") as checkpointer:
+        step = checkpointer.latest_step() if step is None else step
+        if step is None:
+            raise ConfigError(f"init.checkpoint={folder!r} holds no checkpoint yet")
+        try:
+            saved = checkpointer.restore(step, abstract_state=abstract,
+                                         config_json=experiment.config_json(),
+                                         may_differ=checkpoint.EVAL_TIME)
+        except (ValueError, FileNotFoundError) as error:
+            reason = " ".join(str(error).split())  # one line
+            raise ConfigError(f"init.checkpoint={folder!r} step {step}: {reason}") from None
+    opt_state = jax.jit(experiment.optimizer.init,
+                        out_shardings=shardings.opt_state)(saved.params)
+    return TrainState(state.step, saved.params, opt_state, state.rng)
 
 
 

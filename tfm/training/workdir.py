@@ -25,7 +25,10 @@ DATA_IDENTITY = (
     "kind", "mode", "task", "num_symbols", "train_lengths", "num_train_examples", "path",
     "text_unit", "validation_fraction", "source_path", "target_path", "name", "features",
     "train_split", "tokenizer", "vocab_size", "sentencepiece_model_type", "shared_vocab", "seed",
+    "passkey_rows", "passkey_alphabet", "passkey_key_length",
 )
+# DATA_IDENTITY fields added after workdirs were first written, with their defaults.
+_NEWER_FIELDS = {"passkey_rows": 0, "passkey_alphabet": "0123456789", "passkey_key_length": 5}
 _PATH_FIELDS = ("path", "source_path", "target_path")
 
 
@@ -75,7 +78,9 @@ def data_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> li
     old, new = saved.get("data", {}), current.get("data", {})
     lines = []
     for field in DATA_IDENTITY:
-        before, after = old.get(field), new.get(field)  # both as JSON: lists, not tuples
+        # Both as JSON (lists, not tuples); a field newer than the saved run had its default.
+        default = _NEWER_FIELDS.get(field)
+        before, after = old.get(field, default), new.get(field, default)
         same = _same_file(before, after) if field in _PATH_FIELDS else before == after
         if not same:
             lines.append(f"data.{field}: saved {before!r}, current {after!r}")
