@@ -23,10 +23,10 @@ def test_the_prompt_fills_its_length_and_holds_the_key_at_its_depth(length, dept
     start = example.prompt.index(f"The pass key is {key}")
     body_start = len(passkey.INTRO) + 1
     body_end = example.prompt.index("What is the pass key?")
-    line = len(f"The pass key is {key}. Remember it.") + 1
+    line = len(f"The pass key is {key}. Remember it. {key} is the pass key.") + 1
     where = (start - body_start) / max(1, body_end - body_start - line)
     assert where == pytest.approx(depth, abs=0.03 + 30 / length)
-    assert example.prompt.endswith("What is the pass key? It is")
+    assert example.prompt.endswith("What is the pass key? The pass key is")
 
 
 def test_examples_are_deterministic_and_differ_by_index_and_seed():
@@ -44,7 +44,7 @@ def test_multi_key_asks_for_one_of_several_keys_all_present():
     keys = dict(re.findall(r"The pass key of (\w+) is (\w+)\.", example.prompt))
     assert len(keys) == 4
     asked = example.prompt.rsplit("What is the pass key of ", 1)[1].split("?")[0]
-    assert example.prompt.endswith(f"What is the pass key of {asked}? It is")
+    assert example.prompt.endswith(f"What is the pass key of {asked}? The pass key of {asked} is")
     assert example.answer == f" {keys[asked]}"
     assert set(example.answer.strip()) <= set("abcdefgh")
 
@@ -76,8 +76,8 @@ def test_training_rows_hold_their_key_at_spread_depths_and_fit_their_length():
     for text in texts:
         prompt, key = text.rsplit(" ", 1)
         assert len(prompt) <= 249 and len(key) == 4 and set(key) <= set("abcdefghij")
-        assert prompt.endswith("What is the pass key? It is")
-        assert prompt.count(f"The pass key is {key}.") == 1
+        assert prompt.endswith("What is the pass key? The pass key is")
+        assert prompt.count(f"The pass key is {key}. Remember it. {key} is the pass key.") == 1
         fractions.append(prompt.index("The pass key is") / len(prompt))
     assert min(fractions) < 0.25 and max(fractions) > 0.6  # near the start and near the end
     assert len({round(f, 1) for f in fractions}) >= 6

@@ -281,3 +281,34 @@ def test_report_help_is_whole_sentences(capsys):
         report.main(["--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert "one table and plots for any sweep (tfm.sweeps.sweep) or folder of runs." in out
+
+
+def test_passkey_cells_become_a_length_by_depth_heatmap_per_group(tmp_path):
+    """Each run's passkey/{task}_len{L}_depth{D} metrics: the grid is the mean over a group's
+    seeds at every (depth, length); the report draws it."""
+    runs = fabricated_sweep(tmp_path)
+    for run in runs:
+        metrics = run.workdir / "metrics.jsonl"
+        if not metrics.exists():
+            continue
+        scheme, seed = run.overrides["model.position_scheme"], run.overrides["train.seed"]
+        cells = {f"passkey/passkey_len{n}_depth{d:g}": (n + 10 * d + seed) / 1000
+                 for n in (64, 128) for d in (0.0, 0.5, 1.0)}
+        if scheme == "alibi":
+            cells = {name: 0.0 for name in cells}
+        with metrics.open("a") as file:
+            file.write(json.dumps({"step": 20, **cells}) + "\n")
+    result = report.write_report(tmp_path, ["eval_loss"])
+    assert tmp_path / "report_passkey_passkey.png" in result["files"]
+    assert (tmp_path / "report_passkey_passkey.png").read_bytes()[:4] == b"\x89PNG"
+    found = report.find_runs(tmp_path)
+    for run in found:
+        run["final"] = report.final_metrics(Path(run["workdir"]))
+    assert report.passkey_cells(found) == {"passkey": ([64, 128], [0.0, 0.5, 1.0])}
+    grids = report.passkey_grids(found, ["model.position_scheme"], "passkey", [64, 128],
+                                 [0.0, 0.5, 1.0])
+    # rope seeds 0, 1, 2: mean of (n + 10 d + seed) / 1000 = (n + 10 d + 1) / 1000.
+    expected = [[(n + 10 * d + 1) / 1000 for n in (64, 128)] for d in (0.0, 0.5, 1.0)]
+    for row, want in zip(grids["model.position_scheme=rope"], expected, strict=True):
+        assert row == pytest.approx(want)
+    assert grids["model.position_scheme=alibi"] == [[0.0, 0.0]] * 3

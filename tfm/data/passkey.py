@@ -2,10 +2,14 @@
 in filler text at a chosen depth, the model asked for it at the end. Offline and deterministic:
 example i of a (task, length, depth) cell depends only on (seed, task, length, depth, i).
 
-    passkey    <intro> <filler ...> The pass key is 48213. Remember it. <filler ...>
-               What is the pass key? It is                                   -> " 48213"
+    passkey    <intro> <filler ...> The pass key is 48213. Remember it. 48213 is the pass key.
+               <filler ...> What is the pass key? The pass key is             -> " 48213"
     multi_key  the same with `num_keys` lines "The pass key of <name> is <key>." at evenly
-               spread depths around `depth`, asked for one name               -> " <its key>"
+               spread depths around `depth`, asked for one name: "What is the pass key of
+               <name>? The pass key of <name> is"                              -> " <its key>"
+
+The needle and the question are Mohtashami and Jaggi's (their filler too); the question ends as
+the needle's sentence begins, so a model can find the key by matching the phrase before it.
 
 `length` is the prompt's length in tokens of the given tokenizer (its `encode`), answer excluded;
 `depth` in [0, 1] is where the (asked-for) key line starts, as a fraction of the filler. Keys use
@@ -97,8 +101,9 @@ def make_example(task: str, length: int, depth: float, index: int, *,
     rng = _rng(seed, task, length, depth, index)
     if task == "passkey":
         key = _key(rng, alphabet, key_length)
-        line = f"The pass key is {key}. Remember it."
-        prompt = _assemble(encode, length, [(depth, line)], "What is the pass key? It is")
+        line = f"The pass key is {key}. Remember it. {key} is the pass key."
+        prompt = _assemble(encode, length, [(depth, line)],
+                           "What is the pass key? The pass key is")
         return Example(task, length, depth, prompt, f" {key}")
     names = rng.sample(NAMES, num_keys)
     keys = [_key(rng, alphabet, key_length) for _ in names]
@@ -109,7 +114,7 @@ def make_example(task: str, length: int, depth: float, index: int, *,
     needles = [(where, f"The pass key of {name} is {key}.")
                for where, name, key in zip(depths, names, keys, strict=True)]
     prompt = _assemble(encode, length, needles,
-                       f"What is the pass key of {names[asked]}? It is")
+                       f"What is the pass key of {names[asked]}? The pass key of {names[asked]} is")
     return Example(task, length, depth, prompt, f" {keys[asked]}")
 
 

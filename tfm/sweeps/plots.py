@@ -246,6 +246,33 @@ def _plot_heatmaps(grids: dict[str, list[list[float]]], layers: Sequence[str], f
     write_png(figure, path)
 
 
+def plot_passkey(grids: dict[str, list[list[float]]], lengths: Sequence[int],
+                 depths: Sequence[float], task: str, path: Path, title: str | None = None) -> None:
+    """grids: {group label: [depth][length] accuracy in [0, 1]}: a heatmap per group (0-100%,
+    one colour scale), the cell's percent written in it."""
+    plt = _pyplot()
+    size = (1.5 + (0.6 * len(lengths) + 0.6) * len(grids), 1.4 + 0.4 * len(depths))
+    figure, all_axes = plt.subplots(1, len(grids), squeeze=False, figsize=size)
+    for number, (axes, (label, grid)) in enumerate(zip(all_axes[0], grids.items(), strict=True)):
+        percent = [[100 * value for value in row] for row in grid]
+        image = axes.imshow(percent, vmin=0, vmax=100, aspect="auto", cmap="viridis")
+        for i, row in enumerate(percent):
+            for j, value in enumerate(row):
+                if not math.isnan(value):
+                    axes.text(j, i, f"{value:.0f}", ha="center", va="center", fontsize=6,
+                              color="white" if value < 60 else "black")
+        axes.set_title(label, fontsize=8)
+        axes.set_xticks(range(len(lengths)), [str(n) for n in lengths], fontsize=6, rotation=45)
+        axes.set_xlabel("prompt length (tokens)", fontsize=7)
+        axes.set_yticks(range(len(depths)), [f"{d:g}" for d in depths] if number == 0 else [],
+                        fontsize=6)
+    all_axes[0][0].set_ylabel("depth of the key", fontsize=7)
+    figure.colorbar(image, ax=list(all_axes[0]), label="accuracy (%)")
+    figure.suptitle(_title(f"{task} retrieval accuracy by length and depth (mean over seeds)",
+                           title), fontsize=9)
+    write_png(figure, path)
+
+
 def lengths_figure(lengths: Sequence[int], rows: Sequence[dict], fields: Sequence[str],
                    metric: str, title: str | None = None):
     """A matplotlib Figure: metric (mean ± std) vs evaluation length, a line per group."""

@@ -12,7 +12,9 @@ evaluated at several lengths (`./launch.sh eval ... --eval_seq_len 64,128,...` w
 eval_seq_len.json), also ROOT/report_eval_seq_len_<metric>.png: the metric vs eval length, a
 line per group. Runs trained with train.diagnostics_every add ROOT/diagnostics_<family>.png: per
 group, the last logged per-layer norms (a line over layers) or per-layer, per-head attention
-statistics (a heatmap layers x heads), mean over seeds.
+statistics (a heatmap layers x heads), mean over seeds. Runs with passkey evaluations
+(eval.passkey_lengths) add ROOT/report_passkey_<task>.png: accuracy by length x depth, a
+heatmap per group, mean over seeds.
 
 report.json keeps every run's final metrics and eval lengths (`runs`), so a results folder
 outlives its workdirs: `--merge OLD/report.json` pools an earlier report's runs (e.g. other
@@ -29,6 +31,7 @@ import csv
 import io
 import json
 import math
+import re
 import statistics
 import sys
 from collections.abc import Sequence
@@ -288,6 +291,11 @@ def write_report(root: Path, metrics: Sequence[str] | None = None, x_field: str 
             files.append(path)
     if plots.plot_curves(runs, "train_loss", root / "curves_train_loss.png", fields, title):
         files.append(root / "curves_train_loss.png")
+    for task, (lengths, depths) in passkey_cells(runs).items():
+        path = root / f"report_passkey_{task}.png"
+        plots.plot_passkey(passkey_grids(runs, fields, task, lengths, depths), lengths, depths,
+                           task, path, title)
+        files.append(path)
     for family in diagnostic_families(runs):
         path = root / f"diagnostics_{family}.png"
         plots.plot_diagnostics(diagnostics_table(runs, fields, family), family, path)
@@ -310,6 +318,32 @@ def run_records(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 DIAGNOSTICS = "diagnostics/"  # tfm/training/diagnostics.py: diagnostics/<family>/<layer>[/head_h]
+
+
+PASSKEY_CELL = re.compile(r"passkey/(?P<task>\w+?)_len(?P<length>\d+)_depth(?P<depth>[0-9.e-]+)$")
+
+
+def passkey_cells(runs: Sequence[dict]) -> dict[str, tuple[list[int], list[float]]]:
+    """{task: (lengths, depths)} of the passkey cells (`passkey/{task}_len{L}_depth{D}`,
+    tfm.training.long_context) in the runs' final metrics, each sorted."""
+    cells: dict[str, tuple[set[int], set[float]]] = {}
+    for run in runs:
+        for name in run["final"]:
+            match = PASSKEY_CELL.match(name)
+            if match:
+                lengths, depths = cells.setdefault(match["task"], (set(), set()))
+                lengths.add(int(match["length"]))
+                depths.add(float(match["depth"]))
+    return {task: (sorted(lengths), sorted(depths)) for task, (lengths, depths) in cells.items()}
+
+
+def passkey_grids(runs: Sequence[dict], fields: Sequence[str], task: str, lengths: Sequence[int],
+                  depths: Sequence[float]) -> dict[str, list[list[float]]]:
+    """{group label: [depth][length] mean accuracy over the group's seeds (nan: not run)}."""
+    names = {(n, d): f"passkey/{task}_len{n}_depth{d:g}" for n in lengths for d in depths}
+    _, _, rows = aggregate(runs, sorted(names.values()))
+    return {", ".join(f"{f}={row[f]}" for f in fields) or "runs":
+            [[row[names[n, d]][0] for n in lengths] for d in depths] for row in rows}
 
 
 def diagnostic_families(runs: Sequence[dict]) -> list[str]:
