@@ -65,7 +65,7 @@ def test_one_position_bucket_is_the_eval_perplexity_and_four_split_it(tmp_path):
 
 
 def test_passkey_scores_through_an_oracle_that_reads_only_the_first_half(tmp_path):
-    experiment = _experiment(tmp_path, passkey_lengths=(128, 256), passkey_alphabet="abcdefgh",
+    experiment = _experiment(tmp_path, passkey_lengths=(256, 320), passkey_alphabet="abcdefgh",
                              passkey_examples=2)
 
     def oracle(experiment, params, prompts, decode):
@@ -77,9 +77,10 @@ def test_passkey_scores_through_an_oracle_that_reads_only_the_first_half(tmp_pat
             answers.append(f" {key.group(1)}" if in_first_half else " zzzzz")
         return answers
 
-    scores = long_context.passkey_scores(experiment, None, oracle)
-    for length in (128, 256):
-        cells = {k: v for k, v in scores.items() if k.startswith(f"passkey/passkey_len{length}_")}
+    scores = long_context.passkey_scores(experiment, _params(experiment), oracle)
+    for length in (256, 320):
+        cells = {k: v for k, v in scores.items()
+                 if k.startswith(f"passkey/passkey_len{length}_depth")}
         assert len(cells) == 5
         assert cells[f"passkey/passkey_len{length}_depth0"] == 100.0
         assert cells[f"passkey/passkey_len{length}_depth1"] == 0.0
@@ -88,7 +89,7 @@ def test_passkey_scores_through_an_oracle_that_reads_only_the_first_half(tmp_pat
 
 
 @pytest.mark.parametrize("fields, model, message", [
-    (dict(passkey_lengths=(128,)), {}, "characters outside the vocabulary"),
+    (dict(passkey_lengths=(200,)), {}, "characters outside the vocabulary"),
     (dict(passkey_lengths=(512,), passkey_alphabet="abcdefgh"),
      dict(position_scheme="learned", max_len=256), "past model.max_len=256"),
     (dict(passkey_lengths=(64,), passkey_alphabet="abcdefgh"), {},
@@ -109,8 +110,54 @@ def test_settings_the_run_cannot_take_are_refused_at_setup(tmp_path, fields, mod
 def test_evaluate_decodes_the_passkey_prompts_with_the_model(tmp_path):
     """Through tfm's own decoding (an untrained model: the score is 0 or 100, the names and
     cells are what the config asks for)."""
-    experiment = _experiment(tmp_path, passkey_lengths=(128,), passkey_depths=(0.5,),
+    experiment = _experiment(tmp_path, passkey_lengths=(192,), passkey_depths=(0.5,),
                              passkey_alphabet="abcdefgh", passkey_examples=1)
     results = evaluate(experiment, _params(experiment))
-    assert results["passkey/passkey_len128_depth0.5"] in (0.0, 100.0)
-    assert results["passkey/passkey_len128"] == results["passkey/passkey_len128_depth0.5"]
+    assert results["passkey/passkey_len192_depth0.5"] in (0.0, 100.0)
+    assert results["passkey/passkey_len192"] == results["passkey/passkey_len192_depth0.5"]
+    assert results["passkey/passkey_len192_key_nll"] > 0
+    assert 0 <= results["passkey/passkey_len192_key_chars"] <= 100
+
+
+def test_answer_sums_equal_a_loop():
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=(2, 9, 5)).astype(np.float32)
+    targets = rng.integers(0, 5, (2, 9))
+    weights = (rng.random((2, 9)) > 0.5).astype(np.float32)
+    nll, hits, count = long_context.answer_sums(logits, targets, weights)
+    rows = logits.astype(np.float64)
+    token_nll = np.log(np.exp(rows).sum(-1)) - np.take_along_axis(rows, targets[..., None], -1)[
+        ..., 0]
+    assert float(nll) == pytest.approx(float((token_nll * weights).sum()), rel=1e-5)
+    assert float(hits) == float(((rows.argmax(-1) == targets) * weights).sum())
+    assert float(count) == float(weights.sum())
+
+
+def test_key_scores_equal_each_prompt_scored_alone(tmp_path):
+    """Padded and batched (rows of different lengths) the keys' NLL and top-1 hits equal each
+    example run alone, unpadded, with the answer's log-probabilities read off by hand."""
+    from tfm.data import passkey
+
+    experiment = _experiment(tmp_path, passkey_lengths=(192,), passkey_alphabet="abcdefgh")
+    params = _params(experiment)
+    examples = [passkey.make_example("passkey", length, depth, 0, alphabet="abcdefgh",
+                                     encode=experiment.data.tokenizer.encode)
+                for length, depth in ((170, 0.0), (192, 0.5), (150, 1.0))]
+    nll, hits = long_context.key_scores(experiment, params, examples)
+    data, total, right, count = experiment.data, 0.0, 0, 0
+    for example in examples:
+        prompt = data.encode_prompt(example.prompt)
+        answer = data.tokenizer.encode(example.answer)
+        ids = np.asarray([prompt + answer[:-1]], np.int32)
+        batch = {"inputs": ids, "targets": ids, "positions": np.arange(ids.shape[1])[None],
+                 "segment_ids": np.ones_like(ids), "weights": np.ones(ids.shape, np.float32),
+                 "example_weights": np.ones(1, np.float32)}
+        logits = np.asarray(experiment.family.logits(experiment.model, params, batch,
+                                                     deterministic=True), np.float64)[0]
+        for offset, token in enumerate(answer):
+            row = logits[len(prompt) - 1 + offset]
+            total += np.log(np.exp(row - row.max()).sum()) + row.max() - row[token]
+            right += int(row.argmax() == token)
+            count += 1
+    assert nll == pytest.approx(total / count, rel=1e-4)
+    assert hits == right / count

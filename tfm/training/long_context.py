@@ -3,6 +3,9 @@
 - passkey retrieval (tfm.data.passkey): `eval.passkey_lengths` prompt lengths in tokens x
   `eval.passkey_depths`, `eval.passkey_examples` prompts per cell, decoded greedily; logged as
   `passkey/{task}_len{L}_depth{D}` (percent exact) and `passkey/{task}_len{L}` (their mean);
+  the keys are also scored under teacher forcing: `passkey/{task}_len{L}_key_nll` (nats per
+  key token) and `passkey/{task}_len{L}_key_chars` (percent of key tokens the model ranks
+  first), graded where exact match is all or nothing;
 - perplexity by position: `eval.position_buckets` equal buckets of the eval rows' positions,
   logged as `{split}_ppl_pos{first}-{last}`: how a scheme's loss moves along a long row.
 
@@ -80,7 +83,68 @@ def passkey_scores(experiment: Any, params: Any, decode_texts: Callable[..., lis
         for (_, depth), accuracy in cells.items():
             results[f"passkey/{task}_len{length}_depth{depth:g}"] = 100.0 * accuracy
         results[f"passkey/{task}_len{length}"] = 100.0 * float(np.mean(list(cells.values())))
+        nll, hits = key_scores(experiment, params, examples)
+        results[f"passkey/{task}_len{length}_key_nll"] = nll
+        results[f"passkey/{task}_len{length}_key_chars"] = 100.0 * hits
     return results
+
+
+def answer_rows(encoded: list[tuple[list[int], list[int]]], rows: int) -> dict[str, np.ndarray]:
+    """A batch scoring each answer after its prompt: rows bos + prompt + answer (minus the last
+    token) padded to the longest, weights on the answer's tokens only; rows past the examples
+    are padding (weight 0), so every batch has the same number of rows.
+
+    encoded: [(prompt ids with bos, answer ids)] -> {inputs, targets, weights, positions,
+    segment_ids, example_weights}, each [rows, width] ([rows] for example_weights)."""
+    width = max(len(prompt) + len(answer) - 1 for prompt, answer in encoded)
+    batch = {key: np.zeros((rows, width), np.int32)
+             for key in ("inputs", "targets", "positions", "segment_ids")}
+    batch["weights"] = np.zeros((rows, width), np.float32)
+    for row, (prompt, answer) in enumerate(encoded):
+        ids = prompt + answer
+        size = len(ids) - 1
+        batch["inputs"][row, :size] = ids[:-1]
+        batch["targets"][row, :size] = ids[1:]
+        batch["positions"][row, :size] = np.arange(size)
+        batch["segment_ids"][row, :size] = 1
+        batch["weights"][row, len(prompt) - 1 : size] = 1.0
+    batch["example_weights"] = np.ones(rows, np.float32)
+    return batch
+
+
+def answer_sums(logits: jax.Array, targets: jax.Array, weights: jax.Array
+                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(summed NLL, summed argmax hits, summed weight) of the weighted targets.
+
+    logits: [B, T, V] float32; targets, weights: [B, T]."""
+    log_z = jax.nn.logsumexp(logits, axis=-1)
+    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    hits = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
+    return (jnp.sum((log_z - target_logit) * weights), jnp.sum(hits * weights),
+            jnp.sum(weights))
+
+
+def key_scores(experiment: Any, params: Any, examples: list[passkey.Example]
+               ) -> tuple[float, float]:
+    """The keys scored under teacher forcing, a graded measure where exact match is all or
+    nothing: (NLL per key token in nats; chance is ln of the alphabet's size, fraction of key
+    tokens that are the model's top choice). The answer's leading space counts as a key token.
+    Batches of data.eval_batch_size rows."""
+    family, model, data = experiment.family, experiment.model, experiment.data
+    encoded = [(data.encode_prompt(e.prompt), data.tokenizer.encode(e.answer)) for e in examples]
+    size = data.config.eval_batch_size or data.config.batch_size
+
+    @jax.jit
+    def sums(params, batch):
+        logits = family.logits(model, params, batch, deterministic=True)
+        return answer_sums(logits.astype(jnp.float32), batch["targets"], batch["weights"])
+
+    totals = np.zeros(3)
+    for start in range(0, len(encoded), size):
+        batch = sharding.shard_batch(answer_rows(encoded[start : start + size], size),
+                                     experiment.mesh, rules=experiment.rules)
+        totals += np.asarray(jax.device_get(sums(params, batch)))
+    return float(totals[0] / totals[2]), float(totals[1] / totals[2])
 
 
 def bucket_sums(logits: jax.Array, targets: jax.Array, weights: jax.Array,
