@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 from tiny_model import TINY
 
+from tfm.kernels import masks
+from tfm.kernels.call import AttentionStructure
 from tfm.nn import layers, positions
 from tfm.nn.config import ModelConfig
 from tfm.nn.layers import (
@@ -80,7 +82,7 @@ def test_attention_bias_switches(changes, with_bias):
     config = tiny(**changes)
     x = jnp.ones((1, 3, config.d_model))
     positions = jnp.arange(3)[None]
-    inputs = AttentionInputs(None, None, positions, positions)
+    inputs = AttentionInputs(positions, positions, AttentionStructure())
     params = MultiHeadAttention(config).init(jax.random.PRNGKey(0), x, x, inputs)["params"]
     assert {name for name, p in params.items() if "bias" in p} == with_bias
 
@@ -130,7 +132,8 @@ def test_final_norm_after_post_ln_normalises_the_output():
 @pytest.mark.parametrize("scheme", ["none", "sinusoidal", "rope", "relative", "alibi"])
 def test_position_layers_add_what_the_registry_entry_says(scheme):
     """PositionEmbedding adds the scheme's embedding (identity without one); PositionBias
-    returns the scheme's logit bias (None without one)."""
+    returns the scheme's logit bias by parts (None without one), whose dense and block forms
+    give the same values."""
     config = tiny(position_scheme=scheme)
     x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 5, config.d_model)), jnp.float32)
     token_positions = jnp.broadcast_to(jnp.arange(5), (2, 5))
@@ -139,18 +142,18 @@ def test_position_layers_add_what_the_registry_entry_says(scheme):
     if scheme == "sinusoidal":
         want = x + positions.sinusoidal(token_positions, config.d_model)
     np.testing.assert_allclose(embedded, want, atol=1e-6)
-    bias, by_blocks = PositionBias(config, bidirectional=False).apply(
+    by_blocks = PositionBias(config, bidirectional=False).apply(
         {}, token_positions, token_positions)
     if scheme == "alibi":
         slopes = positions.alibi_slopes(config.num_heads)
         want = positions.alibi_bias(token_positions, token_positions, slopes)
-        np.testing.assert_allclose(bias, want, atol=1e-6)
+        np.testing.assert_allclose(masks.dense_position_bias(by_blocks), want, atol=1e-6)
         np.testing.assert_array_equal(positions.dense_from_blocks(
             by_blocks.function, by_blocks.params, by_blocks.query_positions,
             by_blocks.key_positions), want)
         assert not by_blocks.learned
     else:
-        assert bias is None and by_blocks is None
+        assert by_blocks is None
 
 
 def test_gelu_is_the_exact_gelu():

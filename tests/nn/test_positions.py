@@ -321,7 +321,7 @@ def test_registry_matches_config_and_rejects_unknown_names():
 
 
 def test_each_scheme_has_the_hook_of_its_kind():
-    hooks = {"embedding": "embedding", "bias": "logit_bias", "rotary": "rotate",
+    hooks = {"embedding": "embedding", "bias": "block_bias", "rotary": "rotate",
              "relative": "relative"}
     for scheme in P.SCHEMES.values():
         present = {hook for hook in hooks.values() if getattr(scheme, hook) is not None}
@@ -329,11 +329,15 @@ def test_each_scheme_has_the_hook_of_its_kind():
     assert [s.name for s in P.SCHEMES.values() if s.bounded_by_max_len] == ["learned"]
 
 
-def _distance_bias(config, query_positions, key_positions, bidirectional, param):
+def _distance_block_bias(config, bidirectional, param):
     """A per-head learned slope times minus the distance (an ALiBi with learned slopes)."""
     slopes = param("distance_slope", (config.num_heads,), 0.5, ("heads",))
-    distance = jnp.abs(key_positions[:, None, :] - query_positions[:, :, None])
-    return -slopes[None, :, None, None] * distance[:, None].astype(jnp.float32)
+
+    def function(head_params, query_positions, key_positions):
+        (slope,) = head_params  # [1, 1]
+        return -slope * jnp.abs(key_positions - query_positions).astype(jnp.float32)
+
+    return function, (slopes[:, None],)
 
 
 def test_a_new_scheme_is_one_registry_entry(monkeypatch):
@@ -346,7 +350,8 @@ def test_a_new_scheme_is_one_registry_entry(monkeypatch):
     from tfm.nn.config import ModelConfig
     from tfm.nn.models import DecoderLM
 
-    entry = P.PositionScheme("distance", "bias", "learned slopes", logit_bias=_distance_bias)
+    entry = P.PositionScheme("distance", "bias", "learned slopes",
+                              block_bias=_distance_block_bias, logit_bias_kind="learned")
     monkeypatch.setitem(P.SCHEMES, "distance", entry)
     config = ModelConfig(**{**TINY, "position_scheme": "distance", "num_encoder_layers": 0})
     model = DecoderLM(config)

@@ -12,6 +12,10 @@ platform choices live here too (`swap_halves`, `tied_output_kernel`, `ffn_activa
 `loss_backend_for`). The Pallas kernels (splash, flex, the fused loss) are imported when first
 used, so importing the model loads none.
 
+The model hands attention its mask and position bias in one form, by their parts
+(tfm.kernels.call.AttentionStructure); splash and flex build them per block, and the kernels
+that read a dense mask or bias write it out from that (tfm.kernels.masks).
+
 `model.attention_backend="auto"` (the default) resolves per platform (AUTO, in order of
 preference): "cpu" on CPU (blocked causal attention, hand-written 16-bit backward passes; its
 profile: the "cpu" matmul and cache layout); on TPU "splash" (Pallas splash attention), or
@@ -33,7 +37,7 @@ import jax
 import numpy as np
 
 from tfm.checks import ConfigError
-from tfm.kernels import cpu_attention, cpu_dense, jax_attention, reference
+from tfm.kernels import cpu_attention, cpu_dense, jax_attention, masks, reference
 from tfm.kernels.cache_layouts import REFERENCE, CacheLayout
 from tfm.kernels.call import AttentionCall
 from tfm.kernels.cpu_cache import CPU_LAYOUT
@@ -106,11 +110,14 @@ class Backend:
 
 def _jax_nn(implementation: str) -> Callable[..., jax.Array]:
     def attention(query, key, value, call: AttentionCall) -> jax.Array:
-        structure, mask, is_causal = call.structure, call.mask, False
-        if (structure is not None and structure.causal and structure.window is None
-                and structure.query_segments is None and query.shape[1] == key.shape[1]):
-            mask, is_causal = None, True  # the kernel's own causal mask, no [T, T] input
-        return jax_attention.attention(query, key, value, bias=call.bias, mask=mask,
+        structure, is_causal = call.structure, False
+        if (call.mask is None and masks.causal_by_index(structure, query.shape[1], key.shape[1])
+                and structure.window is None and structure.key_valid is None
+                and structure.query_segments is None):
+            structure, is_causal = structure.replace(causal=False), True  # the kernel's own
+        call = masks.dense_call(dataclasses.replace(call, structure=structure), query,
+                                key.shape[1])
+        return jax_attention.attention(query, key, value, bias=call.bias, mask=call.mask,
                                        scale=call.scale, implementation=implementation,
                                        is_causal=is_causal)
 
@@ -287,12 +294,12 @@ def attention(
     **options: Any,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """`reference.dot_product_attention` by `backend` (one of CHOICES), same values.
-    `options`: the fields of AttentionCall (bias, mask, scale, dropout_rate, dropout_rng,
-    return_weights, and the kernel hints causal, cache_layout and structure)."""
+    `options`: the fields of AttentionCall (the mask and bias by parts, `structure`, or dense;
+    scale, dropout_rate, dropout_rng, return_weights, and the kernel hints causal and
+    cache_layout)."""
     call = AttentionCall(**options)
     chosen = resolve(backend, needs_weights=call.return_weights,
-                     needs_dropout=call.dropout_rate > 0,
-                     bias=None if call.bias is None else "learned",
+                     needs_dropout=call.dropout_rate > 0, bias=_bias_kind(call),
                      dtype=jax.numpy.dtype(query.dtype).name, head_dim=query.shape[-1])
     if call.return_weights and not chosen.weights:
         raise ConfigError(f"attention_backend={backend!r} cannot return attention weights "
@@ -305,10 +312,21 @@ def attention(
     if chosen.platforms is not None and platform() not in chosen.platforms:
         raise ConfigError(f"attention_backend={backend!r} runs on {', '.join(chosen.platforms)}, "
                           f"not on {platform()!r}; use 'auto'")
+    if masks.causal_by_index(call.structure, query.shape[1], kv_len):
+        call = dataclasses.replace(call, causal=True)
     if chosen.attention is None:
-        return reference.dot_product_attention(
-            query, key, value, **call.spec_options())
+        return masks.reference_attention(query, key, value, call)
     return chosen.attention(query, key, value, call)
+
+
+def _bias_kind(call: AttentionCall) -> str | None:
+    """The logit-bias kind (BIAS_KINDS) of a call, or None: "query" for a bias from the
+    queries, else "learned" for any other (a dense one may carry a gradient)."""
+    structure = call.structure
+    if structure is not None and structure.relative is not None:
+        return "query"
+    has_bias = call.bias is not None or (structure is not None and structure.bias is not None)
+    return "learned" if has_bias else None
 
 
 def matmul(name: str) -> Matmul:

@@ -6,6 +6,9 @@ block bias functions (tfm.nn.positions, e.g. T5's buckets) call these; the dense
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
@@ -24,3 +27,22 @@ def row_lookup(row: jax.Array, indices: jax.Array) -> jax.Array:
     for index in range(row.shape[-1]):
         out = out + jnp.where(indices == index, pick_column(row, index), 0.0)
     return out
+
+
+def dense_from_blocks(
+    function: Callable[[Any, jax.Array, jax.Array], jax.Array],
+    params: Any,  # leaves [num_heads, P]
+    query_positions: jax.Array,  # [batch, q_len] int
+    key_positions: jax.Array,  # [batch, kv_len] int
+) -> jax.Array:  # [batch, num_heads, q_len, kv_len]
+    """A block bias function (tfm.nn.positions.BlockBiasFn) evaluated on whole rows: the
+    reference's form of the bias."""
+    query_positions = jnp.asarray(query_positions, jnp.int32)
+    key_positions = jnp.asarray(key_positions, jnp.int32)
+
+    def one(head_params: Any, query_row: jax.Array, key_row: jax.Array) -> jax.Array:
+        head_params = jax.tree.map(lambda leaf: leaf[None], head_params)
+        return function(head_params, query_row[:, None], key_row[None, :])
+
+    per_head = jax.vmap(one, in_axes=(0, None, None))  # [num_heads, q_len, kv_len]
+    return jax.vmap(per_head, in_axes=(None, 0, 0))(params, query_positions, key_positions)

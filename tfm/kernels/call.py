@@ -11,17 +11,19 @@ from typing import Any
 import jax
 
 
-@functools.partial(jax.tree_util.register_dataclass, meta_fields=("function", "learned"),
+@functools.partial(jax.tree_util.register_dataclass, meta_fields=("function", "learned", "dense"),
                    data_fields=("params", "query_positions", "key_positions"))
 @dataclasses.dataclass(frozen=True)
 class BlockBias:
-    """A position scheme's logit bias in the form a fused kernel evaluates per block
-    (tfm.nn.positions.BlockBiasFn): bias[b, h, i, j] = function(params' row h,
+    """A position scheme's logit bias by its parts, in the form a fused kernel evaluates per
+    block (tfm.nn.positions.BlockBiasFn): bias[b, h, i, j] = function(params' row h,
     query_positions[b, i:i+1, None], key_positions[b, None, j:j+1]).
 
     params: pytree of [num_heads, P] float arrays; query_positions: [batch, q_len] int32;
     key_positions: [batch, kv_len] int32. learned: whether params take a gradient (T5's
-    table; not ALiBi's fixed slopes).
+    table; not ALiBi's fixed slopes). dense: the same values over whole rows,
+    dense(params, query_positions, key_positions) -> [batch, heads, q_len, kv_len], for kernels
+    that add a dense bias (None: `function` evaluated on whole rows, tfm.kernels.masks).
     """
 
     function: Callable[..., jax.Array]
@@ -29,25 +31,49 @@ class BlockBias:
     query_positions: jax.Array
     key_positions: jax.Array
     learned: bool = False
+    dense: Callable[..., jax.Array] | None = None
 
 
-@functools.partial(jax.tree_util.register_dataclass, meta_fields=("causal", "window"),
-                   data_fields=("query_segments", "key_segments", "bias"))
+@functools.partial(jax.tree_util.register_dataclass, meta_fields=("function",),
+                   data_fields=("params", "query_positions", "key_positions"))
+@dataclasses.dataclass(frozen=True)
+class RelativeBias:
+    """A logit bias computed from the queries (Shaw et al. 2018's relative keys), by its parts:
+    bias = function(query [batch, q_len, heads, head_dim], params, query_positions
+    [batch, q_len], key_positions [batch, kv_len], scale) -> [batch, heads, q_len, kv_len].
+    Only kernels that write the bias out take it (Backend.biases "query")."""
+
+    function: Callable[..., jax.Array]
+    params: Any
+    query_positions: jax.Array
+    key_positions: jax.Array
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass, meta_fields=("causal", "window"),
+    data_fields=("query_segments", "key_segments", "bias", "key_valid", "query_offset",
+                 "query_positions", "key_positions", "relative"))
 @dataclasses.dataclass(frozen=True)
 class AttentionStructure:
-    """The attention mask, and a position scheme's logit bias, described by their parts, for
-    kernels that build them per block instead of reading a dense [batch, 1, q_len, kv_len] mask
-    or [batch, heads, q_len, kv_len] bias (splash and flex attention, cuDNN).
+    """The attention mask, and the position scheme's logit bias, described by their parts: the
+    one form in which the model hands them to `tfm.kernels.attention`. Fused kernels (splash,
+    flex) build them per block; kernels that read a dense [batch, 1, q_len, kv_len] mask and
+    [batch, heads, q_len, kv_len] bias make those from it (tfm.kernels.masks.dense_mask,
+    dense_bias).
 
-    Query i attends key j iff query_segments[b, i] == key_segments[b, j], and j <= i when
-    causal, and |i - j| <= window when window is set (indices, so the caller promises that
-    positions advance by one per token within a segment). None segments: one segment.
-    The description must equal the dense mask at every real query; outputs at padding queries
-    (those that share a segment id with padding keys) are unspecified, as no loss reads them.
-
-    query_segments: [batch, q_len] int32; key_segments: [batch, kv_len] int32. bias: the same
-    values as the call's dense bias, by blocks (None: no bias, or only the dense one). A pytree
-    (arrays are its leaves), so it travels through nn.scan with the layers' shared inputs.
+    Query i attends key j iff all of:
+    - causal: j <= i + query_offset[b] (indices; query_offset: [batch] int32, the KV cache slot
+      of the first query, None = 0);
+    - window: |p_i - p_j| <= window, p = query_positions [batch, q_len] and key_positions
+      [batch, kv_len] int32 (None: the indices, so the caller promises that positions advance
+      by one per token within a segment);
+    - key_valid[b, j] ([batch, kv_len] bool: padding, a KV cache's filled and valid slots;
+      None: every key);
+    - query_segments[b, i] == key_segments[b, j] ([batch, q_len], [batch, kv_len] int32;
+      None: one segment).
+    bias: the position scheme's logit bias (BlockBias), relative: a bias from the queries
+    (RelativeBias); None: none. A pytree (arrays are its leaves; causal and window static), so
+    it travels through nn.scan with the layers' shared inputs.
     """
 
     causal: bool = False
@@ -55,6 +81,21 @@ class AttentionStructure:
     query_segments: jax.Array | None = None
     key_segments: jax.Array | None = None
     bias: BlockBias | None = None
+    key_valid: jax.Array | None = None
+    query_offset: jax.Array | None = None
+    query_positions: jax.Array | None = None
+    key_positions: jax.Array | None = None
+    relative: RelativeBias | None = None
+
+    def replace(self, **changes: Any) -> AttentionStructure:
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def by_index(self) -> bool:
+        """Whether the mask compares indices only (no offset, window positions or relative
+        bias): the form a blocked kernel builds per block."""
+        return (self.query_offset is None and self.query_positions is None
+                and self.relative is None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,12 +103,16 @@ class AttentionCall:
     """The options of one attention call (tfm.nn.attention.dot_product_attention's, plus hints
     for kernels).
 
-    bias (float) and mask (bool, True = attend): broadcastable to [batch, num_heads, q_len,
-    kv_len]. scale: None = 1 / sqrt(head_dim). dropout_rate > 0 needs dropout_rng.
-    causal: the caller promises query i attends to no key after i (the mask still says so), so
-    a kernel may skip that work. cache_layout: key and value come in the backend's KV cache
-    layout (`tfm.kernels.cache_layout(backend)`), not [batch, kv_len, kv_heads, head_dim].
-    structure: the mask's parts (AttentionStructure), or None when only the dense mask says it.
+    structure: the mask and logit bias by their parts (AttentionStructure), the form the model
+    passes; a kernel that reads a dense mask or bias makes it from this (tfm.kernels.masks).
+    bias (float) and mask (bool, True = attend): the dense forms, broadcastable to [batch,
+    num_heads, q_len, kv_len], for callers that hold them (kernel tests, benchmarks); either
+    one given replaces what the structure says of it in dense kernels. scale: None = 1 /
+    sqrt(head_dim). dropout_rate > 0 needs dropout_rng. causal: the caller promises query i
+    attends to no key after i (the mask still says so), so a kernel may skip that work (a
+    structure that is causal by index says it too). cache_layout: key and value come in the
+    backend's KV cache layout (`tfm.kernels.cache_layout(backend)`), not [batch, kv_len,
+    kv_heads, head_dim].
     """
 
     bias: jax.Array | None = None

@@ -21,7 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from tfm.kernels import cpu_dense
+from tfm.kernels import cpu_dense, masks
 from tfm.kernels.call import AttentionCall
 from tfm.kernels.reference import (
     apply_keep,
@@ -48,7 +48,9 @@ def attention(
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """`tfm.nn.attention.dot_product_attention` on CPU, the same values: with `call.causal`
     the key blocks past each query block are skipped; with `call.cache_layout` keys and values
-    come in the KV cache's layout (tfm/kernels/cpu_cache.py)."""
+    come in the KV cache's layout (tfm/kernels/cpu_cache.py). The mask and bias are written
+    out from the call's structure (tfm.kernels.masks)."""
+    call = masks.dense_call(call, query, key.shape[3] if call.cache_layout else key.shape[1])
     bias, mask, scale = call.bias, call.mask, call.scale
     dropout_rate, dropout_rng = call.dropout_rate, call.dropout_rng
     return_weights, causal, cache_layout = call.return_weights, call.causal, call.cache_layout

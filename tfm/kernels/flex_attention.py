@@ -38,7 +38,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
 from tfm.checks import ConfigError
-from tfm.kernels import per_device, reference
+from tfm.kernels import masks, per_device, reference
 from tfm.kernels.call import AttentionCall
 
 TRITON_BLOCK = 64  # query and key blocks on GPU
@@ -67,17 +67,17 @@ def attention(
         raise ConfigError("attention_backend='flex' has no attention dropout and returns no "
                           "weights; use 'reference'")
     if not serves(call, query.shape[1], key.shape[1]):
-        return reference.dot_product_attention(query, key, value, **call.spec_options())
+        return masks.reference_attention(query, key, value, call)
     query, key, value, _, _ = reference.check_inputs(query, key, value, None, None, 0.0, None)
     structure = call.structure
     batch, q_len = query.shape[:2]
     kv_len = key.shape[1]
     scale = reference.default_scale(query.shape[-1]) if call.scale is None else call.scale
     bias = structure.bias
-    query_segments, key_segments = structure.query_segments, structure.key_segments
-    if query_segments is None:
-        query_segments = jnp.zeros((batch, q_len), jnp.int32)
-        key_segments = jnp.zeros((batch, kv_len), jnp.int32)
+    segments = masks.block_segments(structure, q_len, per_device.PADDING_KEY_SEGMENT)
+    if segments is None:
+        segments = (jnp.zeros((batch, q_len), jnp.int32), jnp.zeros((batch, kv_len), jnp.int32))
+    query_segments, key_segments = segments
     if bias is None:
         positions = (jnp.zeros((batch, q_len), jnp.int32), jnp.zeros((batch, kv_len), jnp.int32))
     else:

@@ -27,10 +27,10 @@ PADDING_KEY_SEGMENT = -1  # no query has it, so padded keys are never attended
 
 def described_by_parts(call: Any, q_len: int, kv_len: int) -> bool:
     """Whether an AttentionCall's mask is described by its parts (call.structure) in a form a
-    blocked kernel can build: no KV cache read, and causal or windowed only when queries and
-    keys are the same positions (self-attention)."""
+    blocked kernel can build: by index (structure.by_index), no KV cache read, and causal or
+    windowed only when queries and keys are the same positions (self-attention)."""
     structure = call.structure
-    if call.cache_layout or structure is None:
+    if call.cache_layout or structure is None or not structure.by_index:
         return False
     return q_len == kv_len or not (structure.causal or structure.window is not None)
 

@@ -21,7 +21,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ke
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 
 from tfm.checks import ConfigError
-from tfm.kernels import per_device, reference
+from tfm.kernels import masks, per_device, reference
 from tfm.kernels.call import AttentionCall
 
 
@@ -38,20 +38,19 @@ def attention(
 ) -> jax.Array:  # [batch, q_len, num_heads, head_dim]
     """The reference's softmax(Q K^T * scale) V by splash attention, under shard_map when a
     multi-device mesh is set (jax.set_mesh; tfm.kernels.per_device)."""
-    if call.bias is not None:
+    structure = call.structure
+    if call.bias is not None or (structure is not None and (
+            structure.bias is not None or structure.relative is not None)):
         raise ConfigError("attention_backend='splash' takes no logit bias (ALiBi, T5, Shaw); "
                           "use 'auto' or 'reference'")
     if call.dropout_rate > 0 or call.return_weights:
         raise ConfigError("attention_backend='splash' has no attention dropout and returns no "
                           "weights; use 'reference'")
     if not serves(call, query.shape[1], key.shape[1]):
-        return reference.dot_product_attention(query, key, value, **call.spec_options())
+        return masks.reference_attention(query, key, value, call)
     query, key, value, _, _ = reference.check_inputs(query, key, value, None, None, 0.0, None)
-    structure = call.structure
     scale = reference.default_scale(query.shape[-1]) if call.scale is None else call.scale
-    segments = (structure.query_segments, structure.key_segments)
-    if segments[0] is None:
-        segments = None
+    segments = masks.block_segments(structure, query.shape[1], per_device.PADDING_KEY_SEGMENT)
     local = functools.partial(_attend_local, causal=structure.causal, window=structure.window,
                               scale=scale)
     return per_device.run(local, query, key, value, segments,

@@ -1,10 +1,11 @@
-"""What the blocks of one stack call share, built once before the layers: the positions, the
-masks and the position biases of self- and cross-attention (tfm.nn.layers.AttentionInputs),
-from explicit positions, validity and packed segment ids (never from token values)."""
+"""What the blocks of one stack call share, built once before the layers: the positions, and
+the masks and position biases of self- and cross-attention by their parts
+(tfm.kernels.call.AttentionStructure in tfm.nn.layers.AttentionInputs: the kernels write them
+out if they need to), from explicit positions, validity and packed segment ids (never from
+token values)."""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
@@ -69,85 +70,53 @@ def self_attention_context(
     position_bias: Any,  # tfm.nn.layers.PositionBias, made by the calling module
     query_positions: Array,  # [batch, q_len]
     key_positions: Array,  # [batch, kv_len]
-    masks: list[Array | None],
+    structure: AttentionStructure,
     write_index: Array | None,
-    causal: bool,
-    structure: AttentionStructure | None = None,
 ) -> LayerContext:
-    """Masks and shared position biases for one stack's self-attention. `causal`: no cache
-    and causal masking, so query i sees no key after i (attention may skip those blocks).
-    structure: the same masks by their parts (`self_structure`), or None."""
-    if config.local_window is not None:
-        masks.append(
-            attention.local_window_mask(query_positions, key_positions, config.local_window)
-        )
-    inputs = AttentionInputs(attention.combine_masks(*masks), None, query_positions,
-                             key_positions, structure, causal)
+    """One stack's self-attention inputs: positions, and the mask by parts with the shared
+    position bias (unless each layer makes its own)."""
+    inputs = AttentionInputs(query_positions, key_positions, structure)
     if not config.scheme.bias_per_layer(config):
         inputs = with_position_bias(inputs, position_bias(query_positions, key_positions))
     return LayerContext(self_attention=inputs, write_index=write_index)
 
 
-def with_position_bias(
-    inputs: AttentionInputs, bias: tuple[Array | None, BlockBias | None]
-) -> AttentionInputs:
-    """`inputs` with a position scheme's logit bias (PositionBias's dense form and block form)."""
-    dense, by_blocks = bias
-    return inputs.replace(bias=dense, structure=with_block_bias(inputs.structure, by_blocks))
+def with_position_bias(inputs: AttentionInputs, by_blocks: BlockBias | None) -> AttentionInputs:
+    """`inputs` with a position scheme's logit bias (PositionBias's BlockBias, or None)."""
+    return inputs.replace(structure=inputs.structure.replace(bias=by_blocks))
 
 
-def with_block_bias(
-    structure: AttentionStructure | None, by_blocks: BlockBias | None
-) -> AttentionStructure | None:
-    """The self-attention structure with the position bias by blocks (None stays None: only the
-    dense mask and bias describe that attention)."""
-    if structure is None or by_blocks is None:
-        return structure
-    return dataclasses.replace(structure, bias=by_blocks)
-
-
-def self_structure(
+def full_pass_inputs(
     config: ModelConfig,
-    causal: bool,
+    tokens: Array,  # [batch, len]
+    positions: Array | None,  # [batch, len]
     valid: Array | None,  # [batch, len] bool
     segment_ids: Array | None,  # [batch, len]
-    positions_follow_index: bool,
-) -> AttentionStructure | None:
-    """Self-attention's mask (without a cache) by its parts: causal, the local window, and
-    segments (packed ids, else 1 = real / 0 = padding). A window is by positions, so it is
-    described only when positions advance by one per token (`positions_follow_index`: the
-    default positions, or packed segments'); else None: only the dense mask says it."""
-    window = config.local_window
-    if window is not None and not positions_follow_index:
-        return None
-    ids = segment_ids if segment_ids is not None else valid
-    ids = None if ids is None else jnp.asarray(ids).astype(jnp.int32)
-    return AttentionStructure(causal, window, ids, ids)
-
-
-def causal_inputs(
-    tokens: Array, positions: Array | None, valid: Array | None, segment_ids: Array | None
-) -> tuple[Array, Array, list[Array | None]]:
-    """(positions, key positions, masks) of causal self-attention over `tokens` alone."""
+    causal: bool,
+) -> tuple[Array, AttentionStructure]:
+    """(positions, the self-attention mask by parts) of a pass over `tokens` alone (no cache):
+    causal by index when `causal`, valid keys, packed segments, and the local window. The
+    window compares indices when positions advance by one per token (the default positions,
+    or packed segments': a blocked kernel builds it), else the positions."""
+    follows_index = segment_ids is not None or (positions is None and valid is None)
     if positions is None:
         positions = default_positions(tokens)
         if valid is not None and segment_ids is None:
             positions = positions_from_valid(valid)
-    order = default_positions(tokens)  # causal by index, whatever the positions
-    masks = [
-        attention.causal_mask(order, order),
-        None if valid is None else attention.padding_mask(valid),
-    ]
-    if segment_ids is not None:
-        masks.append(attention.segment_mask(segment_ids, segment_ids))
-    return positions, positions, masks
+    by_position = None if follows_index or config.local_window is None else positions
+    ids = None if segment_ids is None else jnp.asarray(segment_ids).astype(jnp.int32)
+    structure = AttentionStructure(causal, config.local_window, ids, ids, key_valid=valid,
+                                   query_positions=by_position, key_positions=by_position)
+    return positions, structure
 
 
 def cached_inputs(
-    cache: DecoderCache, tokens: Array, positions: Array | None, valid: Array | None
-) -> tuple[Array, Array, list[Array | None], Array | None]:
-    """(positions, key positions [batch, max_len], masks, the cache's new `valid`) of new
-    tokens attending to every filled slot of `cache` and to each other, causally."""
+    config: ModelConfig, cache: DecoderCache, tokens: Array, positions: Array | None,
+    valid: Array | None,
+) -> tuple[Array, Array, AttentionStructure, Array | None]:
+    """(positions, key positions [batch, max_len], the mask by parts, the cache's new `valid`)
+    of new tokens attending to every filled slot of `cache` and to each other, causally: query
+    i sits in slot write_index + i, and sees the filled, valid slots up to it."""
     if tokens.shape[1] > cache.max_len:
         raise ValueError(
             f"{tokens.shape[1]} tokens are longer than the cache (max_len="
@@ -168,39 +137,31 @@ def cached_inputs(
         positions = jnp.take_along_axis(
             key_positions, default_positions(tokens, write_index), axis=1
         )
-    masks = [
-        attention.causal_mask(default_positions(tokens, write_index), slots),
-        attention.padding_mask(key_valid),
-    ]
-    return positions, key_positions, masks, new_valid
+    windowed = config.local_window is not None
+    structure = AttentionStructure(
+        True, config.local_window, key_valid=key_valid, query_offset=write_index,
+        query_positions=positions if windowed else None,
+        key_positions=key_positions if windowed else None)
+    return positions, key_positions, structure, new_valid
 
 
 def with_cross_attention(
     ctx: LayerContext,
     encoded: Array | None,  # [batch, src_len, d_model]; None: the cache holds keys/values
     source_valid: Array | None,  # [batch, src_len] bool; None = every source token is real
-    segment_ids: Array | None,
-    source_segment_ids: Array | None,
+    segment_ids: Array | None,  # [batch, len]
+    source_segment_ids: Array | None,  # [batch, src_len]
 ) -> LayerContext:
-    """`ctx` with the cross-attention inputs: encoder output, padding (+ packing) mask."""
+    """`ctx` with the cross-attention inputs: encoder output, and the mask by parts (valid
+    source tokens, and packed segments when both sides are packed)."""
     if source_valid is None:
-        source_len = encoded.shape[1]
-        source_valid = attention.valid_from_lengths(
-            jnp.full(encoded.shape[:1], source_len), source_len
-        )
-    query_positions = ctx.self_attention.query_positions
-    cross_masks = [attention.padding_mask(source_valid)]
-    # By parts: query segments (packed ids, else all 1) against key segments (packed ids, else
-    # 1 = real / 0 = padding source token).
-    query_segments = jnp.ones_like(query_positions, jnp.int32)
-    key_segments = source_valid.astype(jnp.int32)
+        source_valid = jnp.ones(encoded.shape[:2], bool)
+    query_segments = key_segments = None
     if segment_ids is not None and source_segment_ids is not None:
-        cross_masks.append(attention.segment_mask(segment_ids, source_segment_ids))
         query_segments = jnp.asarray(segment_ids).astype(jnp.int32)
         key_segments = jnp.asarray(source_segment_ids).astype(jnp.int32)
-    structure = None
-    if encoded is not None:
-        structure = AttentionStructure(False, None, query_segments, key_segments)
-    cross = AttentionInputs(attention.combine_masks(*cross_masks), None, query_positions,
+    structure = AttentionStructure(False, None, query_segments, key_segments,
+                                   key_valid=jnp.asarray(source_valid, bool))
+    cross = AttentionInputs(ctx.self_attention.query_positions,
                             default_positions(source_valid), structure)
     return ctx.replace(encoded=encoded, cross_attention=cross, source_valid=source_valid)

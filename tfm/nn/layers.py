@@ -215,58 +215,40 @@ class PositionEmbedding(nn.Module):
 
 
 class PositionBias(nn.Module):
-    """Additive attention-logit biases from relative positions, for schemes with a logit_bias
-    hook (T5 buckets, ALiBi): the dense bias, and the same by blocks for fused kernels (None
-    where the scheme has no block form). (None, None) for schemes that add no bias."""
+    """The attention-logit bias from relative positions of schemes with a block_bias hook
+    (T5 buckets, ALiBi, Kerple, FIRE), by its parts (BlockBias): the kernels evaluate it per
+    block or write it out. None for schemes that add no bias."""
 
     config: ModelConfig
     bidirectional: bool
 
     @nn.compact
-    def __call__(
-        self, query_positions: Array, key_positions: Array
-    ) -> tuple[Array | None, BlockBias | None]:
+    def __call__(self, query_positions: Array, key_positions: Array) -> BlockBias | None:
         # query_positions: [batch, q_len]; key_positions: [batch, kv_len]
-        # returns ([batch, heads, q_len, kv_len] or None, BlockBias or None)
         scheme = self.config.scheme
-        if scheme.logit_bias is None:
-            return None, None
-        created: dict[str, Array] = {}
-        make = _param_fn(self, self.config)
-
-        def param(name: str, *args: Any) -> Array:  # both forms read the same parameters
-            if name not in created:
-                created[name] = make(name, *args)
-            return created[name]
-
-        dense = scheme.logit_bias(self.config, query_positions, key_positions,
-                                  self.bidirectional, param)
         if scheme.block_bias is None:
-            return dense, None
-        function, params = scheme.block_bias(self.config, self.bidirectional, param)
-        by_blocks = BlockBias(function, params, jnp.asarray(query_positions, jnp.int32),
-                              jnp.asarray(key_positions, jnp.int32),
-                              learned=scheme.logit_bias_kind == "learned")
-        return dense, by_blocks
+            return None
+        function, params = scheme.block_bias(self.config, self.bidirectional,
+                                              _param_fn(self, self.config))
+        dense = (None if scheme.dense_function is None
+                 else scheme.dense_function(self.config, self.bidirectional))
+        return BlockBias(function, params, jnp.asarray(query_positions, jnp.int32),
+                         jnp.asarray(key_positions, jnp.int32),
+                         learned=scheme.logit_bias_kind == "learned", dense=dense)
 
 
 @struct.dataclass
 class AttentionInputs:
     """What one attention call reads besides its hidden states, computed once per stack call.
 
-    mask: [batch, 1, q_len, kv_len] bool or None; bias: [batch | 1, heads, q_len, kv_len] (a
-    position scheme's logit bias) or None; query_positions: [batch, q_len]; key_positions:
-    [batch, kv_len], of every key attended to; structure: the mask (and bias) by parts, for
-    fused kernels (None where only the dense mask can say it); causal: no cache and causal
-    masking, so query i sees no key after i (a kernel may skip that work).
+    query_positions: [batch, q_len]; key_positions: [batch, kv_len], of every key attended to;
+    structure: the mask and the shared position bias by their parts (AttentionStructure), the
+    one form they take on the way to the kernel.
     """
 
-    mask: Array | None
-    bias: Array | None
     query_positions: Array
     key_positions: Array
-    structure: AttentionStructure | None = None
-    causal: bool = struct.field(pytree_node=False, default=False)
+    structure: AttentionStructure
 
 
 class MultiHeadAttention(nn.Module):
@@ -294,7 +276,7 @@ class MultiHeadAttention(nn.Module):
         self,
         inputs_q: Array,  # [batch, q_len, d_model]
         inputs_kv: Array | None,  # [batch, kv_len, d_model], or None to read the cross cache
-        inputs: AttentionInputs,  # mask, shared bias and positions
+        inputs: AttentionInputs,  # positions, the mask and shared bias by parts
         slot: CacheSlot | None = None,  # this layer's place in the KV cache, or None
         deterministic: bool = True,
     ) -> tuple[Array, DecoderCache | None]:  # [batch, q_len, d_model], the updated cache
@@ -347,30 +329,24 @@ class MultiHeadAttention(nn.Module):
     ) -> Array:  # [batch, q_len, heads, head_dim]
         """The attention core, with a Shaw relative scheme's logit bias and value term."""
         config = self.config
-        scale = config.resolved_attention_scale
-        value_term, bias = None, inputs.bias
+        value_term, structure = None, inputs.structure
         collect = self.is_mutable_collection("intermediates")
         if config.scheme.relative is not None and not self.is_cross:
-            relative_bias, value_term = config.scheme.relative(
-                config, query, inputs.query_positions, inputs.key_positions, scale,
-                _param_fn(self, config)
-            )
-            bias = relative_bias if bias is None else bias + relative_bias
+            relative, value_term = config.scheme.relative(
+                config, inputs.query_positions, inputs.key_positions, _param_fn(self, config))
+            structure = structure.replace(relative=relative)
         dropout_rate = 0.0 if deterministic else config.attention_dropout_rate
         result = kernels.attention(
             query,
             key.astype(query.dtype),
             value.astype(query.dtype),
             backend=config.attention_backend,
-            bias=bias,
-            mask=inputs.mask,
-            scale=scale,
+            scale=config.resolved_attention_scale,
             dropout_rate=dropout_rate,
             dropout_rng=self.make_rng("dropout") if dropout_rate > 0 else None,
             return_weights=value_term is not None or collect,
-            causal=inputs.causal,
             cache_layout=cache_layout,
-            structure=inputs.structure,
+            structure=structure,
         )
         if value_term is None and not collect:
             return result

@@ -16,19 +16,15 @@ import jax.numpy as jnp
 
 from tfm import kernels
 from tfm.checks import ConfigError
-from tfm.nn import attention
 from tfm.nn import remat as remat_lib
 from tfm.nn.cache import CacheSlot, DecoderCache, check_cache
 from tfm.nn.config import ModelConfig
 from tfm.nn.context import (
     LayerContext,
     cached_inputs,
-    causal_inputs,
-    default_positions,
-    positions_from_valid,
+    full_pass_inputs,
     resolve_valid,
     self_attention_context,
-    self_structure,
     with_cross_attention,
     with_position_bias,
 )
@@ -199,27 +195,14 @@ class Encoder(nn.Module):
         if embedding is None:
             embedding = TokenEmbedding(config, config.resolved_source_vocab_size, name="embed")
         valid = resolve_valid(tokens, valid, segment_ids)
-        follow_index = segment_ids is not None or (positions is None and valid is None)
-        if positions is None:
-            positions = default_positions(tokens)
-            if valid is not None and segment_ids is None:
-                positions = positions_from_valid(valid)
+        positions, structure = full_pass_inputs(config, tokens, positions, valid, segment_ids,
+                                                causal=False)
         x = _embed(config, self, embedding, tokens, positions, token_types)
         x = self.perturb("embedded", x)  # lets tests take gradients w.r.t. the input embeddings
         x = nn.Dropout(config.dropout_rate)(x, deterministic=deterministic)
-        masks = [None if valid is None else attention.padding_mask(valid)]
-        if segment_ids is not None:
-            masks.append(attention.segment_mask(segment_ids, segment_ids))
         ctx = self_attention_context(
-            config,
-            PositionBias(config, True, name="position_bias"),
-            positions,
-            positions,
-            masks,
-            None,
-            False,
-            self_structure(config, False, valid, segment_ids, follow_index),
-        )
+            config, PositionBias(config, True, name="position_bias"), positions, positions,
+            structure, None)
         x, _ = Stack(config, config.num_encoder_layers, False, True, name="stack")(
             x, None, ctx, deterministic
         )
@@ -255,18 +238,17 @@ class Decoder(nn.Module):
                              "output is untied (tie_output=False)")
         write_index, new_valid = None, None
         valid = resolve_valid(tokens, valid, segment_ids)
-        structure = None
         if cache is None:
-            follow_index = segment_ids is not None or (positions is None and valid is None)
-            structure = self_structure(config, True, valid, segment_ids, follow_index)
-            positions, key_positions, masks = causal_inputs(tokens, positions, valid, segment_ids)
+            positions, structure = full_pass_inputs(config, tokens, positions, valid,
+                                                    segment_ids, causal=True)
+            key_positions = positions
         else:
             check_cache(cache, config, self.has_cross, tokens.shape[0])
             if segment_ids is not None:
                 raise ValueError("segment_ids (packing) cannot be combined with a KV cache")
             write_index = cache.lengths
-            positions, key_positions, masks, new_valid = cached_inputs(
-                cache, tokens, positions, valid
+            positions, key_positions, structure, new_valid = cached_inputs(
+                config, cache, tokens, positions, valid
             )
 
         x = _embed(config, self, self.embedding, tokens, positions, None)
@@ -274,7 +256,7 @@ class Decoder(nn.Module):
         x = nn.Dropout(config.dropout_rate)(x, deterministic=deterministic)
         ctx = self_attention_context(
             config, PositionBias(config, False, name="position_bias"), positions, key_positions,
-            masks, write_index, cache is None, structure)
+            structure, write_index)
         if self.has_cross:
             if encoded is None and cache is None:
                 raise ValueError("the encoder-decoder's decoder needs `encoded` or a filled cache")

@@ -20,8 +20,15 @@ import numpy as np
 from tfm import kernels
 from tfm.checks import ConfigError
 from tfm.kernels import block_bias
+from tfm.kernels.block_bias import dense_from_blocks  # noqa: F401
+from tfm.kernels.call import RelativeBias
 from tfm.nn import learned_biases, rope_scaling
-from tfm.nn.shaw import relative_indices, shaw_logit_bias, shaw_value_term  # noqa: F401
+from tfm.nn.shaw import (  # noqa: F401
+    relative_indices,
+    shaw_bias,
+    shaw_logit_bias,
+    shaw_value_term,
+)
 
 Array = jax.Array
 ArrayLike = jax.Array | np.ndarray  # concrete or traced ids; numpy for static inputs
@@ -312,19 +319,21 @@ def t5_block_bias(head_params: tuple[Array], query_positions: Array, key_positio
     return block_bias.row_lookup(table_row, buckets)
 
 
-def dense_from_blocks(function: BlockBiasFn, params: Any, query_positions: ArrayLike,
-                      key_positions: ArrayLike) -> Array:
-    """A block bias function evaluated on whole rows: [B, N, T, S] (the reference's form).
-    params: leaves [num_heads, P]; query_positions: [B, T]; key_positions: [B, S]."""
-    query_positions = _int_positions(query_positions, "query_positions")
-    key_positions = _int_positions(key_positions, "key_positions")
+def alibi_dense_bias(head_params: tuple[Array], query_positions: Array,
+                     key_positions: Array) -> Array:
+    """alibi_bias over whole rows from alibi_block_bias's params ([N, 1] slopes,)
+    -> [B, N, T, S]."""
+    (slopes,) = head_params
+    return alibi_bias(query_positions, key_positions, slopes[:, 0])
 
-    def one(head_params: Any, query_row: Array, key_row: Array) -> Array:
-        head_params = jax.tree.map(lambda leaf: leaf[None], head_params)
-        return function(head_params, query_row[:, None], key_row[None, :])
 
-    per_head = jax.vmap(one, in_axes=(0, None, None))  # [N, T, S]
-    return jax.vmap(per_head, in_axes=(None, 0, 0))(params, query_positions, key_positions)
+def t5_dense_bias(head_params: tuple[Array], query_positions: Array, key_positions: Array, *,
+                  bidirectional: bool, num_buckets: int, max_distance: int) -> Array:
+    """t5_bias over whole rows (a gather) from t5_block_bias's params ([N, num_buckets] table,)
+    -> [B, N, T, S]."""
+    (table,) = head_params
+    return t5_bias(table.T, query_positions, key_positions, bidirectional=bidirectional,
+                   num_buckets=num_buckets, max_distance=max_distance)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -333,8 +342,12 @@ def dense_from_blocks(function: BlockBiasFn, params: Any, query_positions: Array
 
 # param(name, shape, init_stddev, logical_axes) -> a parameter of the calling linen module.
 ParamFn = Callable[[str, tuple[int, ...], float, tuple[str | None, ...]], Array]
-# A Shaw-style term: (bias [B, N, T, S], value_term(weights [B, N, T, S]) -> [B, T, N, H] or None)
-RelativeTerm = tuple[Array, Callable[[Array], Array] | None]
+# A Shaw-style term: (its logit bias by parts, value_term(weights [B, N, T, S]) -> [B, T, N, H]
+# or None)
+RelativeTerm = tuple[RelativeBias, Callable[[Array], Array] | None]
+# dense(params, query_positions [B, T], key_positions [B, S]) -> [B, N, T, S]: a block bias's
+# params evaluated over whole rows (a faster form than the block function's for the reference)
+DenseBiasFn = Callable[[Any, Array, Array], Array]
 
 
 def _no_params(config: Any, num_layers: int) -> int:
@@ -360,26 +373,27 @@ class PositionScheme:
 
     embedding(config, token_positions [B, T], width T, param) -> [B, T, d_model], added to the
       token embeddings.
-    logit_bias(config, query_positions [B, T], key_positions [B, S], bidirectional, param)
-      -> [B, N, T, S], added to self-attention logits (shared by a stack's layers unless
-      `bias_per_layer(config)`).
     rotate(config, x [B, T, N, H], positions [B, T]) -> x, applied to self-attention queries
       and keys.
-    relative(config, query [B, T, N, H], query_positions, key_positions, scale, param)
-      -> RelativeTerm, a logit bias from the queries plus an optional value term.
+    relative(config, query_positions [B, T], key_positions [B, S], param) -> RelativeTerm,
+      a logit bias from the queries (by parts: the kernel computes it) plus an optional value
+      term.
     block_bias(config, bidirectional, param) -> (BlockBiasFn, params with leaves
-      [num_heads, P]): the logit bias in the form fused kernels evaluate per block. A scheme
-      that gives block_bias and no logit_bias gets its dense bias from it (dense_from_blocks).
+      [num_heads, P]): the logit bias added to self-attention logits (shared by a stack's
+      layers unless `bias_per_layer(config)`), in the form fused kernels evaluate per block.
+    dense_function(config, bidirectional) -> DenseBiasFn over the same params, or None: the
+      same bias over whole rows for kernels that write it out (None: the block function on
+      whole rows, dense_from_blocks).
     """
 
     name: str
     kind: str  # "none" | "embedding" | "rotary" | "bias" | "relative"
     description: str = ""
     embedding: Callable[..., Array] | None = None
-    logit_bias: Callable[..., Array] | None = None
     rotate: Callable[..., Array] | None = None
     relative: Callable[..., RelativeTerm] | None = None
     block_bias: Callable[..., tuple[BlockBiasFn, Any]] | None = None
+    dense_function: Callable[[Any, bool], DenseBiasFn] | None = None
     bias_per_layer: Callable[[Any], bool] = _never
     # True: positions must be < config.max_len (a table); others run at any position.
     bounded_by_max_len: bool = False
@@ -390,10 +404,6 @@ class PositionScheme:
     # through it) or "query" (computed from the queries: Shaw); fused kernels take some kinds
     # or none (tfm.kernels.Backend.biases), and only in the block form (block_bias).
     logit_bias_kind: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.logit_bias is None and self.block_bias is not None:
-            object.__setattr__(self, "logit_bias", _dense_logit_bias(self.block_bias))
     num_params: Callable[[Any, int], int] = _no_params  # per stack of num_layers layers
 
 
@@ -445,37 +455,22 @@ def _check_rope(config: Any) -> None:
 
 
 def _shaw_relative(
-    config: Any, query: Array, query_positions: Array, key_positions: Array, scale: float,
-    param: ParamFn,
+    config: Any, query_positions: Array, key_positions: Array, param: ParamFn
 ) -> RelativeTerm:
     distance, head_dim = config.relative_max_distance, config.resolved_head_dim
-    rel_idx = relative_indices(query_positions, key_positions, distance)
     shape, axes = (2 * distance + 1, head_dim), ("relpos", "head_dim")
     key_table = param("relative_key", shape, head_dim**-0.5, axes)
-    bias = shaw_logit_bias(query, key_table, rel_idx, scale)
+    bias = RelativeBias(functools.partial(shaw_bias, max_distance=distance), key_table,
+                        query_positions, key_positions)
     if not config.relative_values:
         return bias, None
 
     def value_term(weights: Array) -> Array:
         value_table = param("relative_value", shape, head_dim**-0.5, axes)
+        rel_idx = relative_indices(query_positions, key_positions, distance)
         return shaw_value_term(weights, value_table, rel_idx)
 
     return bias, value_term
-
-
-def _t5_logit_bias(
-    config: Any, query_positions: Array, key_positions: Array, bidirectional: bool,
-    param: ParamFn,
-) -> Array:
-    table = _t5_table(config, param)
-    return t5_bias(
-        table,
-        query_positions,
-        key_positions,
-        bidirectional=bidirectional,
-        num_buckets=config.t5_num_buckets,
-        max_distance=config.t5_max_distance,
-    )
 
 
 def _t5_table(config: Any, param: ParamFn) -> Array:
@@ -496,23 +491,10 @@ def _alibi_block_bias(config: Any, bidirectional: bool, param: ParamFn) -> tuple
     return alibi_block_bias, (jnp.asarray(alibi_slopes(config.num_heads))[:, None],)
 
 
-def _dense_logit_bias(block_bias: Callable[..., tuple[BlockBiasFn, Any]]) -> Callable[..., Array]:
-    """A logit_bias hook from a block_bias hook."""
-
-    def logit_bias(config: Any, query_positions: Array, key_positions: Array,
-                   bidirectional: bool, param: ParamFn) -> Array:
-        function, params = block_bias(config, bidirectional, param)
-        return dense_from_blocks(function, params, query_positions, key_positions)
-
-    return logit_bias
-
-
-def _alibi_logit_bias(
-    config: Any, query_positions: Array, key_positions: Array, bidirectional: bool,
-    param: ParamFn,
-) -> Array:
-    slopes = jnp.asarray(alibi_slopes(config.num_heads), jnp.float32)
-    return alibi_bias(query_positions, key_positions, slopes)
+def _t5_dense_bias(config: Any, bidirectional: bool) -> DenseBiasFn:
+    return functools.partial(t5_dense_bias, bidirectional=bidirectional,
+                             num_buckets=config.t5_num_buckets,
+                             max_distance=config.t5_max_distance)
 
 
 SCHEMES: dict[str, PositionScheme] = {
@@ -542,7 +524,7 @@ SCHEMES: dict[str, PositionScheme] = {
         ),
         PositionScheme(
             "t5_bias", "bias", "T5 bucketed relative attention bias",
-            logit_bias=_t5_logit_bias, block_bias=_t5_block_bias, logit_bias_kind="learned",
+            block_bias=_t5_block_bias, dense_function=_t5_dense_bias, logit_bias_kind="learned",
             bias_per_layer=lambda config: not config.t5_shared_across_layers,
             num_params=lambda config, layers: (
                 1 if config.t5_shared_across_layers else layers
@@ -550,7 +532,8 @@ SCHEMES: dict[str, PositionScheme] = {
         ),
         PositionScheme(
             "alibi", "bias", "ALiBi linear distance penalty per head",
-            logit_bias=_alibi_logit_bias, block_bias=_alibi_block_bias, logit_bias_kind="fixed",
+            block_bias=_alibi_block_bias,
+            dense_function=lambda config, bidirectional: alibi_dense_bias, logit_bias_kind="fixed",
         ),
         # Learned long-context biases (tfm.nn.learned_biases), one set per layer as in their
         # papers; only the block form is given, so the dense one comes from it.

@@ -35,6 +35,15 @@ def shaw_logit_bias(query: Array, key_table: Array, rel_idx: Array, scale: float
     return scale * gathered
 
 
+def shaw_bias(query: Array, key_table: Array, query_positions: Array, key_positions: Array,
+              scale: float, *, max_distance: int) -> Array:
+    """shaw_logit_bias from positions (the function of the scheme's RelativeBias, which the
+    attention kernel calls); query: [B, T, N, H], key_table: [2k+1, H], query_positions:
+    [B, T], key_positions: [B, S] -> [B, N, T, S]."""
+    rel_idx = relative_indices(query_positions, key_positions, max_distance)
+    return shaw_logit_bias(query, key_table, rel_idx, scale)
+
+
 def shaw_value_term(weights: Array, value_table: Array, rel_idx: Array) -> Array:
     """sum_j w_ij a^V_ij (Shaw et al. 2018, eq. 3); weights: [B, N, T, S], value_table: [2k+1, H],
     rel_idx: [B, T, S] -> [B, T, N, H].
