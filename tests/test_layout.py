@@ -1,7 +1,8 @@
 """The package's shape: folders that show the architecture, imports that run one way (no
 circles, also through imports inside functions; kernels below nn, data below training), short
-functions and files, platform tricks only behind the kernel boundary (tfm/kernels/), family
-names compared only in tfm/nn/families.py, and benchmarks that import the installed package.
+functions and files, platform tricks only behind the kernel boundary (tfm/kernels/), masks
+passed by parts from the model (dense ones written out only in tfm/kernels/), family names
+compared only in tfm/nn/families.py, and benchmarks that import the installed package.
 
 Each detector also runs on a small bad example here, so a check that could never fail shows."""
 
@@ -159,6 +160,48 @@ def test_platform_tricks_stay_behind_the_kernel_boundary():
         text = path.read_text()
         found += [f"{name}: {trick}" for trick in tricks if trick in text]
     assert not found, found
+
+
+# What writes out a [.., q_len, kv_len] mask or bias: the reference's mask functions and
+# tfm.kernels.masks. Only kernels call them; the model passes the structure by parts.
+DENSE_MASK_BUILDERS = frozenset({
+    "causal_mask", "padding_mask", "segment_mask", "local_window_mask", "combine_masks",
+    "dense_mask", "dense_bias", "dense_position_bias", "dense_call", "dense_from_blocks",
+    "reference_attention"})
+
+
+def _dense_mask_uses(source: str) -> list[str]:
+    """Lines that call a dense-mask builder, or pass a dense mask or bias to an attention call."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Call):
+            continue
+        name = ast.unparse(node.func).rsplit(".", 1)[-1]
+        if name in DENSE_MASK_BUILDERS:
+            found.append(f"line {node.lineno}: {name}(...)")
+        elif name.endswith("attention") and {"mask", "bias"} & {k.arg for k in node.keywords}:
+            found.append(f"line {node.lineno}: {name}(mask=/bias=...)")
+    return found
+
+
+def test_the_model_passes_masks_by_parts():
+    """tfm/nn describes each mask and position bias by its parts (AttentionStructure); only
+    the kernels that read a dense mask write one out (tfm.kernels.masks)."""
+    found = [f"{name} {use}" for name, path in sorted(_modules().items())
+             if name.startswith("tfm.nn") for use in _dense_mask_uses(path.read_text())]
+    assert not found, found
+
+
+def test_the_dense_mask_check_sees_builders_and_dense_arguments():
+    source = """
+mask = attention.combine_masks(a, b)
+mask = causal_mask(q, k)
+out = kernels.attention(q, k, v, mask=mask, backend=name)
+out = kernels.attention(q, k, v, structure=structure)
+valid = attention.valid_from_lengths(lengths, 4)
+"""
+    lines = [use.split(":")[0] for use in _dense_mask_uses(source)]
+    assert sorted(lines) == ["line 2", "line 3", "line 4"]
 
 
 def _family_name_uses(source: str, names: frozenset[str]) -> list[str]:
