@@ -32,7 +32,7 @@ import numpy as np
 import pytest
 from compile_cache import persistent_compilation_cache
 
-from configs import char_lm, synthetic_lm, synthetic_seq2seq, translate
+from configs import char_lm, context_extension, synthetic_lm, synthetic_seq2seq, translate
 from tfm.checks import ConfigError
 from tfm.kernels import cpu_compile
 from tfm.training import checkpoint, metrics, train
@@ -858,6 +858,7 @@ SCHEMES = ("none", "sinusoidal", "learned", "rope", "relative", "t5_bias", "alib
         (synthetic_lm, ("copy", "reverse", "sort", "addition", "runlocal", "reverse,t5_bias")),
         (char_lm, ("runlocal", "bf16", "alibi,runlocal", "extrapolation", "alibi,extrapolation")),
         (translate, ("small", "runlocal", "wmt", "relative,small")),
+        (context_extension, ("runlocal", "fire", "kerple_log,runlocal")),
     ],
 )
 def test_every_config_variant_is_valid(module, variants):
