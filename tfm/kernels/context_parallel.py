@@ -1,0 +1,394 @@
+"""Context parallelism: attention over a sequence split across the `context` mesh axis.
+
+Each device holds one chunk of every row (queries, keys and values [batch, chunk, heads,
+head_dim]) with its tokens' global indices, segment ids and positions, so every mask and
+position bias is built from those, never from a chunk's local indices: a load-balanced
+(permuted) layout needs nothing else. Two strategies (`STRATEGIES`), each run per device
+inside `jax.shard_map` (`attention_shard`; `context_attention` wraps the shard_map):
+
+  all_gather  keys and values (and their indices, segments, positions) are gathered over the
+              axis, then the reference maths (tfm.kernels.reference) runs on the local
+              queries against the whole row (MaxText's default).
+  ring        keys and values rotate around the axis by `ppermute`, one step per device, with
+              an online softmax (running max, sum and output in float32); the backward pass
+              recomputes each block and rotates dK/dV home (Liu et al. 2023, Ring Attention,
+              arXiv 2310.01889; Dao et al. 2022 for the online softmax).
+
+Causal load balancing (`load_balance` / `restore_order`): the row is cut into 2N chunks and
+device i holds chunks i and 2N-1-i, so every device has the same share of the causal work.
+It is a pure permutation of the sequence axis, applied once to the inputs (tokens, positions,
+segment ids, targets) and undone on the outputs; positions and indices travel with the tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from tfm.kernels import reference
+from tfm.kernels.call import BlockBias
+
+AXIS = "context"  # the mesh axis the sequence is split over
+STRATEGIES = ("all_gather", "ring")
+MeshAxes = str | tuple[str, ...] | None
+
+
+@functools.partial(jax.tree_util.register_dataclass, meta_fields=("causal", "window"),
+                   data_fields=("query_index", "key_index", "query_segments", "key_segments"))
+@dataclasses.dataclass(frozen=True)
+class SequenceMask:
+    """The attention mask by parts, from per-token values that travel with the tokens.
+
+    Query i attends key j iff query_segments[b, i] == key_segments[b, j] (None: one segment),
+    and key_index <= query_index when causal, and |query_index - key_index| <= window when
+    window is set. Indices are each token's place in the original (unsplit, unpermuted) row.
+    Padding is a segment of its own (id 0 by tfm's convention): its keys are seen by no real
+    query. A query that sees no key gets a zero output, as in the reference.
+
+    query_index: [batch, q_len] int32; key_index: [batch, kv_len] int32; query_segments:
+    [batch, q_len] int32 | None; key_segments: [batch, kv_len] int32 | None (both or neither).
+    Under shard_map each device holds its chunk of every array.
+    """
+
+    query_index: jax.Array
+    key_index: jax.Array
+    query_segments: jax.Array | None = None
+    key_segments: jax.Array | None = None
+    causal: bool = False
+    window: int | None = None
+
+
+def block_mask(
+    mask: SequenceMask,
+    key_index: jax.Array,  # [batch, kv_len] int32, the keys of this block
+    key_segments: jax.Array | None,  # [batch, kv_len] int32 | None
+) -> jax.Array | None:  # [batch, 1, q_len, kv_len] bool, or None: every key visible
+    """`mask`'s queries against one block of keys, as the reference's dense mask."""
+    masks = []
+    if mask.query_segments is not None:
+        masks.append(reference.segment_mask(mask.query_segments, key_segments))
+    if mask.causal:
+        masks.append(reference.causal_mask(mask.query_index, key_index))
+    if mask.window is not None:
+        masks.append(reference.local_window_mask(mask.query_index, key_index, mask.window))
+    return reference.combine_masks(*masks)
+
+
+def block_bias(
+    bias: BlockBias | None,
+    key_positions: jax.Array,  # [batch, kv_len] int32, the positions of this block's keys
+) -> jax.Array | None:  # [batch, num_heads, q_len, kv_len] float32
+    """A position scheme's bias (BlockBias: function and per-head parameters) for the local
+    queries against one block of keys, from their global positions."""
+    if bias is None:
+        return None
+
+    def one_head(head_params, query_row, key_row):  # [P] leaves, [q_len], [kv_len]
+        head_params = jax.tree.map(lambda leaf: leaf[None], head_params)
+        return bias.function(head_params, query_row[:, None], key_row[None, :])
+
+    per_head = jax.vmap(one_head, in_axes=(0, None, None))
+    dense = jax.vmap(per_head, in_axes=(None, 0, 0))(bias.params, bias.query_positions,
+                                                    key_positions)
+    return dense.astype(jnp.float32)
+
+
+def gathered_attention(
+    query: jax.Array,  # [batch, chunk, num_heads, head_dim], this device's queries
+    key: jax.Array,  # [batch, chunk, num_kv_heads, head_dim], this device's keys
+    value: jax.Array,  # like key
+    mask: SequenceMask,  # this device's chunks
+    bias: BlockBias | None = None,  # positions: this device's chunks
+    *,
+    scale: float | None = None,
+    axis_name: str = AXIS,
+) -> jax.Array:  # [batch, chunk, num_heads, head_dim]
+    """The all_gather strategy, per device under shard_map: the whole row's keys and values
+    (and their indices, segments, positions) gathered over `axis_name`, then the reference."""
+    gather = functools.partial(jax.lax.all_gather, axis_name=axis_name, axis=1, tiled=True)
+    key_segments = None if mask.key_segments is None else gather(mask.key_segments)
+    dense_mask = block_mask(mask, gather(mask.key_index), key_segments)
+    dense_bias = None if bias is None else block_bias(bias, gather(bias.key_positions))
+    return reference.dot_product_attention(query, gather(key), gather(value), bias=dense_bias,
+                                           mask=dense_mask, scale=scale)
+
+
+# ------------------------------------------------------------------------------ ring
+
+
+def _rotate(tree, axis_name: str):
+    """Every array of `tree` sent to the next device around `axis_name` (i -> i + 1)."""
+    size = jax.lax.psum(1, axis_name)
+    pairs = [(i, (i + 1) % size) for i in range(size)]
+    return jax.tree.map(lambda x: jax.lax.ppermute(x, axis_name, pairs), tree)
+
+
+def _block_scores(
+    query: jax.Array,  # [batch, q_len, kv_heads, groups, head_dim]
+    block: dict,  # key [batch, kv_len, kv_heads, head_dim], index, segments, positions
+    mask: SequenceMask,
+    bias: BlockBias | None,
+    scale: float,
+) -> tuple[jax.Array, jax.Array | None]:
+    """(scaled logits + bias [batch, kv_heads, groups, q_len, kv_len] float32, which of them
+    are visible [batch, 1, 1, q_len, kv_len] bool or None) of the local queries and one block."""
+    num_kv_heads = query.shape[2]
+    scores = jnp.einsum("bqkgh,bskh->bkgqs", query, block["key"],
+                        preferred_element_type=jnp.float32) * jnp.float32(scale)
+    if bias is not None:
+        scores = scores + reference.group_heads(block_bias(bias, block["positions"]),
+                                                num_kv_heads)
+    visible = block_mask(mask, block["index"], block.get("segments"))
+    return scores, None if visible is None else visible[:, :, None]
+
+
+def _forward_block(state: tuple, block: dict, query: jax.Array, mask: SequenceMask,
+                   bias: BlockBias | None, scale: float) -> tuple:
+    """The online softmax (output [b, kv_heads, groups, q_len, head_dim], row max and row sum
+    [b, kv_heads, groups, q_len], float32) updated with one block of keys and values."""
+    out, row_max, row_sum = state
+    scores, visible = _block_scores(query, block, mask, bias, scale)
+    if visible is not None:
+        scores = jnp.where(visible, scores, reference.MASKED_LOGIT)
+    new_max = jnp.maximum(row_max, jnp.max(scores, axis=-1))
+    weights = jnp.exp(scores - new_max[..., None])
+    if visible is not None:
+        weights = jnp.where(visible, weights, 0.0)
+    correction = jnp.exp(row_max - new_max)
+    value = block["value"]
+    update = jnp.einsum("bkgqs,bskh->bkgqh", weights.astype(value.dtype), value,
+                        preferred_element_type=jnp.float32)
+    return (out * correction[..., None] + update, new_max,
+            row_sum * correction + jnp.sum(weights, axis=-1))
+
+
+def _backward_block(carry: tuple, block: dict, query: jax.Array, mask: SequenceMask,
+                    bias: BlockBias | None, scale: float, grad_out: jax.Array,
+                    log_sum_exp: jax.Array, delta: jax.Array) -> tuple[tuple, tuple]:
+    """((dquery [b, q_len, kv_heads, groups, head_dim] f32, dparams), (dkey, dvalue) [b, kv_len,
+    kv_heads, head_dim] f32) of one block, from recomputed weights (FlashAttention-2's
+    backward). grad_out: like dquery; log_sum_exp, delta: [b, kv_heads, groups, q_len]."""
+    dquery, dparams = carry
+    scores, visible = _block_scores(query, block, mask, bias, scale)
+    weights = jnp.exp(scores - log_sum_exp[..., None])
+    if visible is not None:
+        weights = jnp.where(visible, weights, 0.0)
+    key, value = block["key"], block["value"]
+    dvalue = jnp.einsum("bkgqs,bqkgh->bskh", weights, grad_out)
+    dweights = jnp.einsum("bqkgh,bskh->bkgqs", grad_out, value.astype(jnp.float32))
+    dscores = weights * (dweights - delta[..., None])  # d loss / d (scaled logits + bias)
+    dquery = dquery + jnp.einsum("bkgqs,bskh->bqkgh", dscores, key.astype(jnp.float32)) * scale
+    dkey = jnp.einsum("bkgqs,bqkgh->bskh", dscores, query.astype(jnp.float32)) * scale
+    if bias is not None and bias.learned:
+        def dense(params):
+            return block_bias(dataclasses.replace(bias, params=params), block["positions"])
+
+        pull = jax.vjp(dense, bias.params)[1]
+        batch, kv_heads, groups, q_len, kv_len = dscores.shape
+        step = pull(dscores.reshape(batch, kv_heads * groups, q_len, kv_len))[0]
+        dparams = jax.tree.map(jnp.add, dparams, step)
+    return (dquery, dparams), (dkey, dvalue)
+
+
+def _ring_forward(query, block, mask, bias, scale, axis_name):
+    """(out [b, q_len, heads, head_dim] in query's dtype, log-sum-exp [b, kv_heads, groups,
+    q_len] f32) of the grouped query [b, q_len, kv_heads, groups, head_dim] against every
+    device's block, the blocks rotating N - 1 times."""
+    batch, q_len, kv_heads, groups, head_dim = query.shape
+    stats = jnp.full((batch, kv_heads, groups, q_len), reference.MASKED_LOGIT, jnp.float32)
+    state = (jnp.zeros((*stats.shape, head_dim), jnp.float32), stats, jnp.zeros_like(stats))
+
+    def step(carry, _):
+        state, block = carry
+        state = _forward_block(state, block, query, mask, bias, scale)
+        return (state, _rotate(block, axis_name)), None
+
+    size = jax.lax.psum(1, axis_name)
+    (state, block), _ = jax.lax.scan(step, (state, block), None, length=size - 1)
+    out, row_max, row_sum = _forward_block(state, block, query, mask, bias, scale)
+    seen = row_sum > 0  # a query that sees no key reads nothing (zero output)
+    row_sum = jnp.where(seen, row_sum, 1.0)
+    out = jnp.where(seen[..., None], out / row_sum[..., None], 0.0)
+    out = jnp.moveaxis(out, 3, 1).reshape(batch, q_len, kv_heads * groups, head_dim)
+    return out.astype(query.dtype), row_max + jnp.log(row_sum)
+
+
+def _ring_backward(query, block, mask, bias, scale, axis_name, grad_out, log_sum_exp, delta):
+    """(dquery, dparams, (dkey, dvalue)) of the ring: the blocks rotate as in the forward pass
+    with their dK/dV accumulators, which take one more step home at the end."""
+    carry = (jnp.zeros(query.shape, jnp.float32),
+             None if bias is None else jax.tree.map(jnp.zeros_like, bias.params))
+    grads = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32),
+                         (block["key"], block["value"]))
+    backward = functools.partial(_backward_block, query=query, mask=mask, bias=bias,
+                                 scale=scale, grad_out=grad_out, log_sum_exp=log_sum_exp,
+                                 delta=delta)
+
+    def step(state, _):
+        carry, block, grads = state
+        carry, block_grads = backward(carry, block)
+        grads = jax.tree.map(jnp.add, grads, block_grads)
+        return (carry, _rotate(block, axis_name), _rotate(grads, axis_name)), None
+
+    size = jax.lax.psum(1, axis_name)
+    (carry, block, grads), _ = jax.lax.scan(step, (carry, block, grads), None, length=size - 1)
+    (dquery, dparams), block_grads = backward(carry, block)
+    grads = _rotate(jax.tree.map(jnp.add, grads, block_grads), axis_name)
+    return dquery, dparams, grads
+
+
+def _ring_function(function, learned: bool, scale: float, axis_name: str):
+    """The ring as a jax.custom_vjp of (query, key, value, bias params, (mask, bias
+    positions)): integer inputs take no gradient."""
+
+    def parts(query, key, value, params, rows):
+        mask, positions = rows
+        bias = None if function is None else BlockBias(function, params, *positions, learned)
+        block = {"key": key, "value": value, "index": mask.key_index,
+                 "segments": mask.key_segments, "positions": None if bias is None
+                 else bias.key_positions}
+        batch, q_len, num_heads, head_dim = query.shape
+        grouped = query.reshape(batch, q_len, key.shape[2], -1, head_dim)
+        return grouped, {name: x for name, x in block.items() if x is not None}, mask, bias
+
+    @jax.custom_vjp
+    def ring(query, key, value, params, rows):
+        grouped, block, mask, bias = parts(query, key, value, params, rows)
+        return _ring_forward(grouped, block, mask, bias, scale, axis_name)[0]
+
+    def forward(query, key, value, params, rows):
+        grouped, block, mask, bias = parts(query, key, value, params, rows)
+        out, log_sum_exp = _ring_forward(grouped, block, mask, bias, scale, axis_name)
+        return out, (query, key, value, params, rows, out, log_sum_exp)
+
+    def backward(saved, grad_out):
+        query, key, value, params, rows, out, log_sum_exp = saved
+        grouped, block, mask, bias = parts(query, key, value, params, rows)
+        grad_out = grad_out.astype(jnp.float32).reshape(grouped.shape)
+        delta = jnp.einsum("bqkgh,bqkgh->bkgq", grad_out,
+                           out.astype(jnp.float32).reshape(grouped.shape))
+        dquery, dparams, (dkey, dvalue) = _ring_backward(
+            grouped, block, mask, bias, scale, axis_name, grad_out, log_sum_exp, delta)
+        return (dquery.reshape(query.shape).astype(query.dtype), dkey.astype(key.dtype),
+                dvalue.astype(value.dtype), dparams, None)
+
+    ring.defvjp(forward, backward)
+    return ring
+
+
+def ring_attention(
+    query: jax.Array,  # [batch, chunk, num_heads, head_dim], this device's queries
+    key: jax.Array,  # [batch, chunk, num_kv_heads, head_dim], this device's keys
+    value: jax.Array,  # like key
+    mask: SequenceMask,  # this device's chunks
+    bias: BlockBias | None = None,  # positions: this device's chunks
+    *,
+    scale: float | None = None,
+    axis_name: str = AXIS,
+) -> jax.Array:  # [batch, chunk, num_heads, head_dim]
+    """The ring strategy, per device under shard_map: keys and values (with their indices,
+    segments and positions) visit every device of `axis_name` in turn; the forward keeps an
+    online softmax, the backward recomputes each block and rotates dK/dV back home. Gradients
+    flow to query, key, value and a learned bias's parameters (summed over the ring)."""
+    reference.check_inputs(query, key, value, None, None, 0.0, None)
+    scale = reference.default_scale(query.shape[-1]) if scale is None else float(scale)
+    function = None if bias is None else bias.function
+    ring = _ring_function(function, bias is not None and bias.learned, scale, axis_name)
+    params = None if bias is None else bias.params
+    positions = None if bias is None else (bias.query_positions, bias.key_positions)
+    return ring(query, key, value, params, (mask, positions))
+
+
+def attention_shard(
+    query: jax.Array,  # [batch, chunk, num_heads, head_dim]
+    key: jax.Array,  # [batch, chunk, num_kv_heads, head_dim]
+    value: jax.Array,  # like key
+    mask: SequenceMask,
+    bias: BlockBias | None = None,
+    *,
+    strategy: str = "all_gather",
+    scale: float | None = None,
+    axis_name: str = AXIS,
+) -> jax.Array:  # [batch, chunk, num_heads, head_dim]
+    """Context-parallel attention on one device's chunk, by `strategy` (STRATEGIES); call it
+    inside jax.shard_map over `axis_name`. Same values as the reference on the whole row."""
+    if strategy == "all_gather":
+        return gathered_attention(query, key, value, mask, bias, scale=scale,
+                                  axis_name=axis_name)
+    if strategy == "ring":
+        return ring_attention(query, key, value, mask, bias, scale=scale, axis_name=axis_name)
+    raise ValueError(f"context_parallel={strategy!r} is unknown; choose one of: "
+                     f"{', '.join(STRATEGIES)}")
+
+
+def context_attention(
+    query: jax.Array,  # [batch, length, num_heads, head_dim], the whole (possibly permuted) row
+    key: jax.Array,  # [batch, length, num_kv_heads, head_dim]
+    value: jax.Array,  # like key
+    mask: SequenceMask,  # whole rows, in the same order as query
+    bias: BlockBias | None = None,  # params: [num_heads, P] leaves
+    *,
+    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
+    strategy: str = "all_gather",
+    scale: float | None = None,
+    batch_axes: MeshAxes = None,
+    head_axes: MeshAxes = None,
+    axis_name: str = AXIS,
+) -> jax.Array:  # [batch, length, num_heads, head_dim]
+    """`attention_shard` under jax.shard_map: the length split over `axis_name`, the batch over
+    `batch_axes` and the heads (and the bias parameters' head rows) over `head_axes`. `mesh`
+    defaults to the one set by jax.set_mesh."""
+    row_spec = P(batch_axes, axis_name)
+    tensor_spec = P(batch_axes, axis_name, head_axes, None)
+    mask_specs = jax.tree.map(lambda _: row_spec, mask)
+    bias_specs = None if bias is None else dataclasses.replace(
+        bias, params=jax.tree.map(lambda _: P(head_axes, None), bias.params),
+        query_positions=row_spec, key_positions=row_spec)
+    run = functools.partial(attention_shard, strategy=strategy, scale=scale,
+                            axis_name=axis_name)
+    return jax.shard_map(
+        run, mesh=mesh, check_vma=False,
+        in_specs=(tensor_spec, tensor_spec, tensor_spec, mask_specs, bias_specs),
+        out_specs=tensor_spec,
+    )(query, key, value, mask, bias)
+
+
+# ------------------------------------------------------------------------ causal load balance
+
+
+def _check_split(length: int, num_shards: int) -> None:
+    if length % (2 * num_shards):
+        raise ValueError(f"load balancing cuts a row of length {length} into 2 x {num_shards} "
+                         f"chunks; the length must be a multiple of {2 * num_shards}")
+
+
+def load_balance(x: jax.Array, num_shards: int, axis: int = 1) -> jax.Array:
+    """x with its `axis` (the sequence, of length T) reordered so that an even split into
+    num_shards (N) pieces gives piece i the chunks i and 2N-1-i of 2N equal chunks: each
+    device then holds as many early (cheap) as late (costly) causal queries.
+
+    x: [..., T, ...] -> same shape; T must be a multiple of 2N. `restore_order` undoes it."""
+    x = jnp.moveaxis(jnp.asarray(x), axis, 0)
+    _check_split(x.shape[0], num_shards)
+    chunks = x.reshape(2, num_shards, -1, *x.shape[1:])  # [2, N, chunk, ...]: halves of the row
+    pairs = jnp.stack([chunks[0], jnp.flip(chunks[1], axis=0)], axis=1)  # [N, 2, chunk, ...]
+    return jnp.moveaxis(pairs.reshape(x.shape), 0, axis)
+
+
+def restore_order(x: jax.Array, num_shards: int, axis: int = 1) -> jax.Array:
+    """The inverse of `load_balance`: x [..., T, ...] back in the original order."""
+    x = jnp.moveaxis(jnp.asarray(x), axis, 0)
+    _check_split(x.shape[0], num_shards)
+    pairs = x.reshape(num_shards, 2, -1, *x.shape[1:])  # [N, 2, chunk, ...]
+    chunks = jnp.stack([pairs[:, 0], jnp.flip(pairs[:, 1], axis=0)], axis=0)
+    return jnp.moveaxis(chunks.reshape(x.shape), 0, axis)
+
+
+def load_balanced_index(length: int, num_shards: int) -> np.ndarray:
+    """[length] int32: the original index of each token of a load-balanced row."""
+    return np.asarray(load_balance(np.arange(length, dtype=np.int32), num_shards, axis=0))
