@@ -66,7 +66,7 @@ def base_config() -> ml_collections.ConfigDict:
     config.init = ml_collections.ConfigDict(dict(
         pretrained=config_dict.placeholder(str), checkpoint=config_dict.placeholder(str),
         checkpoint_step=config_dict.placeholder(int)))
-    config.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+    config.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, context=1, tensor=1))
     # (("embed", None), ...) overrides tfm.parallel.sharding's defaults
     config.logical_axis_rules = ()
     config.distributed = ml_collections.ConfigDict(

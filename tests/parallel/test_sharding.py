@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from tfm.checks import ConfigError
+from tfm.checks import ConfigError, field_prefix
 from tfm.nn.config import ModelConfig
 from tfm.parallel import sharding
 
@@ -44,9 +44,12 @@ def test_eight_devices():
 
 
 def test_validate_fills_minus_one():
-    assert sharding.validate_mesh_config({"data": -1}, 8) == {"data": 8, "fsdp": 1, "tensor": 1}
+    assert sharding.validate_mesh_config({"data": -1}, 8) == {"data": 8, "fsdp": 1, "context": 1,
+                                                              "tensor": 1}
     config = ml_collections.ConfigDict({"data": 2, "fsdp": -1, "tensor": 2})
-    assert sharding.validate_mesh_config(config, 8) == {"data": 2, "fsdp": 2, "tensor": 2}
+    assert sharding.validate_mesh_config(config, 8) == {"data": 2, "fsdp": 2, "context": 1,
+                                                        "tensor": 2}
+    assert sharding.validate_mesh_config({"data": 1, "context": -1}, 8)["context"] == 8
     assert sharding.validate_mesh_config({"data": 1, "fsdp": 1, "tensor": -1}, 8)["tensor"] == 8
 
 
@@ -54,7 +57,8 @@ def test_validate_fills_minus_one():
     "config, match",
     [
         ({"data": 3, "fsdp": 1, "tensor": 1},
-         "mesh sizes data=3 x fsdp=1 x tensor=1 = 3 do not match the 8 available devices"),
+         "mesh sizes data=3 x fsdp=1 x context=1 x tensor=1 = 3 do not match the 8 available "
+         "devices"),
         ({"data": -1, "fsdp": -1}, "mesh.data and mesh.fsdp are both -1"),
         ({"data": -1, "tensor": 3}, r"mesh.data=-1 cannot fill the 8 available devices"),
         ({"data": 0}, r"mesh.data=0 must be >= 1"),
@@ -69,21 +73,21 @@ def test_validate_errors(config, match):
 
 def test_make_mesh_shape_names_and_devices():
     mesh = sharding.make_mesh({"data": 2, "fsdp": -1, "tensor": 2})
-    assert mesh.axis_names == ("data", "fsdp", "tensor")
-    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
-    assert mesh.axis_types == (AxisType.Auto,) * 3
+    assert mesh.axis_names == ("data", "fsdp", "context", "tensor")
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "context": 1, "tensor": 2}
+    assert mesh.axis_types == (AxisType.Auto,) * 4
     assert sorted(d.id for d in mesh.devices.ravel()) == list(range(8))
     single = sharding.make_mesh({"data": -1}, devices=jax.devices()[:1])
-    assert single.devices.shape == (1, 1, 1)
+    assert single.devices.shape == (1, 1, 1, 1)
     with pytest.raises(ConfigError, match="do not match the 1 available devices"):
         sharding.make_mesh({"data": 2}, devices=jax.devices()[:1])
 
 
 def test_granule_split_puts_hosts_on_data_first():
-    sizes = {"data": 2, "fsdp": 4, "tensor": 2}
-    assert sharding._split_over_granules(sizes, 2) == ([2, 1, 1], [1, 4, 2])
-    assert sharding._split_over_granules({"data": 1, "fsdp": 8, "tensor": 1}, 4) == (
-        [1, 4, 1], [1, 2, 1])
+    sizes = {"data": 2, "fsdp": 4, "context": 1, "tensor": 2}
+    assert sharding._split_over_granules(sizes, 2) == ([2, 1, 1, 1], [1, 4, 1, 2])
+    assert sharding._split_over_granules({"data": 1, "fsdp": 8, "context": 1, "tensor": 1},
+                                         4) == ([1, 4, 1, 1], [1, 2, 1, 1])
     with pytest.raises(ConfigError, match="cannot be laid out over 3 hosts"):
         sharding._split_over_granules(sizes, 3)
 
@@ -104,11 +108,12 @@ def test_resolve_rules_overrides_in_place():
 
 
 def test_activation_rules_give_batch_priority():
-    # [batch, length, embed]: batch takes data x fsdp, so embed cannot also take fsdp.
+    # [batch, length, embed]: batch takes data x fsdp, so embed cannot also take fsdp; the
+    # sequence splits over context (context parallelism).
     spec = nn.logical_to_mesh_axes(("batch", "length", "embed"), sharding.DEFAULT_LOGICAL_RULES)
-    assert spec == P(("data", "fsdp"), None, None)
+    assert spec == P(("data", "fsdp"), "context", None)
     spec = nn.logical_to_mesh_axes(("batch", "length", "vocab"), sharding.DEFAULT_LOGICAL_RULES)
-    assert spec == P(("data", "fsdp"), None, "tensor")
+    assert spec == P(("data", "fsdp"), "context", "tensor")
 
 
 # ----------------------------------------------------------------------------- params
@@ -378,3 +383,44 @@ def test_cpu_devices_hint_names_a_device_count_the_batch_allows():
     assert sharding.cpu_devices_hint(12, 1, "cpu", 2, cores=2) is None  # already split
     assert sharding.cpu_devices_hint(12, 1, "cpu", 1, cores=1) is None
     assert sharding.cpu_devices_hint(12, 1, "gpu", 1, cores=16) is None
+
+
+# ----------------------------------------------------------------------------- context
+
+
+def _decoder(**fields):
+    values = dict(vocab_size=32, num_layers=1, d_model=16, num_heads=2, d_ff=32,
+                  attention_backend="reference")
+    return ModelConfig.decoder_only(**{**values, **fields})
+
+
+@pytest.mark.parametrize(
+    "fields, seq_len, match",
+    [
+        ({"position_scheme": "relative"}, 16,
+         r"model.position_scheme='relative' with mesh.context=4: Shaw's bias"),
+        ({"attention_backend": "cpu"}, 16,
+         r"model.attention_backend='cpu' with mesh.context=4: .* use 'auto' or 'reference'"),
+        ({"attention_dropout_rate": 0.1}, 16,
+         r"model.attention_dropout_rate=0.1 with mesh.context=4: .* set it to 0"),
+        ({}, 12, r"data.seq_len=12 with mesh.context=4: .* use a multiple of 8"),
+    ],
+)
+def test_context_parallelism_refuses_what_it_cannot_run(fields, seq_len, match):
+    sizes = {"data": 2, "fsdp": 1, "context": 4, "tensor": 1}
+    with pytest.raises(ConfigError, match=match):
+        sharding.check_context(_decoder(**fields), sizes, seq_len)
+    sharding.check_context(_decoder(**fields), {**sizes, "context": 1}, seq_len)  # no split
+
+
+def test_context_parallelism_accepts_every_position_bias_and_refuses_encoders():
+    sizes = {"data": 1, "fsdp": 1, "context": 8, "tensor": 1}
+    for scheme in ("rope", "alibi", "t5_bias", "learned", "kerple_log", "fire"):
+        sharding.check_context(_decoder(position_scheme=scheme, local_window=4), sizes, 64)
+    seq2seq = ModelConfig(vocab_size=32, num_encoder_layers=1, num_decoder_layers=1, d_model=16,
+                          num_heads=2, d_ff=32)
+    with pytest.raises(ConfigError, match=r"model.num_encoder_layers=1 with mesh.context=8"):
+        sharding.check_context(seq2seq, sizes, 64)
+    with pytest.raises(ConfigError, match=r"model.context_parallel='ulysses' is unknown"):
+        with field_prefix("model"):
+            _decoder(context_parallel="ulysses")

@@ -215,8 +215,8 @@ def test_decoding_under_a_mesh_equals_one_device(data_dir, one_device_run):
 @pytest.mark.parametrize(
     "mesh, changes, match",
     [
-        ({"data": 3}, {}, "mesh sizes data=3 x fsdp=1 x tensor=1 = 3 do not match the 8 "
-                          "available devices"),
+        ({"data": 3}, {}, "mesh sizes data=3 x fsdp=1 x context=1 x tensor=1 = 3 do not "
+                          "match the 8 available devices"),
         ({"data": 2, "fsdp": 2, "tensor": 4}, {}, "= 16 do not match the 8 available devices"),
         ({"data": 8}, {"batch_size": 12},
          r"batch_size=12 is not divisible by mesh.data=8 x mesh.fsdp=1 = 8"),

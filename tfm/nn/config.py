@@ -25,6 +25,7 @@ from tfm.checks import (
 
 # loss_backend_for, FUSED_LOSS_MIN_VOCAB: a platform rule, tfm.kernels'; named here for callers.
 from tfm.kernels import FUSED_LOSS_MIN_VOCAB, loss_backend_for  # noqa: F401
+from tfm.kernels.context_parallel import STRATEGIES as CONTEXT_STRATEGIES
 from tfm.nn import remat as remat_lib
 from tfm.nn import rope_scaling
 from tfm.nn.positions import ROPE_SCALINGS, get_scheme  # noqa: F401  (ROPE_SCALINGS: public)
@@ -169,6 +170,11 @@ class ModelConfig:
     # (FUSED_LOSS_MIN_VOCAB), "reference" otherwise. Same values up to summation order;
     # decoding always computes logits.
     loss_backend: str = "auto"
+    # How self-attention runs when the mesh splits every row's sequence (mesh.context > 1;
+    # tfm.kernels.context_parallel): "all_gather" gathers every chunk's keys and values to
+    # each device, "ring" passes them around the devices with an online softmax. Unused with
+    # mesh.context=1.
+    context_parallel: str = "all_gather"
 
     @classmethod
     def decoder_only(cls, vocab_size: int, num_layers: int = 6, **fields: Any) -> ModelConfig:
@@ -294,6 +300,7 @@ class ModelConfig:
         check_choice("ffn_activation_dtype", self.ffn_activation_dtype,
                      FFN_ACTIVATION_DTYPES)
         check_choice("loss_backend", self.loss_backend, LOSS_BACKENDS)
+        check_choice("context_parallel", self.context_parallel, CONTEXT_STRATEGIES)
 
     # Derived values: read these, never recompute them elsewhere.
     @property

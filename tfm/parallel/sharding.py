@@ -2,11 +2,13 @@
 
 Sharding is configuration, not code (as in Levanter / MaxText): layers name the axes of their
 parameters with logical names (`nn.with_logical_partitioning(init, ("embed", "mlp"))`), and a
-list of rules maps each logical name to mesh axes. The mesh always has three axes:
+list of rules maps each logical name to mesh axes. The mesh always has four axes:
 
-  data    pure data parallelism (replicated parameters; across hosts in multi-host runs)
-  fsdp    data parallelism with parameters and optimizer state sharded over "embed" (ZeRO-3)
-  tensor  tensor (model) parallelism over heads, mlp and vocab (Megatron-style)
+  data     pure data parallelism (replicated parameters; across hosts in multi-host runs)
+  fsdp     data parallelism with parameters and optimizer state sharded over "embed" (ZeRO-3)
+  context  context parallelism: every row's sequence ("length") split over devices, attention
+           by tfm.kernels.context_parallel (all-gather or ring); parameters unaffected
+  tensor   tensor (model) parallelism over heads, mlp and vocab (Megatron-style)
 
 Typical use in a training loop:
 
@@ -44,8 +46,8 @@ from jax.sharding import PartitionSpec as P
 
 from tfm.checks import ConfigError, section_dict
 
-MESH_AXES = ("data", "fsdp", "tensor")
-DEFAULT_MESH = {"data": -1, "fsdp": 1, "tensor": 1}
+MESH_AXES = ("data", "fsdp", "context", "tensor")
+DEFAULT_MESH = {"data": -1, "fsdp": 1, "context": 1, "tensor": 1}
 
 MeshAxes = str | tuple[str, ...] | None
 Rules = tuple[tuple[str, MeshAxes], ...]
@@ -62,7 +64,7 @@ DEFAULT_LOGICAL_RULES: Rules = (
     ("mlp", "tensor"),
     ("head_dim", None),
     ("layers", None),
-    ("length", None),
+    ("length", "context"),
     ("relpos", None),
     ("buckets", None),
 )
@@ -87,10 +89,11 @@ def _describe(axes: tuple[str, ...], sizes: Mapping[str, int]) -> str:
 
 
 def validate_mesh_config(mesh_config: Any, num_devices: int) -> dict[str, int]:
-    """Resolves {data, fsdp, tensor} sizes (at most one -1 = the remaining devices).
+    """Resolves {data, fsdp, context, tensor} sizes (at most one -1 = the remaining devices).
 
-    Missing axes default to DEFAULT_MESH (data=-1, fsdp=1, tensor=1). Returns the sizes in mesh
-    axis order; raises ConfigError naming `mesh.<axis>`, the sizes and the device count.
+    Missing axes default to DEFAULT_MESH (data=-1, fsdp=1, context=1, tensor=1). Returns the
+    sizes in mesh axis order; raises ConfigError naming `mesh.<axis>`, the sizes and the device
+    count.
     """
     given = section_dict(mesh_config, "mesh", MESH_AXES)
     sizes = {axis: given.get(axis, DEFAULT_MESH[axis]) for axis in MESH_AXES}
@@ -119,7 +122,8 @@ def validate_mesh_config(mesh_config: Any, num_devices: int) -> dict[str, int]:
         product = " x ".join(f"{axis}={size}" for axis, size in sizes.items())
         raise ConfigError(
             f"mesh sizes {product} = {total} do not match the {num_devices} available devices; "
-            "set one of mesh.data, mesh.fsdp, mesh.tensor to -1 to take the remaining devices"
+            "set one of mesh.data, mesh.fsdp, mesh.context, mesh.tensor to -1 to take the "
+            "remaining devices"
         )
     return {axis: int(size) for axis, size in sizes.items()}
 
@@ -127,7 +131,8 @@ def validate_mesh_config(mesh_config: Any, num_devices: int) -> dict[str, int]:
 def _split_over_granules(sizes: dict[str, int], num_granules: int) -> tuple[list[int], list[int]]:
     """Splits each mesh axis into (across granules (DCN), inside a granule (ICI/NVLink)).
 
-    Hosts go to "data" first (only gradients cross the slow links), then "fsdp", then "tensor".
+    Hosts go to "data" first (only gradients cross the slow links), then "fsdp", "context",
+    "tensor".
     """
     dcn, ici, remaining = [], [], num_granules
     for axis in MESH_AXES:
@@ -137,7 +142,7 @@ def _split_over_granules(sizes: dict[str, int], num_granules: int) -> tuple[list
         ici.append(sizes[axis] // factor)
     if remaining != 1:
         raise ConfigError(
-            f"mesh sizes data={sizes['data']} x fsdp={sizes['fsdp']} x tensor={sizes['tensor']} "
+            f"mesh sizes {' x '.join(f'{axis}={sizes[axis]}' for axis in MESH_AXES)} "
             f"cannot be laid out over {num_granules} hosts/slices: the product of the axes split "
             f"across hosts must be {num_granules}; make mesh.data a multiple of {num_granules}"
         )
@@ -145,12 +150,12 @@ def _split_over_granules(sizes: dict[str, int], num_granules: int) -> tuple[list
 
 
 def make_mesh(mesh_config: Any = None, devices: Sequence[Any] | None = None) -> Mesh:
-    """A Mesh with axes ("data", "fsdp", "tensor"), all AxisType.Auto (classic GSPMD).
+    """A Mesh with axes MESH_AXES (data, fsdp, context, tensor), all AxisType.Auto (GSPMD).
 
-    `mesh_config`: {data, fsdp, tensor} sizes (see validate_mesh_config; None = all data).
+    `mesh_config`: {data, fsdp, context, tensor} sizes (see validate_mesh_config; None = all data).
     `devices`: defaults to jax.devices(). When the devices span several hosts (processes; TPU
     slices on TPU), the mesh is built with create_hybrid_device_mesh so that "data" crosses hosts
-    and "fsdp"/"tensor" stay on the fast links inside one host.
+    and "fsdp"/"context"/"tensor" stay on the fast links inside one host.
     """
     devices = list(jax.devices() if devices is None else devices)
     sizes = validate_mesh_config(DEFAULT_MESH if mesh_config is None else mesh_config,
@@ -182,7 +187,7 @@ def resolve_rules(overrides: Sequence[Sequence[Any]] | None = None) -> Rules:
 
     An override replaces every default rule for its logical name, in the default's place (so
     priorities are kept); several pairs for one name are fallbacks tried in order. mesh_axes is
-    None, one of "data", "fsdp", "tensor", or a list of them. Raises ConfigError naming
+    None, one of MESH_AXES, or a list of them. Raises ConfigError naming
     `logical_axis_rules[i]` for unknown logical names or mesh axes.
     """
     known = [name for name, _ in DEFAULT_LOGICAL_RULES]
@@ -394,6 +399,43 @@ def check_divisibility(model_config: Any, mesh: Mesh | Mapping[str, int], batch_
                 f"which shards logical axis {name!r}; pick a multiple of {shards}, a smaller "
                 f"mesh, or map {name!r} to None in logical_axis_rules"
             )
+
+
+def context_size(mesh: Mesh | Mapping[str, int]) -> int:
+    """How many devices every row's sequence is split over (mesh.context)."""
+    return _axis_sizes(mesh).get("context", 1)
+
+
+def context_refusal(model_config: Any, context: int, seq_len: int) -> str | None:
+    """Why context parallelism over `context` devices cannot run this model yet (one line
+    naming the fields), or None. `model_config`: a tfm ModelConfig, its attention backend
+    resolved ("auto" means the reference under context parallelism)."""
+    given = f"with mesh.context={context}"
+    if model_config.num_encoder_layers:
+        return (f"model.num_encoder_layers={model_config.num_encoder_layers} {given}: "
+                "context parallelism runs decoder-only models so far; use mesh.context=1")
+    if model_config.scheme.logit_bias_kind == "query":
+        return (f"model.position_scheme={model_config.position_scheme!r} {given}: Shaw's bias "
+                "comes from the query vectors, not from positions, so no chunk can compute it; "
+                "use a rotary, embedding or bias scheme, or mesh.context=1")
+    if model_config.attention_backend != "reference":
+        return (f"model.attention_backend={model_config.attention_backend!r} {given}: each "
+                "chunk's attention is the reference maths so far; use 'auto' or 'reference'")
+    if model_config.attention_dropout_rate > 0:
+        return (f"model.attention_dropout_rate={model_config.attention_dropout_rate} {given}: "
+                "context-parallel attention has no attention dropout; set it to 0")
+    if seq_len % (2 * context):
+        return (f"data.seq_len={seq_len} {given}: causal load balancing cuts every row into "
+                f"2 x mesh.context = {2 * context} equal chunks; use a multiple of {2 * context}")
+    return None
+
+
+def check_context(model_config: Any, mesh: Mesh | Mapping[str, int], seq_len: int) -> None:
+    """ConfigError (`context_refusal`) when mesh.context > 1 cannot run this model."""
+    context = context_size(mesh)
+    reason = None if context == 1 else context_refusal(model_config, context, seq_len)
+    if reason is not None:
+        raise ConfigError(reason)
 
 
 # ----------------------------------------------------------------------------- data

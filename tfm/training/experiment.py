@@ -200,6 +200,7 @@ def setup(
     sharding.check_divisibility(
         model_config, mesh, data.config.batch_size, sections.rules, sections.train.microbatches
     )
+    sharding.check_context(model_config, mesh, data.config.seq_len)
     optimizer, schedule = optim.make_optimizer(sections.optimizer, d_model=model_config.d_model)
     experiment = Experiment(
         config=sections.source,
@@ -251,6 +252,8 @@ def model_config_for(
     if sections.pretrained is not None:
         values = _pretrained_model_values(sections.pretrained, values, data)
     platform = mesh.devices.flat[0].platform
+    if sharding.context_size(mesh) > 1 and values["attention_backend"] == "auto":
+        values["attention_backend"] = "reference"  # each chunk's attention (context_parallel)
     values["loss_backend"] = _loss_backend(values["loss_backend"], platform, values["vocab_size"],
                                            mesh, sections.rules)
     return _model_for_platform(from_dict(values), platform)
