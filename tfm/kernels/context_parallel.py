@@ -25,12 +25,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from tfm.kernels import reference
+from tfm.kernels import per_device, reference
 from tfm.kernels.call import BlockBias
 
 AXIS = "context"  # the mesh axis the sequence is split over
@@ -356,6 +357,37 @@ def context_attention(
         in_specs=(tensor_spec, tensor_spec, tensor_spec, mask_specs, bias_specs),
         out_specs=tensor_spec,
     )(query, key, value, mask, bias)
+
+
+def mesh_context_size() -> int:
+    """The size of the `context` axis of the mesh set around tracing (jax.set_mesh), 1 if
+    there is none."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or AXIS not in mesh.axis_names:
+        return 1
+    return dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))[AXIS]
+
+
+def attention_by_rules(
+    query: jax.Array,  # [batch, length, num_heads, head_dim]
+    key: jax.Array,  # [batch, length, num_kv_heads, head_dim]
+    value: jax.Array,  # like key
+    mask: SequenceMask,  # whole rows
+    bias: BlockBias | None = None,
+    *,
+    strategy: str = "all_gather",
+    scale: float | None = None,
+) -> jax.Array:  # [batch, length, num_heads, head_dim]
+    """`context_attention` over the mesh set around tracing, the batch and heads split as the
+    active logical axis rules (flax's nn.logical_axis_rules) say, where they divide."""
+    mesh = jax.sharding.get_abstract_mesh()
+    batch = per_device.divisible(nn.logical_to_mesh_axes(("batch",)), query.shape[:1], mesh)[0]
+    heads = per_device.divisible(nn.logical_to_mesh_axes(("heads",)), query.shape[2:3], mesh)[0]
+    kv_heads = per_device.divisible(nn.logical_to_mesh_axes(("kv_heads",)), key.shape[2:3],
+                                    mesh)[0]
+    return context_attention(query, key, value, mask, bias, mesh=mesh, strategy=strategy,
+                             scale=scale, batch_axes=batch,
+                             head_axes=heads if heads == kv_heads else None)
 
 
 # ------------------------------------------------------------------------ causal load balance

@@ -14,7 +14,9 @@ import jax.numpy as jnp
 from flax import struct
 
 from tfm import kernels
+from tfm.kernels import context_parallel
 from tfm.kernels.call import AttentionStructure, BlockBias
+from tfm.kernels.context_parallel import SequenceMask
 from tfm.nn import positions
 from tfm.nn.cache import CacheSlot, DecoderCache
 from tfm.nn.config import ModelConfig
@@ -243,12 +245,16 @@ class AttentionInputs:
 
     query_positions: [batch, q_len]; key_positions: [batch, kv_len], of every key attended to;
     structure: the mask and the shared position bias by their parts (AttentionStructure), the
-    one form they take on the way to the kernel.
+    one form they take on the way to the kernel; sequence: under context parallelism
+    (tfm.nn.context_split), the self-attention mask from each token's original index and
+    segment, which replaces the structure's mask (the structure then only carries the position
+    bias by blocks).
     """
 
     query_positions: Array
     key_positions: Array
     structure: AttentionStructure
+    sequence: SequenceMask | None = None
 
 
 class MultiHeadAttention(nn.Module):
@@ -329,6 +335,8 @@ class MultiHeadAttention(nn.Module):
     ) -> Array:  # [batch, q_len, heads, head_dim]
         """The attention core, with a Shaw relative scheme's logit bias and value term."""
         config = self.config
+        if inputs.sequence is not None and not self.is_cross:
+            return _context_parallel_attend(config, query, key, value, inputs)
         value_term, structure = None, inputs.structure
         collect = self.is_mutable_collection("intermediates")
         if config.scheme.relative is not None and not self.is_cross:
@@ -353,6 +361,23 @@ class MultiHeadAttention(nn.Module):
         out, weights = result
         self.sow("intermediates", "attention_weights", weights)
         return out if value_term is None else out + value_term(weights).astype(out.dtype)
+
+
+def _context_parallel_attend(
+    config: ModelConfig,
+    query: Array,  # [batch, len, heads, head_dim], rows split over the context axis
+    key: Array,  # [batch, len, kv_heads, head_dim]
+    value: Array,  # like key
+    inputs: AttentionInputs,  # with the sequence mask and the structure's bias by blocks
+) -> Array:  # [batch, len, heads, head_dim]
+    """Self-attention under context parallelism (tfm.kernels.context_parallel)."""
+    if config.scheme.relative is not None:
+        raise ValueError(f"position_scheme={config.position_scheme!r} computes its bias from the "
+                         "queries, which context-parallel attention cannot")
+    return context_parallel.attention_by_rules(
+        query, key.astype(query.dtype), value.astype(query.dtype), inputs.sequence,
+        inputs.structure.bias,
+        strategy=config.context_parallel, scale=config.resolved_attention_scale)
 
 
 def _write_cache(

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from tfm import kernels
 from tfm.checks import ConfigError
+from tfm.nn import context_split
 from tfm.nn import remat as remat_lib
 from tfm.nn.cache import CacheSlot, DecoderCache, check_cache
 from tfm.nn.config import ModelConfig
@@ -238,9 +239,15 @@ class Decoder(nn.Module):
                              "output is untied (tie_output=False)")
         write_index, new_valid = None, None
         valid = resolve_valid(tokens, valid, segment_ids)
+        sequence = None
+        shards = context_split.shards_for(tokens, cache is not None)
         if cache is None:
+            follows_index = segment_ids is not None or (positions is None and valid is None)
             positions, structure = full_pass_inputs(config, tokens, positions, valid,
                                                     segment_ids, causal=True)
+            if shards > 1:  # context parallelism: rows load balanced until the last block
+                tokens, positions, sequence, structure = context_split.split_causal_rows(
+                    config, tokens, positions, valid, segment_ids, follows_index, shards)
             key_positions = positions
         else:
             check_cache(cache, config, self.has_cross, tokens.shape[0])
@@ -257,6 +264,9 @@ class Decoder(nn.Module):
         ctx = self_attention_context(
             config, PositionBias(config, False, name="position_bias"), positions, key_positions,
             structure, write_index)
+        if sequence is not None:
+            x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
+            ctx = ctx.replace(self_attention=ctx.self_attention.replace(sequence=sequence))
         if self.has_cross:
             if encoded is None and cache is None:
                 raise ValueError("the encoder-decoder's decoder needs `encoded` or a filled cache")
@@ -266,6 +276,7 @@ class Decoder(nn.Module):
         x, new_cache = Stack(
             config, config.num_decoder_layers, self.has_cross, False, name="stack"
         )(x, cache, ctx, deterministic)
+        x = context_split.restore_rows(x, shards)
         if config.output_scale is not None:
             x = x * jnp.asarray(config.output_scale, x.dtype)
         if return_hidden:
