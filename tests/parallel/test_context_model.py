@@ -1,8 +1,10 @@
 """Context parallelism in the model (tfm/nn/context_split.py, tfm/parallel/sharding.py's
-context axis) on 8 simulated CPU devices: a tiny decoder-only LM's loss and every parameter
-gradient under mesh.context = 2, 4 (all_gather, ring) equal the run on one device in float32
-(relative 1e-5), for RoPE, ALiBi, T5 and learned positions, plain and packed rows (documents
-crossing the chunk boundaries) with padding, and a local window."""
+context axis) on 8 simulated CPU devices, against the same model on one device in float32
+(relative 1e-5): a tiny decoder-only LM's loss and every parameter gradient under
+mesh.context = 2, 4 (all_gather, ring) for RoPE, ALiBi, T5 and learned positions, plain and
+packed rows (documents crossing the chunk boundaries) with padding, and a local window; the
+train step's loss and gradients on the data pipeline's packed rows under data=2 x context=4;
+setup's refusal of what context parallelism cannot run."""
 
 import functools
 
@@ -13,9 +15,13 @@ import numpy as np
 import pytest
 from tiny_model import TINY_LM
 
+from configs import synthetic_lm
+from tfm.checks import ConfigError
 from tfm.nn.config import ModelConfig
 from tfm.nn.models import DecoderLM
 from tfm.parallel import sharding
+from tfm.training import train
+from tfm.training.experiment import setup
 
 LENGTH = 16
 SEGMENTS = np.array([[1] * LENGTH, [1] * 5 + [2] * 7 + [3] * 2 + [0] * 2], np.int32)
@@ -75,3 +81,57 @@ def test_context_parallel_loss_and_gradients_equal_one_device(scheme, strategy, 
                                  jax.tree.leaves(want_grads), strict=True):
         np.testing.assert_allclose(got / scale, want / scale, rtol=1e-5, atol=1e-5,
                                    err_msg=jax.tree_util.keystr(path))
+
+
+def _lm_experiment(data_dir, mesh, devices):
+    config = synthetic_lm.get_config("runlocal")
+    config.model.update(d_model=16, num_heads=4, num_kv_heads=2, d_ff=32, num_decoder_layers=1,
+                        position_scheme="t5_bias", context_parallel="ring", dropout_rate=0.0,
+                        attention_dropout_rate=0.0)
+    config.data.update(batch_size=4, seq_len=16, packing=True, num_train_examples=100,
+                       num_eval_examples=8, train_lengths=(1, 3), data_dir=str(data_dir))
+    config.mesh.update(mesh)
+    return setup(config, data_dir / "workdir", devices=devices)
+
+
+def _step_grads(exp, params, host_batch):
+    """The train step's loss sums and parameter gradients (train._grads_and_sums) on `exp`'s
+    mesh, the batch sharded as the loop shards it."""
+    grads_of = functools.partial(train._grads_and_sums, total_weight=1.0,
+                                 model=exp.model, mode=exp.mode,
+                                 label_smoothing=0.0)
+    with sharding.sharding_context(exp.mesh, exp.rules):
+        batch = sharding.shard_batch(host_batch, exp.mesh, rules=exp.rules)
+        return jax.jit(grads_of)(params, batch, None)
+
+
+def test_train_step_under_context_parallelism_equals_one_device(tmp_path):
+    """Loss and gradients of the train step on packed rows (documents across chunk boundaries)
+    with T5 bias: data=2 x context=4 (ring, 'auto' meaning the reference per chunk) against one
+    device ('auto' meaning the CPU kernels)."""
+    one = _lm_experiment(tmp_path, {"data": 1}, jax.devices()[:1])
+    split = _lm_experiment(tmp_path, {"data": 2, "context": 4}, jax.devices())
+    assert split.model_config.attention_backend == "reference"
+    host_batch = next(one.data.train_iterator())
+    # several documents in a row, which chunks of 2 tokens (2 x 4 per row of 16) cut
+    assert max(len(np.unique(row)) for row in host_batch["segment_ids"]) > 2
+    params = nn.meta.unbox(one.family.init(one.model, jax.random.key(0), host_batch))
+    want_grads, want_sums = _step_grads(one, params, host_batch)
+    got_grads, got_sums = _step_grads(split, params, host_batch)
+    np.testing.assert_allclose(got_sums["loss_sum"], want_sums["loss_sum"], rtol=1e-5)
+    scale = max(float(jnp.max(jnp.abs(leaf))) for leaf in jax.tree.leaves(want_grads))
+    for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(got_grads),
+                                 jax.tree.leaves(want_grads), strict=True):
+        np.testing.assert_allclose(got / scale, want / scale, rtol=1e-5, atol=1e-5,
+                                   err_msg=jax.tree_util.keystr(path))
+
+
+def test_setup_refuses_context_parallelism_it_cannot_run(tmp_path):
+    config = synthetic_lm.get_config("runlocal")
+    config.model.update(position_scheme="relative")
+    config.data.update(seq_len=16, data_dir=str(tmp_path), num_train_examples=100,
+                       num_eval_examples=8, batch_size=8)
+    config.mesh.update({"data": 1, "context": 8})
+    with pytest.raises(ConfigError, match=r"^model.position_scheme='relative' with "
+                                          r"mesh.context=8: Shaw's bias comes from the query"):
+        setup(config, tmp_path / "workdir")
