@@ -12,12 +12,15 @@ inside `jax.shard_map` (`attention_shard`; `context_attention` wraps the shard_m
   ring        keys and values rotate around the axis by `ppermute`, one step per device, with
               an online softmax (running max, sum and output in float32); the backward pass
               recomputes each block and rotates dK/dV home (Liu et al. 2023, Ring Attention,
-              arXiv 2310.01889; Dao et al. 2022 for the online softmax).
+              arXiv 2310.01889; Dao et al. 2022 for the online softmax). A block that the
+              causal mask, the window or the segments hide entirely is skipped.
 
 Causal load balancing (`load_balance` / `restore_order`): the row is cut into 2N chunks and
 device i holds chunks i and 2N-1-i, so every device has the same share of the causal work.
 It is a pure permutation of the sequence axis, applied once to the inputs (tokens, positions,
-segment ids, targets) and undone on the outputs; positions and indices travel with the tokens.
+segment ids) and undone on the outputs (tfm.nn.context_split: before the output layer, so the
+targets stay as the pipeline shifted them on whole rows); positions and indices travel with the
+tokens.
 """
 
 from __future__ import annotations
@@ -148,7 +151,16 @@ def _block_scores(
     return scores, None if visible is None else visible[:, :, None]
 
 
-def _forward_block(state: tuple, block: dict, query: jax.Array, mask: SequenceMask,
+def _if_reached(mask: SequenceMask, block: dict, compute, skipped, operand):
+    """compute(operand) when some local query sees some key of `block`, else skipped(operand):
+    a block that the causal mask, the window or the segments hide entirely costs no work."""
+    visible = block_mask(mask, block["index"], block.get("segments"))
+    if visible is None:
+        return compute(operand)
+    return jax.lax.cond(jnp.any(visible), compute, skipped, operand)
+
+
+def _forward_block(state: tuple, *, block: dict, query: jax.Array, mask: SequenceMask,
                    bias: BlockBias | None, scale: float) -> tuple:
     """The online softmax (output [b, kv_heads, groups, q_len, head_dim], row max and row sum
     [b, kv_heads, groups, q_len], float32) updated with one block of keys and values."""
@@ -168,7 +180,7 @@ def _forward_block(state: tuple, block: dict, query: jax.Array, mask: SequenceMa
             row_sum * correction + jnp.sum(weights, axis=-1))
 
 
-def _backward_block(carry: tuple, block: dict, query: jax.Array, mask: SequenceMask,
+def _backward_block(carry: tuple, *, block: dict, query: jax.Array, mask: SequenceMask,
                     bias: BlockBias | None, scale: float, grad_out: jax.Array,
                     log_sum_exp: jax.Array, delta: jax.Array) -> tuple[tuple, tuple]:
     """((dquery [b, q_len, kv_heads, groups, head_dim] f32, dparams), (dkey, dvalue) [b, kv_len,
@@ -204,14 +216,18 @@ def _ring_forward(query, block, mask, bias, scale, axis_name):
     stats = jnp.full((batch, kv_heads, groups, q_len), reference.MASKED_LOGIT, jnp.float32)
     state = (jnp.zeros((*stats.shape, head_dim), jnp.float32), stats, jnp.zeros_like(stats))
 
+    def visit(state, block):
+        update = functools.partial(_forward_block, block=block, query=query, mask=mask,
+                                   bias=bias, scale=scale)
+        return _if_reached(mask, block, update, lambda state: state, state)
+
     def step(carry, _):
         state, block = carry
-        state = _forward_block(state, block, query, mask, bias, scale)
-        return (state, _rotate(block, axis_name)), None
+        return (visit(state, block), _rotate(block, axis_name)), None
 
     size = jax.lax.psum(1, axis_name)
     (state, block), _ = jax.lax.scan(step, (state, block), None, length=size - 1)
-    out, row_max, row_sum = _forward_block(state, block, query, mask, bias, scale)
+    out, row_max, row_sum = visit(state, block)
     seen = row_sum > 0  # a query that sees no key reads nothing (zero output)
     row_sum = jnp.where(seen, row_sum, 1.0)
     out = jnp.where(seen[..., None], out / row_sum[..., None], 0.0)
@@ -226,9 +242,13 @@ def _ring_backward(query, block, mask, bias, scale, axis_name, grad_out, log_sum
              None if bias is None else jax.tree.map(jnp.zeros_like, bias.params))
     grads = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32),
                          (block["key"], block["value"]))
-    backward = functools.partial(_backward_block, query=query, mask=mask, bias=bias,
-                                 scale=scale, grad_out=grad_out, log_sum_exp=log_sum_exp,
-                                 delta=delta)
+    def backward(carry, block):
+        compute = functools.partial(_backward_block, block=block, query=query, mask=mask,
+                                    bias=bias, scale=scale, grad_out=grad_out,
+                                    log_sum_exp=log_sum_exp, delta=delta)
+        nothing = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32),
+                               (block["key"], block["value"]))
+        return _if_reached(mask, block, compute, lambda carry: (carry, nothing), carry)
 
     def step(state, _):
         carry, block, grads = state
