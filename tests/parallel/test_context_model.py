@@ -1,12 +1,13 @@
 """Context parallelism in the model (tfm/nn/context_split.py, tfm/parallel/sharding.py's
 context axis) on 8 simulated CPU devices, against the same model on one device in float32
 (relative 1e-5): a tiny decoder-only LM's loss and every parameter gradient under
-mesh.context = 2, 4 (all_gather, ring) for RoPE, ALiBi, T5 and learned positions, plain and
-packed rows (documents crossing the chunk boundaries) with padding, and a local window; the
-train step's loss and gradients on the data pipeline's packed rows under data=2 x context=4;
-setup's refusal of what context parallelism cannot run."""
+mesh.context = 2, 4 (all_gather, ring; alone, with data and with tensor) for RoPE, ALiBi, T5
+and learned positions, plain and packed rows (documents crossing the chunk boundaries) with
+padding, and a local window; the train step's loss and gradients on the data pipeline's
+packed rows under data=2 x context=4; setup's refusal of what context parallelism cannot run."""
 
 import functools
+import math
 
 import flax.linen as nn
 import jax
@@ -39,13 +40,14 @@ def _batch():
                 segment_ids=SEGMENTS, weights=(SEGMENTS > 0).astype(np.float32))
 
 
-def _loss_and_grads(config, context, batch, params):
+def _loss_and_grads(config, mesh_sizes, batch, params):
+    """Loss and gradients on one device (mesh_sizes None) or on a mesh of those sizes."""
     model = DecoderLM(config)
     run = jax.jit(jax.value_and_grad(functools.partial(_loss_sum, model)))
-    if context == 1:
+    if mesh_sizes is None:
         return run(params, batch)
-    mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "context": context, "tensor": 1},
-                              devices=jax.devices()[:context])
+    sizes = {"data": 1, **mesh_sizes}
+    mesh = sharding.make_mesh(sizes, devices=jax.devices()[:math.prod(sizes.values())])
     with sharding.sharding_context(mesh):
         return run(params, batch)
 
@@ -58,21 +60,23 @@ def _loss_sum(model, params, batch):
     return jnp.sum(nll * batch["weights"])
 
 
-@pytest.mark.parametrize("scheme, strategy, context, window", [
-    ("rope", "ring", 4, None),
-    ("alibi", "all_gather", 2, 3),
-    ("t5_bias", "ring", 2, 5),
-    ("learned", "all_gather", 4, None),
+# The context axis alone and with data (rows split) or tensor (heads and the T5 table's rows
+# split inside the shard_map).
+@pytest.mark.parametrize("scheme, strategy, mesh_sizes, window", [
+    ("rope", "ring", {"context": 4}, None),
+    ("alibi", "all_gather", {"data": 2, "context": 2}, 3),
+    ("t5_bias", "ring", {"context": 2, "tensor": 2}, 5),
+    ("learned", "all_gather", {"context": 4, "tensor": 2}, None),
 ])
-def test_context_parallel_loss_and_gradients_equal_one_device(scheme, strategy, context,
+def test_context_parallel_loss_and_gradients_equal_one_device(scheme, strategy, mesh_sizes,
                                                               window):
     config = ModelConfig(**{**TINY_LM, "num_decoder_layers": 1}, position_scheme=scheme,
                          context_parallel=strategy, local_window=window,
                          attention_backend="reference")
     batch = {key: jnp.asarray(value) for key, value in _batch().items()}
     params = nn.meta.unbox(DecoderLM(config).init(jax.random.key(0), batch["inputs"])["params"])
-    want_loss, want_grads = _loss_and_grads(config, 1, batch, params)
-    got_loss, got_grads = _loss_and_grads(config, context, batch, params)
+    want_loss, want_grads = _loss_and_grads(config, None, batch, params)
+    got_loss, got_grads = _loss_and_grads(config, mesh_sizes, batch, params)
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
     # Relative to the largest gradient: some are zero but for rounding (a key bias shifts
     # every logit of a query alike, which the softmax ignores).
