@@ -219,8 +219,9 @@ def test_a_sharded_step_without_the_mesh_set_is_one_clear_error():
     with pytest.raises(MeshContextError, match=(
             r"^attention_backend='splash' runs a Pallas kernel on each device's share under "
             r"jax.shard_map, which needs the mesh set while tracing: its inputs live on 8 "
-            r"devices \({'data': 8, 'fsdp': 1, 'tensor': 1}\) but no mesh is set; trace and "
-            r"call the jitted step inside `with tfm.parallel.sharding.sharding_context\(mesh\):`"
+            r"devices \({'data': 8, 'fsdp': 1, 'context': 1, 'tensor': 1}\) but no mesh is set; "
+            r"trace and call the jitted step inside "
+            r"`with tfm.parallel.sharding.sharding_context\(mesh\):`"
             r".* or set attention_backend='reference'")):
         step(params, batch)
     with sharding.sharding_context(mesh):
