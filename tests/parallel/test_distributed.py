@@ -153,7 +153,7 @@ def test_two_processes_on_localhost(tmp_path):
         assert result["global_shape"] == [4, 2]
         # Rows 0,1,2,3 and 10,11,12,13 in two columns: 0+2+10+12, 1+3+11+13.
         assert result["column_sums"] == [24.0, 28.0]
-        assert result["mesh_shape"] == {"data": 4, "fsdp": 1, "tensor": 1}
+        assert result["mesh_shape"] == {"data": 4, "fsdp": 1, "context": 1, "tensor": 1}
         # data crosses hosts; fsdp stays inside one host.
         assert result["mesh_processes"] == [[0], [0], [1], [1]]
         assert result["mesh_2x2_processes"] == [[0, 0], [1, 1]]

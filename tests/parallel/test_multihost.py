@@ -132,7 +132,7 @@ def test_two_processes_then_one_then_two(tmp_path):
 
     # This process has 8 devices: the same config gives fsdp=8, a third mesh for the same state.
     experiment = setup(config_for(data_dir), workdir)
-    assert dict(experiment.mesh.shape) == {"data": 1, "fsdp": 8, "tensor": 1}
+    assert dict(experiment.mesh.shape) == {"data": 1, "fsdp": 8, "context": 1, "tensor": 1}
     _, shardings = state_shardings(experiment)
     _, eval_fn = train.jit_steps(experiment, shardings)
     batch = sharding.shard_batch(next(iter(experiment.data.eval_batches("validation"))),
