@@ -1,8 +1,8 @@
 """Context parallelism in the model (tfm/nn/context_split.py, tfm/parallel/sharding.py's
 context axis) on 8 simulated CPU devices, against the same model on one device in float32
 (relative 1e-5): a tiny decoder-only LM's loss and every parameter gradient under
-mesh.context = 2, 4 (all_gather, ring; alone, with data and with tensor) for RoPE, ALiBi, T5
-and learned positions, plain and packed rows (documents crossing the chunk boundaries) with
+mesh.context = 2, 4 (all_gather, ring; alone, with data and with tensor) for RoPE, ALiBi, T5,
+FIRE and learned positions, plain and packed rows (documents crossing the chunk boundaries) with
 padding, and a local window; the train step's loss and gradients on the data pipeline's
 packed rows under data=2 x context=4; setup's refusal of what context parallelism cannot run."""
 
@@ -67,6 +67,7 @@ def _loss_sum(model, params, batch):
     ("alibi", "all_gather", {"data": 2, "context": 2}, 3),
     ("t5_bias", "ring", {"context": 2, "tensor": 2}, 5),
     ("learned", "all_gather", {"context": 4, "tensor": 2}, None),
+    ("fire", "ring", {"context": 2}, None),  # a learned bias per layer, from the query position
 ])
 def test_context_parallel_loss_and_gradients_equal_one_device(scheme, strategy, mesh_sizes,
                                                               window):

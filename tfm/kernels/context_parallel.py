@@ -242,6 +242,7 @@ def _ring_backward(query, block, mask, bias, scale, axis_name, grad_out, log_sum
              None if bias is None else jax.tree.map(jnp.zeros_like, bias.params))
     grads = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32),
                          (block["key"], block["value"]))
+
     def backward(carry, block):
         compute = functools.partial(_backward_block, block=block, query=query, mask=mask,
                                     bias=bias, scale=scale, grad_out=grad_out,
