@@ -140,3 +140,20 @@ def test_setup_refuses_context_parallelism_it_cannot_run(tmp_path):
     with pytest.raises(ConfigError, match=r"^model.position_scheme='relative' with "
                                           r"mesh.context=8: Shaw's bias comes from the query"):
         setup(config, tmp_path / "workdir")
+
+
+def test_rows_load_balancing_cannot_cut_run_whole_with_the_same_logits():
+    """A call whose length 2 x mesh.context does not divide (initialisation, an eval length)
+    runs whole on every device: the logits of 12 tokens under context=4 (8 chunks needed)."""
+    config = ModelConfig(**{**TINY_LM, "num_decoder_layers": 1}, position_scheme="alibi",
+                         attention_backend="reference")
+    tokens = jnp.asarray(_batch()["inputs"][:, :12])
+    model = DecoderLM(config)
+    params = nn.meta.unbox(model.init(jax.random.key(0), tokens)["params"])
+    apply = jax.jit(lambda params, tokens: model.apply({"params": params}, tokens))
+    want = apply(params, tokens)
+    mesh = sharding.make_mesh({"data": 1, "context": 4}, devices=jax.devices()[:4])
+    with sharding.sharding_context(mesh):
+        got = jax.jit(lambda params, tokens: model.apply({"params": params}, tokens))(params,
+                                                                                     tokens)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
