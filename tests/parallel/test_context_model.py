@@ -4,7 +4,7 @@ context axis) on 8 simulated CPU devices, against the same model on one device i
 mesh.context = 2, 4 (all_gather, ring; alone, with data and with tensor) for RoPE, ALiBi, T5,
 FIRE and learned positions, plain and packed rows (documents crossing the chunk boundaries) with
 padding, and a local window; the train step's loss and gradients on the data pipeline's
-packed rows under data=2 x context=4; setup's refusal of what context parallelism cannot run."""
+packed rows under fsdp=2 x context=4; setup's refusal of what context parallelism cannot run."""
 
 import functools
 import math
@@ -61,19 +61,23 @@ def _loss_sum(model, params, batch):
 
 
 # The context axis alone and with data (rows split) or tensor (heads and the T5 table's rows
-# split inside the shard_map).
-@pytest.mark.parametrize("scheme, strategy, mesh_sizes, window", [
-    ("rope", "ring", {"context": 4}, None),
-    ("alibi", "all_gather", {"data": 2, "context": 2}, 3),
-    ("t5_bias", "ring", {"context": 2, "tensor": 2}, 5),
-    ("learned", "all_gather", {"context": 4, "tensor": 2}, None),
-    ("fire", "ring", {"context": 2}, None),  # a learned bias per layer, from the query position
-])
+# split inside the shard_map); layers under nn.scan with full rematerialisation.
+@pytest.mark.parametrize("scheme, strategy, mesh_sizes, window, changes", [
+    ("rope", "ring", {"context": 4}, None, {}),
+    ("alibi", "all_gather", {"data": 2, "context": 2}, 3, {}),
+    ("t5_bias", "ring", {"context": 2, "tensor": 2}, 5, {}),
+    ("learned", "all_gather", {"context": 4, "tensor": 2}, None, {}),
+    ("fire", "ring", {"context": 2}, None, {}),  # a learned bias per layer, from query positions
+    ("rope", "ring", {"context": 2}, None,
+     {"num_decoder_layers": 2, "scan_layers": True, "remat": "full"}),
+], ids=["rope-ring-context4", "alibi-all_gather-data2-context2-window",
+        "t5-ring-context2-tensor2-window", "learned-all_gather-context4-tensor2",
+        "fire-ring-context2", "rope-ring-context2-scan-remat"])
 def test_context_parallel_loss_and_gradients_equal_one_device(scheme, strategy, mesh_sizes,
-                                                              window):
-    config = ModelConfig(**{**TINY_LM, "num_decoder_layers": 1}, position_scheme=scheme,
-                         context_parallel=strategy, local_window=window,
-                         attention_backend="reference")
+                                                              window, changes):
+    config = ModelConfig(**{**TINY_LM, "num_decoder_layers": 1, **changes},
+                         position_scheme=scheme, context_parallel=strategy,
+                         local_window=window, attention_backend="reference")
     batch = {key: jnp.asarray(value) for key, value in _batch().items()}
     params = nn.meta.unbox(DecoderLM(config).init(jax.random.key(0), batch["inputs"])["params"])
     want_loss, want_grads = _loss_and_grads(config, None, batch, params)
@@ -101,10 +105,12 @@ def _lm_experiment(data_dir, mesh, devices):
 
 def _step_grads(exp, params, host_batch):
     """The train step's loss sums and parameter gradients (train._grads_and_sums) on `exp`'s
-    mesh, the batch sharded as the loop shards it."""
+    mesh, the parameters and the batch sharded as the loop shards them."""
     grads_of = functools.partial(train._grads_and_sums, total_weight=1.0,
                                  model=exp.model, mode=exp.mode,
                                  label_smoothing=0.0)
+    boxed = jax.eval_shape(lambda: exp.family.init(exp.model, jax.random.key(0), host_batch))
+    params = jax.device_put(params, sharding.param_shardings(boxed, exp.mesh, exp.rules))
     with sharding.sharding_context(exp.mesh, exp.rules):
         batch = sharding.shard_batch(host_batch, exp.mesh, rules=exp.rules)
         return jax.jit(grads_of)(params, batch, None)
@@ -112,10 +118,10 @@ def _step_grads(exp, params, host_batch):
 
 def test_train_step_under_context_parallelism_equals_one_device(tmp_path):
     """Loss and gradients of the train step on packed rows (documents across chunk boundaries)
-    with T5 bias: data=2 x context=4 (ring, 'auto' meaning the reference per chunk) against one
+    with T5 bias: fsdp=2 x context=4 (ring, 'auto' meaning the reference per chunk) against one
     device ('auto' meaning the CPU kernels)."""
     one = _lm_experiment(tmp_path, {"data": 1}, jax.devices()[:1])
-    split = _lm_experiment(tmp_path, {"data": 2, "context": 4}, jax.devices())
+    split = _lm_experiment(tmp_path, {"data": 1, "fsdp": 2, "context": 4}, jax.devices())
     assert split.model_config.attention_backend == "reference"
     host_batch = next(one.data.train_iterator())
     # several documents in a row, which chunks of 2 tokens (2 x 4 per row of 16) cut
