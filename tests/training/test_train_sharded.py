@@ -148,7 +148,7 @@ def test_sharded_training_matches_one_device(mesh_name, data_dir, initial_state,
                                              one_device_run):
     exp = experiment(data_dir, MESHES[mesh_name])
     sizes = dict(exp.mesh.shape)
-    assert exp.mesh.size == 8 and sizes == MESHES[mesh_name]
+    assert exp.mesh.size == 8 and sizes == {"context": 1, **MESHES[mesh_name]}
     _, shardings = state_shardings(exp)
     losses, state = run_steps(exp, jax.device_put(initial_state, shardings), host_batches)
 

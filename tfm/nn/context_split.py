@@ -16,12 +16,13 @@ from tfm.nn.config import ModelConfig
 Array = jax.Array
 
 
-def shards_for(tokens: Array, cached: bool) -> int:
+def shards_for(tokens: Array, runs_whole: bool) -> int:
     """How many devices split these rows' sequence: the mesh's context axis for full passes
-    (no KV cache) whose length load balancing can cut into 2 x context chunks, else 1 (those
-    calls, e.g. initialisation on a one-token batch, run whole on every device: same values)."""
+    whose length load balancing can cut into 2 x context chunks, else 1: calls that
+    `runs_whole` (a KV cache; cross-attention, not split yet) or another length (e.g.
+    initialisation on a one-token batch) run whole on every device, with the same values."""
     shards = context_parallel.mesh_context_size()
-    if cached or shards == 1 or tokens.shape[1] % (2 * shards):
+    if runs_whole or shards == 1 or tokens.shape[1] % (2 * shards):
         return 1
     return shards
 

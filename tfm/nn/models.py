@@ -240,7 +240,7 @@ class Decoder(nn.Module):
         write_index, new_valid = None, None
         valid = resolve_valid(tokens, valid, segment_ids)
         sequence = None
-        shards = context_split.shards_for(tokens, cache is not None)
+        shards = context_split.shards_for(tokens, cache is not None or self.has_cross)
         if cache is None:
             follows_index = segment_ids is not None or (positions is None and valid is None)
             positions, structure = full_pass_inputs(config, tokens, positions, valid,
