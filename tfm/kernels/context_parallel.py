@@ -12,8 +12,10 @@ inside `jax.shard_map` (`attention_shard`; `context_attention` wraps the shard_m
   ring        keys and values rotate around the axis by `ppermute`, one step per device, with
               an online softmax (running max, sum and output in float32); the backward pass
               recomputes each block and rotates dK/dV home (Liu et al. 2023, Ring Attention,
-              arXiv 2310.01889; Dao et al. 2022 for the online softmax). A block that the
-              causal mask, the window or the segments hide entirely is skipped.
+              arXiv 2310.01889; Dao et al. 2022 for the online softmax). Each visiting
+              block is taken by halves of queries and keys, and a pair of halves that the
+              causal mask, the window or the segments hide entirely is skipped (under load
+              balancing, half of every block but the device's own).
 
 Causal load balancing (`load_balance` / `restore_order`): the row is cut into 2N chunks and
 device i holds chunks i and 2N-1-i, so every device has the same share of the causal work.
@@ -208,6 +210,74 @@ def _backward_block(carry: tuple, *, block: dict, query: jax.Array, mask: Sequen
     return (dquery, dparams), (dkey, dvalue)
 
 
+def _halves(length: int) -> list[slice]:
+    """A chunk's two halves (one whole chunk if its length is odd). Under causal load
+    balancing each half is one of the row's 2N chunks, and a pair of halves is often hidden
+    entirely (a later chunk's keys from an earlier chunk's queries), so it is skipped."""
+    half = length // 2
+    return [slice(None)] if length % 2 else [slice(0, half), slice(half, length)]
+
+
+def _query_part(query: jax.Array, mask: SequenceMask, bias: BlockBias | None, part: slice):
+    """The local queries [b, part, kv_heads, groups, head_dim] of `part`, with their mask rows
+    and bias positions."""
+    segments = None if mask.query_segments is None else mask.query_segments[:, part]
+    mask = dataclasses.replace(mask, query_index=mask.query_index[:, part],
+                               query_segments=segments)
+    if bias is not None:
+        bias = dataclasses.replace(bias, query_positions=bias.query_positions[:, part])
+    return query[:, part], mask, bias
+
+
+def _visit_forward(state: tuple, block: dict, query: jax.Array, mask: SequenceMask,
+                   bias: BlockBias | None, scale: float) -> tuple:
+    """The online softmax state (`_forward_block`'s) after one visiting block, by pairs of
+    query and key halves, each skipped where the mask hides it."""
+    parts = []
+    for query_half in _halves(query.shape[1]):
+        part_query, part_mask, part_bias = _query_part(query, mask, bias, query_half)
+        part = tuple(x[:, :, :, query_half] for x in state)  # their q_len axis
+        for key_half in _halves(block["key"].shape[1]):
+            keys = {name: x[:, key_half] for name, x in block.items()}
+            update = functools.partial(_forward_block, block=keys, query=part_query,
+                                       mask=part_mask, bias=part_bias, scale=scale)
+            part = _if_reached(part_mask, keys, update, lambda part: part, part)
+        parts.append(part)
+    return tuple(jnp.concatenate(xs, axis=3) for xs in zip(*parts, strict=True))
+
+
+def _visit_backward(carry: tuple, block: dict, query: jax.Array, mask: SequenceMask,
+                    bias: BlockBias | None, scale: float, saved: tuple) -> tuple:
+    """((dquery, dparams), (dkey, dvalue)) of one visiting block (`_backward_block`'s), by
+    pairs of query and key halves, each skipped where the mask hides it. saved: (grad_out,
+    log_sum_exp, delta), per query as in `_backward_block`."""
+    dquery, dparams = carry
+    key_halves = _halves(block["key"].shape[1])
+    zeros = lambda half: tuple(jnp.zeros(block[name][:, half].shape, jnp.float32)
+                               for name in ("key", "value"))
+    key_grads = [zeros(half) for half in key_halves]
+    dquery_parts = []
+    for query_half in _halves(query.shape[1]):
+        part_query, part_mask, part_bias = _query_part(query, mask, bias, query_half)
+        grad_out, log_sum_exp, delta = saved
+        part_saved = dict(grad_out=grad_out[:, query_half],
+                          log_sum_exp=log_sum_exp[..., query_half], delta=delta[..., query_half])
+        part = (dquery[:, query_half], dparams)
+        for index, key_half in enumerate(key_halves):
+            keys = {name: x[:, key_half] for name, x in block.items()}
+            compute = functools.partial(_backward_block, block=keys, query=part_query,
+                                        mask=part_mask, bias=part_bias, scale=scale,
+                                        **part_saved)
+            nothing = zeros(key_half)
+            part, grads = _if_reached(part_mask, keys, compute,
+                                      lambda part, nothing=nothing: (part, nothing), part)
+            key_grads[index] = jax.tree.map(jnp.add, key_grads[index], grads)
+        dquery_parts.append(part[0])
+        dparams = part[1]
+    dkey, dvalue = (jnp.concatenate(xs, axis=1) for xs in zip(*key_grads, strict=True))
+    return (jnp.concatenate(dquery_parts, axis=1), dparams), (dkey, dvalue)
+
+
 def _ring_forward(query, block, mask, bias, scale, axis_name):
     """(out [b, q_len, heads, head_dim] in query's dtype, log-sum-exp [b, kv_heads, groups,
     q_len] f32) of the grouped query [b, q_len, kv_heads, groups, head_dim] against every
@@ -217,9 +287,7 @@ def _ring_forward(query, block, mask, bias, scale, axis_name):
     state = (jnp.zeros((*stats.shape, head_dim), jnp.float32), stats, jnp.zeros_like(stats))
 
     def visit(state, block):
-        update = functools.partial(_forward_block, block=block, query=query, mask=mask,
-                                   bias=bias, scale=scale)
-        return _if_reached(mask, block, update, lambda state: state, state)
+        return _visit_forward(state, block, query, mask, bias, scale)
 
     def step(carry, _):
         state, block = carry
@@ -244,12 +312,8 @@ def _ring_backward(query, block, mask, bias, scale, axis_name, grad_out, log_sum
                          (block["key"], block["value"]))
 
     def backward(carry, block):
-        compute = functools.partial(_backward_block, block=block, query=query, mask=mask,
-                                    bias=bias, scale=scale, grad_out=grad_out,
-                                    log_sum_exp=log_sum_exp, delta=delta)
-        nothing = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32),
-                               (block["key"], block["value"]))
-        return _if_reached(mask, block, compute, lambda carry: (carry, nothing), carry)
+        return _visit_backward(carry, block, query, mask, bias, scale,
+                               (grad_out, log_sum_exp, delta))
 
     def step(state, _):
         carry, block, grads = state
