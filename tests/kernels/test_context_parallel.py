@@ -176,3 +176,21 @@ def test_unknown_strategy_is_refused():
     mask = context.SequenceMask(jnp.zeros((1, 4), jnp.int32), jnp.zeros((1, 4), jnp.int32))
     with pytest.raises(ValueError, match="context_parallel='ulysses' is unknown"):
         context.attention_shard(query, query, query, mask, strategy="ulysses")
+
+
+def test_the_ring_skips_half_of_every_other_block_under_load_balancing():
+    """Which pairs of query and key halves the causal mask leaves visible (the ring computes
+    only those): on a load-balanced row, 3 of 4 in a device's own block, 2 of 4 in every other
+    block, so every device does the same work, about half of the unmasked ring's."""
+    size, length = 4, 32
+    index = jnp.asarray(context.load_balanced_index(length, size)).reshape(size, 1, -1)
+    for device in range(size):
+        for visiting in range(size):
+            mask = context.SequenceMask(index[device], index[device], causal=True)
+            block = {"index": index[visiting]}
+            reached = sum(
+                bool(jnp.any(context.block_mask(
+                    context._query_part(jnp.zeros((1, 8)), mask, None, query_half)[1],
+                    block["index"][:, key_half], None)))
+                for query_half in context._halves(8) for key_half in context._halves(8))
+            assert reached == (3 if device == visiting else 2), (device, visiting, reached)
