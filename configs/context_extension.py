@@ -2,10 +2,10 @@
 longer contexts, zero-shot and after a short fine-tune (experiments/context_extension.py runs it;
 results in experiments/results/context_extension/).
 
-A character-level decoder (3 layers, d_model 64, 4 heads) trained on contiguous tinyshakespeare windows
-of 256 characters with passkey-retrieval rows mixed in (data.passkey_rows: a key hidden in
-filler text, asked for at the end), so one model has both a perplexity and a retrieval score at
-every length. Every scheme trains from the same data in the same order:
+A character-level decoder (3 layers, d_model 64, 4 heads) trained on contiguous tinyshakespeare
+windows of 256 characters with passkey-retrieval rows mixed in (data.passkey_rows: a key hidden
+in filler text, asked for at the end), so one model has both a perplexity and a retrieval score
+at every length. Every scheme trains from the same data in the same order:
 
     ./launch.sh train configs/context_extension.py:rope --workdir workdirs/ce/rope_seed0
     ./launch.sh sweep configs/context_extension.py --seeds 0,1,2      # every scheme of SCHEMES

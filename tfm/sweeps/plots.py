@@ -248,8 +248,8 @@ def _plot_heatmaps(grids: dict[str, list[list[float]]], layers: Sequence[str], f
 
 def plot_passkey(grids: dict[str, list[list[float]]], lengths: Sequence[int],
                  depths: Sequence[float], task: str, path: Path, title: str | None = None) -> None:
-    """grids: {group label: [depth][length] accuracy in [0, 1]}: a heatmap per group (0-100%,
-    one colour scale), the cell's percent written in it."""
+    """grids: {group label: rows by depth, columns by length, accuracy in [0, 1]}: a heatmap
+    per group (0-100%, one colour scale), the cell's percent written in it."""
     plt = _pyplot()
     size = (1.5 + (0.6 * len(lengths) + 0.6) * len(grids), 1.4 + 0.4 * len(depths))
     figure, all_axes = plt.subplots(1, len(grids), squeeze=False, figsize=size)

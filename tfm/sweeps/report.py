@@ -339,7 +339,8 @@ def passkey_cells(runs: Sequence[dict]) -> dict[str, tuple[list[int], list[float
 
 def passkey_grids(runs: Sequence[dict], fields: Sequence[str], task: str, lengths: Sequence[int],
                   depths: Sequence[float]) -> dict[str, list[list[float]]]:
-    """{group label: [depth][length] mean accuracy over the group's seeds (nan: not run)}."""
+    """{group label: rows by depth, columns by length: mean accuracy over the group's seeds
+    (nan: not run)}."""
     names = {(n, d): f"passkey/{task}_len{n}_depth{d:g}" for n in lengths for d in depths}
     _, _, rows = aggregate(runs, sorted(names.values()))
     return {", ".join(f"{f}={row[f]}" for f in fields) or "runs":
