@@ -9,12 +9,13 @@ the evaluated length, and fine-tuned at 2x and 4x with linear, NTK and YaRN scal
 
 Each step is resumable (finished runs and evaluations are read back, not redone), writes under
 --root (workdirs/context_extension) and the report into experiments/results/context_extension/
-(tables.md; results.json: every evaluation's numbers; perplexity.png, passkey.png,
-key_nll.png, passkey_depth.png).
+(tables.md; results.json: every evaluation's numbers; perplexity.png, key_nll.png).
 
 Every evaluation at length L reads the same 32,768 tokens of the validation text (cut into rows
-of L, in batches of at most 8 rows and 8,192 tokens) and 10 passkey prompts per seed (5 depths
-x 2) of L - 7 tokens, so the key and its answer fit a row of L.
+of L, in batches of at most 8 rows and 8,192 tokens) and scores the keys of 10 passkey prompts
+per seed (5 depths x 2) of L - 7 tokens under teacher forcing (eval.passkey_decode=False: the
+key's NLL and top-1 tokens). Greedy exact match is each run's own last evaluation, at the length
+it trained at.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -161,7 +163,7 @@ def evaluate_one(workdir: Path, length: int, model: dict[str, Any], cache: Path
     config.data.eval_batch_size = rows
     config.eval.max_batches = max(1, EVAL_TOKENS // (rows * length))
     config.eval.update(passkey_lengths=(length - 7,), passkey_depths=PASSKEY_DEPTHS,
-                       passkey_examples=PASSKEY_PER_CELL)
+                       passkey_examples=PASSKEY_PER_CELL, passkey_decode=False)
     config.train.compilation_cache_dir = str(cache)
     config.model.update(model)
     metrics = evaluate_checkpoint(config, workdir)
@@ -169,18 +171,26 @@ def evaluate_one(workdir: Path, length: int, model: dict[str, Any], cache: Path
             if key == "eval_loss" or key.startswith("passkey/")}
 
 
+def _saved(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
 def evaluate_all(root: Path, seeds: list[int]) -> None:
+    """Every (row, seed, length) not yet in ROOT/evaluations.json. The file is read again
+    before each evaluation and merged into on each write (replaced whole), so evaluations of
+    other seeds may run at the same time."""
     path = root / "evaluations.json"
-    done = json.loads(path.read_text()) if path.exists() else {}
     for variant in variants(root, seeds):
         for length in RUNLOCAL["lengths"]:
             key = f"{variant['row']}|{variant['seed']}|{length}"
-            if key in done:
+            if key in _saved(path):
                 continue
             print(f"evaluating {key}", flush=True)
-            done[key] = evaluate_one(variant["workdir"], length, variant["model"](length),
-                                     root / "jax_cache")
-            path.write_text(json.dumps(done, indent=1) + "\n")
+            result = evaluate_one(variant["workdir"], length, variant["model"](length),
+                                  root / "jax_cache")
+            partial = path.with_name(f"{path.name}.{os.getpid()}")
+            partial.write_text(json.dumps({**_saved(path), key: result}, indent=1) + "\n")
+            partial.replace(path)
 
 
 # ------------------------------------------------------------------------------- the report
@@ -195,9 +205,11 @@ def collect(evaluations: dict[str, dict[str, float]]) -> dict[str, dict[int, dic
             int(length), {"ppl": [], "passkey": [], "key_nll": [], "key_chars": [], "depth": {}})
         cell["ppl"].append(math.exp(metrics["eval_loss"]))
         prompt = int(length) - 7
-        cell["passkey"].append(metrics[f"passkey/passkey_len{prompt}"])
         cell["key_nll"].append(metrics[f"passkey/passkey_len{prompt}_key_nll"])
         cell["key_chars"].append(metrics[f"passkey/passkey_len{prompt}_key_chars"])
+        if f"passkey/passkey_len{prompt}" not in metrics:
+            continue  # scored under teacher forcing only
+        cell["passkey"].append(metrics[f"passkey/passkey_len{prompt}"])
         for depth in PASSKEY_DEPTHS:
             name = f"passkey/passkey_len{prompt}_depth{depth:g}"
             cell["depth"].setdefault(depth, []).append(metrics[name])
@@ -242,23 +254,19 @@ def plot(table: dict, measure: str, ylabel: str, path: Path, log: bool) -> None:
     plots.write_png(figure, path)
 
 
-def plot_depths(table: dict, rows: list[str], path: Path) -> None:
-    """Passkey accuracy by length x depth, one heatmap per row (mean over seeds)."""
-    from tfm.sweeps import plots
-
-    pyplot = plots._pyplot()
-    figure, grid = pyplot.subplots(1, len(rows), figsize=(3.2 * len(rows), 3.4), squeeze=False)
-    for axes, row in zip(grid[0], rows, strict=True):
-        values = [[statistics.fmean(table[row][n]["depth"][d]) if n in table[row] else float("nan")
-                   for n in LENGTHS] for d in PASSKEY_DEPTHS]
-        axes.imshow(values, vmin=0, vmax=100, cmap="viridis", aspect="auto")
-        axes.set_xticks(range(len(LENGTHS)), [str(n) for n in LENGTHS], fontsize=7)
-        axes.set_yticks(range(len(PASSKEY_DEPTHS)), [f"{d:g}" for d in PASSKEY_DEPTHS])
-        axes.set_title(row, fontsize=8)
-        axes.set_xlabel("length")
-    grid[0][0].set_ylabel("depth of the key")
-    figure.suptitle("Passkey accuracy (%) by length and depth")
-    plots.write_png(figure, path)
+def trained_length_exact(root: Path) -> dict[str, list[float]]:
+    """{run kind: [exact-match percent per seed]} from each run's own last evaluation, greedy
+    decoding at the length it trained at (256 for pretraining, 2x / 4x for fine-tunes)."""
+    found: dict[str, list[float]] = {}
+    for metrics in sorted(root.glob("*/*/seed*/metrics.jsonl")):
+        final: dict[str, float] = {}
+        for line in metrics.read_text().splitlines():
+            final.update(json.loads(line))
+        exact = [v for k, v in final.items()
+                 if k.startswith("passkey/passkey_len") and k[19:].isdigit()]
+        if exact:
+            found.setdefault(metrics.parent.parent.name, []).extend(exact)
+    return found
 
 
 def report(root: Path, out: Path) -> None:
@@ -270,8 +278,10 @@ def report(root: Path, out: Path) -> None:
     text = [f"Seeds {', '.join(map(str, seeds))}; mean ± sample std over seeds.", "",
             "## Perplexity of the validation text (characters) by evaluation length", "",
             markdown(table, "ppl", 2), "",
-            "## Passkey retrieval accuracy (%) by evaluation length", "",
-            markdown(table, "passkey", 0), "",
+            "## Passkey exact match (%) at the length each run trained at (greedy decoding)", "",
+            "| run | seeds | exact match |", "|---|---:|---:|",
+            *(f"| {kind} | {len(values)} | {_cell(values, 0)} |"
+              for kind, values in trained_length_exact(root).items()), "",
             "## The key under teacher forcing: NLL per key token (nats) by evaluation length", "",
             f"Knowing the format but not the key costs {CHANCE_NLL:.2f} nats per key token "
             "(the leading space is free, each of 5 digits ln 10).", "",
@@ -280,11 +290,7 @@ def report(root: Path, out: Path) -> None:
             markdown(table, "key_chars", 0), ""]
     (out / "tables.md").write_text("\n".join(text))
     plot(table, "ppl", "perplexity", out / "perplexity.png", log=True)
-    plot(table, "passkey", "passkey accuracy (%)", out / "passkey.png", log=False)
     plot(table, "key_nll", "key NLL (nats per token)", out / "key_nll.png", log=False)
-    heat = [row for row in ("rope", "rope + yarn (zero-shot)", "rope + yarn, fine-tuned at 4x",
-                            "alibi", "fire") if row in table]
-    plot_depths(table, heat, out / "passkey_depth.png")
     print("\n".join(text))
 
 

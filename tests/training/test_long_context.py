@@ -161,3 +161,14 @@ def test_key_scores_equal_each_prompt_scored_alone(tmp_path):
             count += 1
     assert nll == pytest.approx(total / count, rel=1e-4)
     assert hits == right / count
+
+
+def test_without_decoding_only_the_teacher_forced_scores_are_logged(tmp_path):
+    experiment = _experiment(tmp_path, passkey_lengths=(256,), passkey_alphabet="abcdefgh",
+                             passkey_examples=1, passkey_decode=False)
+
+    def never(*args):
+        raise AssertionError("decoded although eval.passkey_decode=False")
+
+    scores = long_context.passkey_scores(experiment, _params(experiment), never)
+    assert sorted(scores) == ["passkey/passkey_len256_key_chars", "passkey/passkey_len256_key_nll"]

@@ -178,6 +178,7 @@ class EvalConfig:
     passkey_task: str = "passkey"  # or "multi_key": several named keys, one asked for
     passkey_alphabet: str = "0123456789"  # the keys' characters
     passkey_key_length: int = 5
+    passkey_decode: bool = True  # False: score the keys under teacher forcing only, no decoding
     position_buckets: int = 0  # > 0: perplexity per bucket of positions along the eval rows
 
     def __post_init__(self) -> None:
@@ -193,6 +194,7 @@ class EvalConfig:
             raise ConfigError(f"eval.passkey_alphabet={self.passkey_alphabet!r} needs at least "
                               "2 characters")
         check_int("eval.passkey_key_length", self.passkey_key_length, 1)
+        check_bool("eval.passkey_decode", self.passkey_decode)
         check_int("eval.position_buckets", self.position_buckets, 0, " (0 = off)")
         check_int("eval.max_generation_examples", self.max_generation_examples, 0, " (0 = all)")
         if self.generation_metric is not None:

@@ -5,7 +5,8 @@
   `passkey/{task}_len{L}_depth{D}` (percent exact) and `passkey/{task}_len{L}` (their mean);
   the keys are also scored under teacher forcing: `passkey/{task}_len{L}_key_nll` (nats per
   key token) and `passkey/{task}_len{L}_key_chars` (percent of key tokens the model ranks
-  first), graded where exact match is all or nothing;
+  first), graded where exact match is all or nothing (`eval.passkey_decode=False`: these
+  alone, no decoding);
 - perplexity by position: `eval.position_buckets` equal buckets of the eval rows' positions,
   logged as `{split}_ppl_pos{first}-{last}`: how a scheme's loss moves along a long row.
 
@@ -78,11 +79,12 @@ def passkey_scores(experiment: Any, params: Any, decode_texts: Callable[..., lis
             task, [length], options.passkey_depths, options.passkey_examples,
             encode=experiment.data.tokenizer.encode, seed=experiment.data.config.seed,
             alphabet=options.passkey_alphabet, key_length=options.passkey_key_length)
-        outputs = decode_texts(experiment, params, [e.prompt for e in examples], decode)
-        cells = passkey.accuracy_by_cell(examples, outputs)
-        for (_, depth), accuracy in cells.items():
-            results[f"passkey/{task}_len{length}_depth{depth:g}"] = 100.0 * accuracy
-        results[f"passkey/{task}_len{length}"] = 100.0 * float(np.mean(list(cells.values())))
+        if options.passkey_decode:
+            outputs = decode_texts(experiment, params, [e.prompt for e in examples], decode)
+            cells = passkey.accuracy_by_cell(examples, outputs)
+            for (_, depth), accuracy in cells.items():
+                results[f"passkey/{task}_len{length}_depth{depth:g}"] = 100.0 * accuracy
+            results[f"passkey/{task}_len{length}"] = 100.0 * float(np.mean(list(cells.values())))
         nll, hits = key_scores(experiment, params, examples)
         results[f"passkey/{task}_len{length}_key_nll"] = nll
         results[f"passkey/{task}_len{length}_key_chars"] = 100.0 * hits
