@@ -164,3 +164,14 @@ def test_the_tpu_program_has_no_square_array(scheme):
     assert flex_text.count("tpu_custom_call") >= 3
     assert not square.search(flex_text)
     assert square.search(lowered_lm_grad(config("reference"), length, "tpu"))
+
+
+def test_fire_runs_on_tiles_small_enough_for_a_tpu_kernel():
+    """FIRE's gradient keeps a tile per hidden unit: at 512 x 512 tiles Mosaic refuses the
+    kernel (CompileTimeScopedVmemOom on v5e), so flex takes at most 256 for it, others 512."""
+    from tfm.kernels import per_device
+
+    largest = lb.fire_block_bias.largest_block
+    assert per_device.block_size(8192, largest) == 256
+    assert per_device.block_size(8192) == 512
+    assert per_device.block_size(384, largest) == 128

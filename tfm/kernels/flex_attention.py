@@ -531,11 +531,15 @@ def _attend_local(
     precision = (jax.lax.Precision.HIGHEST if jnp.dtype(query.dtype) == jnp.float32
                  else jax.lax.Precision.DEFAULT)
 
+    # A block function whose gradient keeps many tiles live (FIRE's MLP: one per hidden unit)
+    # names the largest tile side that fits on chip (`largest_block`); Mosaic refuses 512 there.
+    largest = getattr(function, "largest_block", None)
+
     def run(*arrays: Any, compiler: str) -> jax.Array:
         triton = compiler == "triton"  # a GPU block's tiles live in 228 kB of shared memory
         spec = _Spec(
-            block_q=TRITON_BLOCK if triton else per_device.block_size(q_padded),
-            block_k=TRITON_BLOCK if triton else per_device.block_size(kv_padded),
+            block_q=TRITON_BLOCK if triton else per_device.block_size(q_padded, largest),
+            block_k=TRITON_BLOCK if triton else per_device.block_size(kv_padded, largest),
             q_len=q_len, kv_len=kv_len,
             causal=causal, window=window, scale=scale, groups=num_heads // kv_heads,
             function=function, learned=learned, params_tree=jax.tree.structure(params),

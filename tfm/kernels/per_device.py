@@ -40,9 +40,10 @@ def round_up(length: int) -> int:
     return -(-length // LANES) * LANES
 
 
-def block_size(padded: int) -> int:
-    """The largest of BLOCK_CHOICES that divides a padded length."""
-    return next(size for size in BLOCK_CHOICES if padded % size == 0)
+def block_size(padded: int, largest: int | None = None) -> int:
+    """The largest of BLOCK_CHOICES (at most `largest`) that divides a padded length."""
+    return next(size for size in BLOCK_CHOICES
+                if padded % size == 0 and (largest is None or size <= largest))
 
 
 class MeshContextError(ValueError):

@@ -82,6 +82,12 @@ def fire_block_bias(head_params: tuple[Array, Array, Array, Array, Array],
     return bias
 
 
+# The gradient of the unit loop keeps a [block_q, block_k] tile per hidden unit: at 512 x 512
+# tiles a TPU kernel needs more than its scoped on-chip memory (Mosaic: CompileTimeScopedVmemOom,
+# v5e, any length), at 256 x 256 it fits (tfm.kernels.flex_attention reads this).
+fire_block_bias.largest_block = 256
+
+
 def kerple_log(config: Any, bidirectional: bool, param: ParamFn) -> tuple[Callable, Any]:
     """The block_bias hook of `kerple_log`: ([num_heads, 2] raw (r1, r2),)."""
     return kerple_log_block_bias, (param("kerple_log", (config.num_heads, 2), 1.0,
