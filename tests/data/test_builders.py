@@ -228,8 +228,8 @@ def test_passkey_rows_join_the_training_split_only(tmp_path, monkeypatch):
         tmp_path, path, text_unit="block", validation_fraction=0.25))
     mixed = builders.prepare(builders.text_file_builder(
         tmp_path, path, text_unit="block", validation_fraction=0.25, passkey_rows=5,
-        passkey_length=120, passkey_alphabet="xyz", passkey_key_length=3))
+        passkey_length=160, passkey_alphabet="xyz", passkey_key_length=3))
     train = _texts(mixed["train"])
     assert train[:7] == _texts(plain["train"])
-    assert train[7:] == passkey.training_texts(5, 120, alphabet="xyz", key_length=3)
+    assert train[7:] == passkey.training_texts(5, 160, alphabet="xyz", key_length=3)
     assert _texts(mixed["validation"]) == _texts(plain["validation"])
