@@ -221,8 +221,9 @@ def collect(evaluations: dict[str, dict[str, float]]) -> dict[str, dict[int, dic
 def _cell(values: list[float], digits: int) -> str:
     if not values:
         return "-"
-    spread = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{statistics.fmean(values):.{digits}f} ± {spread:.{digits}f}"
+    if len(values) == 1:
+        return f"{values[0]:.{digits}f} (1 seed)"
+    return f"{statistics.fmean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
 
 
 def markdown(table: dict, measure: str, digits: int) -> str:
@@ -234,11 +235,30 @@ def markdown(table: dict, measure: str, digits: int) -> str:
     return "\n".join(lines)
 
 
+def rope_rows(table: dict) -> tuple[list[str], list[str]]:
+    """(the schemes trained at 256 evaluated as trained, RoPE with its scalings and fine-tunes):
+    the two panels of a plot."""
+    rope = [row for row in table if row.startswith("rope")]
+    return [row for row in table if row not in rope or row == "rope"], rope
+
+
 def plot(table: dict, measure: str, ylabel: str, path: Path, log: bool) -> None:
+    """Two panels, the schemes and RoPE's variants, a line per row (mean over seeds)."""
     from tfm.sweeps import plots
 
     pyplot = plots._pyplot()
-    figure, axes = pyplot.subplots(figsize=(9, 5.5))
+    figure, panels = pyplot.subplots(1, 2, figsize=(13, 5.5), sharey=True)
+    for axes, rows, title in zip(panels, rope_rows(table),
+                                 ("every scheme, as trained", "RoPE: scalings and fine-tunes"),
+                                 strict=True):
+        _lines(axes, {row: table[row] for row in rows}, measure, log)
+        axes.set_title(title)
+    panels[0].set_ylabel(ylabel)
+    figure.suptitle(f"Context extension: {ylabel} by evaluation length (mean of seeds)")
+    plots.write_png(figure, path)
+
+
+def _lines(axes: Any, table: dict, measure: str, log: bool) -> None:
     for row, cells in table.items():
         lengths = [n for n in LENGTHS if cells.get(n, {}).get(measure)]
         means = [statistics.fmean(cells[n][measure]) for n in lengths]
@@ -250,10 +270,7 @@ def plot(table: dict, measure: str, ylabel: str, path: Path, log: bool) -> None:
     axes.set_xticks(LENGTHS, [str(n) for n in LENGTHS])
     axes.axvline(study.TRAIN_LENGTH, color="grey", linewidth=0.8)
     axes.set_xlabel("evaluation length (tokens; trained at 256)")
-    axes.set_ylabel(ylabel)
-    axes.legend(fontsize=7, ncol=2)
-    axes.set_title(f"Context extension, {ylabel} by length (mean of seeds)")
-    plots.write_png(figure, path)
+    axes.legend(fontsize=7)
 
 
 def trained_length_exact(root: Path) -> dict[str, list[float]]:
