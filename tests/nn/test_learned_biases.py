@@ -18,6 +18,7 @@ from attention_cases import (
 )
 from tiny_model import TINY
 
+from tfm.kernels.block_bias import dense_from_blocks
 from tfm.nn import learned_biases as lb
 from tfm.nn.config import ModelConfig
 
@@ -88,6 +89,52 @@ def test_fire_follows_its_formula_and_starts_at_c_1_and_threshold_512():
     # below the threshold the normaliser is fixed, the bias depends on the distance alone.
     early = dense(function, params, np.array([100, 200]), np.array([50, 150]))
     np.testing.assert_allclose(early[:, 0, 0], early[:, 1, 1], rtol=1e-6)
+
+
+class Given:
+    """A param hook returning the given arrays by name, so a loss can take them as inputs."""
+
+    def __init__(self, values):
+        self.values = values
+
+    def __call__(self, name, shape, stddev, axes):
+        return self.values[name]
+
+
+@pytest.mark.parametrize("elements", [lb.FIRE_DENSE_ELEMENTS, 3 * 7 * 4 * lb.FIRE_WIDTH])
+def test_fire_dense_form_equals_the_block_form_values_and_gradients(monkeypatch, elements):
+    """The whole-row form (hidden units once for every head, a matmul, taken a run of queries
+    at a time when the rows are long: the second case cuts 14 queries into runs of 7) against
+    the block function per head: values (and numpy's formula) and the gradient of every
+    parameter the hook makes, shared ones included."""
+    monkeypatch.setattr(lb, "FIRE_DENSE_ELEMENTS", elements)
+    rng = np.random.default_rng(7)
+    queries = np.stack([np.arange(20, 34), np.arange(500, 528, 2), np.arange(0, 14)])  # [3, 14]
+    keys = np.stack([np.arange(0, 34, 9), np.arange(480, 528, 12), np.arange(0, 14, 4)])  # [3, 4]
+    base = {name: jnp.asarray(rng.normal(size=shape), jnp.float32) for name, shape in (
+        ("fire_in_kernel", (1, lb.FIRE_WIDTH)), ("fire_in_bias", (1, lb.FIRE_WIDTH)),
+        ("fire_out_kernel", (HEADS, lb.FIRE_WIDTH)), ("fire_out_bias", (HEADS, 1)),
+        ("fire_scales", (1, 2)))}
+    probe = rng.normal(size=(3, HEADS, 14, 4))
+
+    def loss(values, whole_rows):
+        function, params = lb.fire(CONFIG, False, Given(values))
+        if whole_rows:
+            bias = lb.fire_dense_bias(params, jnp.asarray(queries), jnp.asarray(keys))
+        else:
+            bias = dense_from_blocks(function, params, queries, keys)
+        return jnp.sum(bias * probe), bias
+
+    (_, got), grads = jax.value_and_grad(loss, has_aux=True)(base, True)
+    (_, want), want_grads = jax.value_and_grad(loss, has_aux=True)(base, False)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    params = lb.fire(CONFIG, False, Given(base))[1]
+    np.testing.assert_allclose(got[1], fire_numpy(params, queries[1], keys[1]), rtol=1e-5,
+                               atol=1e-5)
+    for name in base:
+        np.testing.assert_allclose(grads[name], want_grads[name], rtol=1e-4, atol=1e-4,
+                                   err_msg=name)
+        assert np.abs(np.asarray(grads[name])).max() > 1e-3, name
 
 
 def test_the_transposed_tile_is_the_transpose():

@@ -13,6 +13,8 @@
 
 Parameters are kept unconstrained and mapped to their ranges by softplus / sigmoid, so any value
 an optimizer reaches is valid. Each hook returns (function, params) with leaves [num_heads, P].
+FIRE also has a whole-row form (`fire_dense_bias`) for kernels that write the bias out: its
+input layer is shared by the heads, so the hidden units are computed once for all of them.
 """
 
 from __future__ import annotations
@@ -86,6 +88,46 @@ def fire_block_bias(head_params: tuple[Array, Array, Array, Array, Array],
 # tiles a TPU kernel needs more than its scoped on-chip memory (Mosaic: CompileTimeScopedVmemOom,
 # v5e, any length), at 256 x 256 it fits (tfm.kernels.flex_attention reads this).
 fire_block_bias.largest_block = 256
+
+
+# Hidden activations held at once by fire_dense_bias ([batch, queries, keys, FIRE_WIDTH]):
+# longer rows are taken a run of queries at a time.
+FIRE_DENSE_ELEMENTS = 1 << 24
+
+
+def _query_chunk(batch: int, q_len: int, kv_len: int) -> int:
+    """The largest divisor of q_len whose hidden activations fit FIRE_DENSE_ELEMENTS."""
+    largest = max(1, FIRE_DENSE_ELEMENTS // (batch * kv_len * FIRE_WIDTH))
+    return max(size for size in range(1, min(q_len, largest) + 1) if q_len % size == 0)
+
+
+def fire_dense_bias(head_params: tuple[Array, Array, Array, Array, Array],
+                    query_positions: Array, key_positions: Array) -> Array:
+    """FIRE over whole rows -> [batch, num_heads, q_len, kv_len] float32, from the hook's params
+    (`fire`: the input layer and the scales c, L are one row broadcast to every head, so head
+    0's row is read for them and the gradient reaches the shared parameter through the
+    broadcast). The hidden units are computed once for all heads and mixed by a matmul.
+
+    query_positions: [batch, q_len] int; key_positions: [batch, kv_len] int."""
+    w_in, b_in, w_out, b_out, raw = (leaf.astype(jnp.float32) for leaf in head_params)
+    c = jax.nn.softplus(raw[0, 0])
+    threshold = FIRE_THRESHOLD_INIT / _LOG2 * jax.nn.softplus(raw[0, 1])
+    keys = jnp.asarray(key_positions, jnp.float32)[:, None, :]  # [batch, 1, kv_len]
+
+    def rows(queries: Array) -> Array:  # [batch, chunk] -> [batch, heads, chunk, kv_len]
+        queries = queries.astype(jnp.float32)[:, :, None]
+        normaliser = jnp.log(c * jnp.maximum(threshold, queries) + 1.0)
+        x = jnp.log(c * jnp.abs(keys - queries) + 1.0) / normaliser  # [batch, chunk, kv_len]
+        hidden = jax.nn.relu(x[..., None] * w_in[0] + b_in[0])  # [batch, chunk, kv_len, W]
+        return jnp.einsum("bqkw,hw->bhqk", hidden, w_out) + b_out[None, :, :, None]
+
+    batch, q_len = query_positions.shape
+    chunk = _query_chunk(batch, q_len, key_positions.shape[1])
+    if chunk == q_len:
+        return rows(jnp.asarray(query_positions))
+    runs = jnp.asarray(query_positions).reshape(batch, q_len // chunk, chunk).swapaxes(0, 1)
+    out = jax.lax.map(rows, runs)  # [runs, batch, heads, chunk, kv_len]
+    return jnp.moveaxis(out, 0, 2).reshape(batch, w_out.shape[0], q_len, -1)
 
 
 def kerple_log(config: Any, bidirectional: bool, param: ParamFn) -> tuple[Callable, Any]:

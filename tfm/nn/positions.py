@@ -536,7 +536,7 @@ SCHEMES: dict[str, PositionScheme] = {
             dense_function=lambda config, bidirectional: alibi_dense_bias, logit_bias_kind="fixed",
         ),
         # Learned long-context biases (tfm.nn.learned_biases), one set per layer as in their
-        # papers; only the block form is given, so the dense one comes from it.
+        # papers; Kerple's dense form comes from its block form, FIRE has its own.
         PositionScheme(
             "kerple_log", "bias", "Kerple: -r1 log(1 + r2 |i - j|), learned per head",
             block_bias=learned_biases.kerple_log, logit_bias_kind="learned",
@@ -549,7 +549,9 @@ SCHEMES: dict[str, PositionScheme] = {
         ),
         PositionScheme(
             "fire", "bias", "FIRE: an MLP of the log distance over the log query position",
-            block_bias=learned_biases.fire, logit_bias_kind="learned", bias_per_layer=_always,
+            block_bias=learned_biases.fire,
+            dense_function=lambda config, bidirectional: learned_biases.fire_dense_bias,
+            logit_bias_kind="learned", bias_per_layer=_always,
         ),
     )
 }
