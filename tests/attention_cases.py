@@ -95,21 +95,25 @@ def assert_model_matches_reference(backend: str, mode: str, config_for) -> list[
 
 def assert_cached_decoding_matches_full_pass(config) -> None:
     """A decoder-only model of `config`: a 12-token prefill then 8 one-token steps through the
-    KV cache give the logits of one full pass over the 20 tokens."""
+    KV cache give the logits of one full pass over the 20 tokens; both with a cache of 32
+    slots (the prefill reads the cache) and with one of 12 that the prefill fills (it attends
+    to its own keys as a full pass does, tfm.nn.context.cached_inputs), grown by 20 after."""
     from tfm.nn import models
-    from tfm.nn.cache import init_cache
+    from tfm.nn.cache import grow, init_cache
 
     model = models.DecoderLM(config)
     tokens = jnp.asarray(np.random.default_rng(4).integers(1, 13, (2, 20)), jnp.int32)
     params = {"params": model.init(jax.random.key(0), tokens)["params"]}
     full = model.apply(params, tokens)
-    cache = init_cache(config, 2, 32)
-    logits, cache = model.apply(params, tokens[:, :12], cache=cache)
-    steps = [logits]
-    for index in range(12, 20):
-        logits, cache = model.apply(params, tokens[:, index: index + 1], cache=cache)
-        steps.append(logits)
-    np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, atol=2e-5)
+    for slots in (32, 12):
+        logits, cache = model.apply(params, tokens[:, :12], cache=init_cache(config, 2, slots))
+        cache = grow(cache, 32 - slots) if slots < 32 else cache
+        steps = [logits]
+        for index in range(12, 20):
+            logits, cache = model.apply(params, tokens[:, index: index + 1], cache=cache)
+            steps.append(logits)
+        np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, atol=2e-5,
+                                   err_msg=f"a cache of {slots} slots")
 
 
 def random_inputs(rng: np.random.Generator, q_len: int, kv_len: int, heads: int, kv_heads: int,
@@ -129,6 +133,22 @@ def case_segments(kind: str, batch: int, q_len: int, kv_len: int):
     ids = segments(kind, batch, q_len)
     ids = None if ids is None else jnp.asarray(ids)
     return ids, ids
+
+
+def lowered_prefill(config, length: int, slots: int, platform: str) -> str:
+    """A decoder-only model of `config` prefilling [2, length] tokens into a KV cache of
+    `slots` slots, lowered for `platform` (no device or plugin needed), as text."""
+    from tfm.nn import models
+    from tfm.nn.cache import init_cache
+
+    model = models.DecoderLM(config)
+    tokens = jax.ShapeDtypeStruct((2, length), jnp.int32)
+    params = jax.eval_shape(
+        lambda: {"params": model.init(jax.random.key(0), jnp.ones((2, length), int))["params"]})
+    cache = jax.eval_shape(lambda: init_cache(config, 2, slots))
+    prefill = lambda params, tokens, cache: model.apply(params, tokens, cache=cache)
+    traced = jax.jit(prefill).trace(params, tokens, cache)
+    return traced.lower(lowering_platforms=(platform,)).as_text()
 
 
 def lowered_lm_grad(config, length: int, platform: str) -> str:

@@ -20,6 +20,7 @@ from attention_cases import (
     case_segments,
     dense_mask,
     lowered_lm_grad,
+    lowered_prefill,
     random_inputs,
     segments,
 )
@@ -149,11 +150,27 @@ def test_models_with_flex_equal_the_reference(mode, scheme):
     assert (scheme == "t5_bias") == any("t5_bias_table" in path for path in paths)
 
 
-def test_cached_decoding_with_flex_equals_the_full_pass():
-    """The full pass runs the kernel; cached steps (few queries against the cache) the
-    reference, with the same T5 bias."""
+@pytest.mark.parametrize("window", [None, 5])
+def test_cached_decoding_with_flex_equals_the_full_pass(window):
+    """The full pass and a prefill that fills its cache run the kernel; cached steps (few
+    queries against the cache) the reference, with the same T5 bias (and window)."""
     assert_cached_decoding_matches_full_pass(
-        _model_config("flex", num_encoder_layers=0, position_scheme="t5_bias"))
+        _model_config("flex", num_encoder_layers=0, position_scheme="t5_bias",
+                      local_window=window))
+
+
+def test_a_prefill_that_fills_its_cache_holds_no_square_array_on_tpu():
+    """Lowered for TPU: a 256-token prefill into a cache of 256 slots calls the Pallas kernel
+    and holds no [.., T, T] array (bias, mask or scores); into a cache with room to spare it
+    reads the cache on the reference path, which does (so the check can fail)."""
+    length = 256
+    square = re.compile(rf"x{length}x{length}x")
+    config = _model_config("flex", num_encoder_layers=0, position_scheme="t5_bias",
+                           dtype="bfloat16", max_len=2 * length)
+    filled = lowered_prefill(config, length, length, "tpu")
+    assert "tpu_custom_call" in filled and not square.search(filled)
+    spare = lowered_prefill(config, length, length + 8, "tpu")
+    assert re.search(rf"x{length}x{length + 8}x", spare)
 
 
 def _log_distance_block_bias(head_params, query_positions, key_positions):

@@ -52,6 +52,11 @@ class DecoderCache:
     def batch_size(self) -> int:
         return self.lengths.shape[0]
 
+    def filled_by(self, new_len: int) -> bool:
+        """Whether new_len new tokens fill every slot (static): then the cache was empty and
+        new token i is slot i, or the call overflows it (NaN logits, tfm.nn.models)."""
+        return new_len == self.max_len
+
 
 
 @struct.dataclass

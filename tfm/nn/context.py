@@ -116,7 +116,12 @@ def cached_inputs(
 ) -> tuple[Array, Array, AttentionStructure, Array | None]:
     """(positions, key positions [batch, max_len], the mask by parts, the cache's new `valid`)
     of new tokens attending to every filled slot of `cache` and to each other, causally: query
-    i sits in slot write_index + i, and sees the filled, valid slots up to it."""
+    i sits in slot write_index + i, and sees the filled, valid slots up to it.
+
+    A prefill that fills the whole cache (DecoderCache.filled_by: as many tokens as slots, so
+    the cache was empty and query i is slot i) gets a full pass's mask, without a write offset:
+    the layers attend to its own keys through the fused kernels, with no [len, len] array
+    (tfm.nn.layers)."""
     if tokens.shape[1] > cache.max_len:
         raise ValueError(
             f"{tokens.shape[1]} tokens are longer than the cache (max_len="
@@ -133,15 +138,21 @@ def cached_inputs(
         key_valid = filled & new_valid
         # A slot's position counts the real tokens before it (left padding aside).
         key_positions = positions_from_valid(new_valid)
+    given_positions = positions is not None
     if positions is None:
         positions = jnp.take_along_axis(
             key_positions, default_positions(tokens, write_index), axis=1
         )
-    windowed = config.local_window is not None
+    fresh = cache.filled_by(tokens.shape[1])
+    # A fresh prefill without explicit positions or valid tokens has positions 0, 1, ...: its
+    # window compares indices.
+    by_position = config.local_window is not None and not (
+        fresh and not given_positions and valid is None)
     structure = AttentionStructure(
-        True, config.local_window, key_valid=key_valid, query_offset=write_index,
-        query_positions=positions if windowed else None,
-        key_positions=key_positions if windowed else None)
+        True, config.local_window, key_valid=key_valid,
+        query_offset=None if fresh else write_index,
+        query_positions=positions if by_position else None,
+        key_positions=key_positions if by_position else None)
     return positions, key_positions, structure, new_valid
 
 

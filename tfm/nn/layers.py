@@ -296,7 +296,10 @@ class MultiHeadAttention(nn.Module):
             scale = positions.log_length_scale(inputs.query_positions, config.attention_log_length)
             query = (query * scale[:, :, None, None]).astype(query.dtype)
         cache = None if slot is None else slot.cache
-        reads_cache = cache is not None and (not self.is_cross or inputs_kv is None)
+        # A self-attention prefill that fills the cache attends to its own keys and values as
+        # a full pass does (tfm.nn.context.cached_inputs), and writes them for later steps.
+        fresh = cache is not None and not self.is_cross and cache.filled_by(query.shape[1])
+        reads_cache = cache is not None and not fresh and (not self.is_cross or inputs_kv is None)
         if cache is not None and inputs_kv is not None:  # new keys/values into this layer's slots
             start = (jnp.zeros_like(inputs.query_positions[:, 0]) if self.is_cross
                      else slot.write_index)
