@@ -334,3 +334,22 @@ def test_untied_head_goes_through_kernels_linear(monkeypatch, lm_head_bias):
     hidden = model.apply({"params": params}, tokens, return_hidden=True)
     want = np.asarray(hidden) @ np.asarray(head["kernel"]) + np.asarray(head.get("bias", 0.0))
     np.testing.assert_allclose(logits, want, rtol=1e-5, atol=1e-5)
+
+
+def test_logits_at_gives_each_rows_logits_at_its_index_only():
+    """logits_at (a prefill's last tokens) returns [batch, 1, vocab]: the full pass's logits at
+    each row's index, with and without a cache."""
+    from tfm.nn.cache import init_cache
+
+    config = tiny_lm()
+    model = DecoderLM(config)
+    tokens = jnp.asarray(np.random.default_rng(3).integers(1, 13, (3, 9)), jnp.int32)
+    params = init(model, tokens)
+    full = model.apply({"params": params}, tokens)
+    at = jnp.asarray([8, 0, 4])
+    picked = model.apply({"params": params}, tokens, logits_at=at)
+    assert picked.shape == (3, 1, full.shape[-1])
+    np.testing.assert_allclose(picked[:, 0], full[jnp.arange(3), at], atol=1e-6)
+    cached, _ = model.apply({"params": params}, tokens, cache=init_cache(config, 3, 9),
+                            logits_at=at)
+    np.testing.assert_allclose(cached[:, 0], full[jnp.arange(3), at], atol=2e-5)

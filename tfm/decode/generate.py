@@ -65,10 +65,12 @@ def _lm_generate_jit(params, prompts, prompt_lengths, rng, config, decode, eos_i
     batch, prompt_len = prompts.shape
     cache = init_cache(config, batch, prompt_len)  # the loop grows it (decode.cache_segments)
     kernel = output_kernel(params, config)  # one copy of a tied output, not one per step
-    logits, cache = model.apply({"params": params}, prompts, cache=cache, output_kernel=kernel)
+    # Only each prompt's last logits: no [batch, prompt_len, vocab] array.
+    logits, cache = model.apply({"params": params}, prompts, cache=cache, output_kernel=kernel,
+                                logits_at=prompt_lengths - 1)
     # Rows continue from their own prompt end; slots past it are overwritten as they decode.
     cache = cache.replace(lengths=prompt_lengths.astype(jnp.int32))
-    last = jnp.take_along_axis(logits, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
+    last = logits[:, 0]
 
     def tokens_to_logits(tokens, cache):
         return model.apply({"params": params}, tokens, cache=cache, output_kernel=kernel)

@@ -232,6 +232,7 @@ class Decoder(nn.Module):
         deterministic: bool = True,
         output_kernel: Array | None = None,  # [d_model, vocab], tied output only
         return_hidden: bool = False,  # the output projection's input instead of the logits
+        logits_at: Array | None = None,  # [batch] int: each row's logits at this index only
     ) -> tuple[Array, DecoderCache | None]:
         config = self.config
         if output_kernel is not None and not config.tie_output:
@@ -283,6 +284,8 @@ class Decoder(nn.Module):
             if cache is not None:
                 raise ValueError("return_hidden=True is for full passes (a loss), not cached calls")
             return x, None
+        if logits_at is not None:  # e.g. a prefill's last token: no [batch, len, vocab] logits
+            x = jnp.take_along_axis(x, jnp.asarray(logits_at)[:, None, None], axis=1)
         if config.tie_output:
             logits = self.embedding.attend(x, output_kernel)
         else:
@@ -322,6 +325,7 @@ class DecoderLM(nn.Module):
         deterministic: bool = True,
         output_kernel: Array | None = None,  # [d_model, vocab]: `output_kernel(params, config)`
         return_hidden: bool = False,  # [batch, len, d_model] instead: `output_projection`'s input
+        logits_at: Array | None = None,  # [batch] int: logits [batch, 1, vocab] at that index
     ) -> Array | tuple[Array, DecoderCache]:  # logits [batch, len, vocab] float32
         config = self.config
         embedding = TokenEmbedding(config, config.vocab_size, name="embed")
@@ -334,6 +338,7 @@ class DecoderLM(nn.Module):
             deterministic=deterministic,
             output_kernel=output_kernel,
             return_hidden=return_hidden,
+            logits_at=logits_at,
         )
         return logits if cache is None else (logits, new_cache)
 
