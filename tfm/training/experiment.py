@@ -252,8 +252,9 @@ def model_config_for(
     if sections.pretrained is not None:
         values = _pretrained_model_values(sections.pretrained, values, data)
     platform = mesh.devices.flat[0].platform
-    if sharding.context_size(mesh) > 1 and values["attention_backend"] == "auto":
-        values["attention_backend"] = "reference"  # each chunk's attention (context_parallel)
+    if sharding.context_size(mesh) > 1:  # each chunk's attention (context_parallel)
+        values["attention_backend"] = sharding.context_backend(
+            values["attention_backend"], platform, values["context_parallel"])
     values["loss_backend"] = _loss_backend(values["loss_backend"], platform, values["vocab_size"],
                                            mesh, sections.rules)
     return _model_for_platform(from_dict(values), platform)
