@@ -115,25 +115,33 @@ def test_the_flex_kernel_per_chunk_equals_the_reference_on_one_device(scheme, co
     _assert_close(*got, *want)
 
 
-def test_the_tpu_program_runs_the_kernel_per_chunk_and_holds_no_chunk_by_row_array():
-    """The train gradient lowered for TPU (no device needed) over an abstract v5e mesh with
-    context=4: with flex, each device's two query halves call the Pallas kernel (forward,
-    dq, dk/dv: 6 calls) and no [.., chunk, T] (nor [.., T, T]) array is left, where the
-    reference per chunk writes its [.., 128, 512] scores out."""
+# (platform lowered for, device kind and platform of the abstract mesh, the kernel's call)
+ACCELERATORS = {"tpu": ("tpu", "TPU v5 lite", "tpu", "tpu_custom_call"),
+                "gpu": ("cuda", "NVIDIA H100", "gpu", "__gpu$xla.gpu.triton")}
+
+
+@pytest.mark.parametrize("accelerator", ACCELERATORS)
+def test_the_accelerator_program_runs_the_kernel_per_chunk_and_holds_no_chunk_by_row_array(
+        accelerator):
+    """The train gradient lowered for TPU (Mosaic) or GPU (Triton) without a device over an
+    abstract mesh with context=4: with flex, each device's two query halves call the Pallas
+    kernel (forward, dq, dk/dv: 6 calls) and no [.., chunk, T] (nor [.., T, T]) array is
+    left, where the reference per chunk writes its [.., 128, 512] scores out."""
+    platform, kind, mesh_platform, kernel_call = ACCELERATORS[accelerator]
     length, context = 512, 4
     chunk_by_row = re.compile(rf"x{length // context}x{length}x|x{length}x{length}x")
     mesh = jax.sharding.AbstractMesh((1, 1, context, 1), sharding.MESH_AXES,
-                                     abstract_device=AbstractDevice("TPU v5 lite", None, "tpu"))
+                                     abstract_device=AbstractDevice(kind, None, mesh_platform))
 
     def lowered(backend):
         config = ModelConfig(**{**TINY_LM, "num_decoder_layers": 1},
                              position_scheme="t5_bias", attention_backend=backend)
         with jax.sharding.use_abstract_mesh(mesh), nn.logical_axis_rules(
                 sharding.DEFAULT_LOGICAL_RULES):
-            return lowered_lm_grad(config, length, "tpu")
+            return lowered_lm_grad(config, length, platform)
 
     flex_text = lowered("flex")
-    assert flex_text.count("tpu_custom_call") == 6
+    assert flex_text.count(kernel_call) == 6
     assert not chunk_by_row.search(flex_text)
     assert chunk_by_row.search(lowered("reference"))
 
