@@ -25,7 +25,7 @@ from tfm.nn.config import ModelConfig
 from tfm.nn.models import DecoderLM
 from tfm.parallel import sharding
 from tfm.training import train
-from tfm.training.experiment import setup
+from tfm.training.experiment import context_attention_backend, setup
 
 LENGTH = 16
 SEGMENTS = np.array([[1] * LENGTH, [1] * 5 + [2] * 7 + [3] * 2 + [0] * 2], np.int32)
@@ -195,6 +195,17 @@ def test_setup_refuses_context_parallelism_it_cannot_run(tmp_path):
     with pytest.raises(ConfigError, match=r"^model.position_scheme='relative' with "
                                           r"mesh.context=8: Shaw's bias comes from the query"):
         setup(config, tmp_path / "workdir")
+
+
+def test_auto_means_flex_per_chunk_on_tpu_under_all_gather_else_the_reference():
+    config = lambda **fields: ModelConfig(**{**TINY_LM, "num_decoder_layers": 1},  # noqa: E731
+                                          position_scheme="t5_bias", **fields)
+    assert context_attention_backend(config(), "tpu") == "flex"
+    assert context_attention_backend(config(context_parallel="ring"), "tpu") == "reference"
+    assert context_attention_backend(config(), "cpu") == "reference"
+    assert context_attention_backend(config(), "gpu") == "reference"
+    # flex has no attention dropout (setup then refuses it under context parallelism)
+    assert context_attention_backend(config(attention_dropout_rate=0.1), "tpu") == "reference"
 
 
 def test_rows_load_balancing_cannot_cut_run_whole_with_the_same_logits():

@@ -430,11 +430,3 @@ def test_context_parallelism_accepts_every_position_bias_and_refuses_encoders():
     with pytest.raises(ConfigError, match=r"model.context_parallel='ulysses' is unknown"):
         with field_prefix("model"):
             _decoder(context_parallel="ulysses")
-
-
-def test_auto_under_context_parallelism_is_flex_on_tpu_all_gather_else_the_reference():
-    assert sharding.context_backend("auto", "tpu", "all_gather") == "flex"
-    assert sharding.context_backend("auto", "tpu", "ring") == "reference"
-    assert sharding.context_backend("auto", "cpu", "all_gather") == "reference"
-    assert sharding.context_backend("auto", "gpu", "all_gather") == "reference"
-    assert sharding.context_backend("flex", "cpu", "all_gather") == "flex"

@@ -409,8 +409,8 @@ def context_size(mesh: Mesh | Mapping[str, int]) -> int:
 def context_refusal(model_config: Any, context: int, seq_len: int) -> str | None:
     """Why context parallelism over `context` devices cannot run this model yet (one line
     naming the fields), or None. `model_config`: a tfm ModelConfig, its attention backend
-    resolved (`context_backend`). Each chunk runs the reference maths, or the flex kernel
-    under all_gather."""
+    resolved (tfm.training.experiment.context_attention_backend). Each chunk runs the
+    reference maths, or the flex kernel under all_gather."""
     given = f"with mesh.context={context}"
     if model_config.num_encoder_layers:
         return (f"model.num_encoder_layers={model_config.num_encoder_layers} {given}: "
@@ -434,15 +434,6 @@ def context_refusal(model_config: Any, context: int, seq_len: int) -> str | None
         return (f"data.seq_len={seq_len} {given}: causal load balancing cuts every row into "
                 f"2 x mesh.context = {2 * context} equal chunks; use a multiple of {2 * context}")
     return None
-
-
-def context_backend(asked: str, platform: str, strategy: str) -> str:
-    """What attention_backend `asked` means under context parallelism on `platform`: "auto"
-    is the flex kernel per chunk on TPU under all_gather (its lowered program checked there),
-    else the reference maths; a name stays."""
-    if asked != "auto":
-        return asked
-    return "flex" if platform == "tpu" and strategy == "all_gather" else "reference"
 
 
 def check_context(model_config: Any, mesh: Mesh | Mapping[str, int], seq_len: int) -> None:
