@@ -35,7 +35,7 @@ def _config(data_dir, context, num_steps):
     config.train.update(num_steps=num_steps, log_every=1, eval_every=NUM_STEPS,
                         checkpoint_every=EVERY, max_to_keep=None, keep_best_metric=None,
                         progress_bar=False)
-    config.eval.update(splits=("validation",), max_generation_examples=2)
+    config.eval.update(splits=("validation",), generation_metric="none")  # loss only
     config.mesh.update({"data": -1, "context": context})  # data=2 x context=4, or data=8
     return config
 
