@@ -163,9 +163,11 @@ def test_context_attention_equals_naive_attention(case, size, strategy):
 
 
 # The flex kernel per device under all_gather (Pallas interpret mode here): a load-balanced
-# chunk's halves as two calls, each with its query offset, or one call per plain chunk.
+# chunk's halves as two calls, each with its query offset, or one call per plain chunk; the
+# window reaches ahead of the offset queries too when the mask is not causal.
 @pytest.mark.parametrize("case, size", [("causal-balanced-t5", 4), ("causal-window-alibi", 2),
-                                        ("causal-window-balanced-alibi", 8)])
+                                        ("causal-window-balanced-alibi", 8),
+                                        ("bidirectional-window-balanced", 8)])
 def test_all_gather_on_the_flex_kernel_equals_naive_attention(case, size):
     causal, window, balanced, kind, _ = CASES[case]
     run = _context_run(size, "all_gather", balanced, kind, causal, window, kernel="flex")
