@@ -82,9 +82,9 @@ def _block_bias(kind, table, causal, token_positions):
     return None
 
 
-def _context_run(size, strategy, balanced, kind, causal, window):
+def _context_run(size, strategy, balanced, kind, causal, window, kernel="reference"):
     """loss(query, key, value, table) -> out [B, T, N, H] in the original order, computed by
-    context.context_attention over `size` devices."""
+    context.context_attention over `size` devices, each chunk by `kernel`."""
     mesh = jax.make_mesh((size,), (context.AXIS,), devices=jax.devices()[:size],
                          axis_types=(AxisType.Auto,))
     order = functools.partial(context.load_balance, num_shards=size)
@@ -92,12 +92,13 @@ def _context_run(size, strategy, balanced, kind, causal, window):
         order = lambda x: x
     index, segments, token_positions = (jnp.asarray(order(x)) for x in
                                         (INDEX, SEGMENTS, POSITIONS))
-    mask = context.SequenceMask(index, index, segments, segments, causal, window)
+    mask = context.SequenceMask(index, index, segments, segments, causal, window,
+                                layout="balanced" if balanced else "original")
 
     def run(query, key, value, table):
         bias = _block_bias(kind, table, causal, token_positions)
         out = context.context_attention(order(query), order(key), order(value), mask, bias,
-                                        mesh=mesh, strategy=strategy)
+                                        mesh=mesh, strategy=strategy, kernel=kernel)
         return context.restore_order(out, size) if balanced else out
 
     return run
@@ -141,11 +142,8 @@ def _naive_values_and_grads(case):
     return jax.jit(functools.partial(_values_and_grads, naive))(*_inputs())
 
 
-@pytest.mark.parametrize("strategy", context.STRATEGIES)
-@pytest.mark.parametrize("case, size", RUNS)
-def test_context_attention_equals_naive_attention(case, size, strategy):
-    causal, window, balanced, kind, _ = CASES[case]
-    run = _context_run(size, strategy, balanced, kind, causal, window)
+def _assert_equals_naive(run, case):
+    """run's output and gradients equal the naive attention's of `case` (float32, 1e-5)."""
     got, got_grads = jax.jit(functools.partial(_values_and_grads, run))(*_inputs())
     want, want_grads = _naive_values_and_grads(case)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
@@ -154,6 +152,26 @@ def test_context_attention_equals_naive_attention(case, size, strategy):
         scale = float(jnp.max(jnp.abs(want_grad))) or 1.0
         np.testing.assert_allclose(got_grad / scale, want_grad / scale, rtol=1e-5, atol=1e-5,
                                    err_msg=name)
+
+
+@pytest.mark.parametrize("strategy", context.STRATEGIES)
+@pytest.mark.parametrize("case, size", RUNS)
+def test_context_attention_equals_naive_attention(case, size, strategy):
+    causal, window, balanced, kind, _ = CASES[case]
+    run = _context_run(size, strategy, balanced, kind, causal, window)
+    _assert_equals_naive(run, case)
+
+
+# The flex kernel per device under all_gather (Pallas interpret mode here): a load-balanced
+# chunk's halves as two calls, each with its query offset, or one call per plain chunk; the
+# window reaches ahead of the offset queries too when the mask is not causal.
+@pytest.mark.parametrize("case, size", [("causal-balanced-t5", 4), ("causal-window-alibi", 2),
+                                        ("causal-window-balanced-alibi", 8),
+                                        ("bidirectional-window-balanced", 8)])
+def test_all_gather_on_the_flex_kernel_equals_naive_attention(case, size):
+    causal, window, balanced, kind, _ = CASES[case]
+    run = _context_run(size, "all_gather", balanced, kind, causal, window, kernel="flex")
+    _assert_equals_naive(run, case)
 
 
 def test_load_balance_gives_device_i_chunks_i_and_its_mirror():

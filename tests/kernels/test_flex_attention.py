@@ -1,8 +1,9 @@
 """Flex attention (tfm.kernels.flex_attention: the position bias and the mask computed per block
 in a Pallas kernel) against the reference maths, run here in Pallas interpret mode: values and
 every gradient (q, k, v, the T5 table, learned ALiBi slopes) with packing, padding, GQA,
-windows, decoder-only and cross-attention, float32 and bfloat16; whole models, cached decoding,
-a scheme added with only a block bias function, a mesh, and the TPU program it lowers to."""
+windows, decoder-only and cross-attention, float32 and bfloat16; a per-row query offset;
+whole models, cached decoding, a scheme added with only a block bias function, a mesh, and the
+TPU program it lowers to."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from tiny_model import TINY
 
 from tfm import kernels
 from tfm.kernels.call import AttentionStructure, BlockBias
-from tfm.nn import models
+from tfm.nn import attention, models
 from tfm.nn import positions as P
 from tfm.nn.config import ModelConfig
 
@@ -130,6 +131,48 @@ def test_fixed_bias_parameters_get_no_gradient_and_a_query_without_keys_reads_no
     assert float(jnp.abs(query_grad[:, 100:]).max()) == 0.0
     assert float(jnp.abs(query_grad[:, :100]).max()) > 0
     assert float(jnp.abs(slopes_grad[0]).max()) == 0.0
+
+
+def test_a_query_offset_places_each_rows_queries_among_the_keys():
+    """attend_local with a per-row query offset (context parallelism's contiguous runs of
+    queries): query i of row b is key index i + offset[b] (200 and 0) for the causal mask and
+    a window of 150, 384 queries against 640 keys in 128-blocks, so the key blocks before and
+    after each query block's reach, and the query blocks before and after each key block's,
+    are skipped by the offset index; values and the gradients of q, k, v and learned ALiBi
+    slopes equal the reference on the mask of those indices."""
+    rng = np.random.default_rng(3)
+    q_len, kv_len, heads, window, batch = 384, 640, 2, 150, 2
+    offsets = jnp.asarray([200, 0], jnp.int32)
+    query, key, value = random_inputs(rng, q_len, kv_len, heads, 1, "float32", batch)
+    query_positions = offsets[:, None] + jnp.arange(q_len, dtype=jnp.int32)
+    key_positions = jnp.broadcast_to(jnp.arange(kv_len, dtype=jnp.int32), (batch, kv_len))
+    function, params = _bias("alibi", heads, True, rng)
+    mask = attention.combine_masks(  # from the indices, with the reference's mask functions
+        attention.causal_mask(query_positions, key_positions),
+        attention.local_window_mask(query_positions, key_positions, window))
+    probe = jnp.asarray(rng.normal(size=query.shape), jnp.float32)
+    segments = (jnp.zeros((batch, q_len), jnp.int32), jnp.zeros((batch, kv_len), jnp.int32))
+
+    def loss(use_flex, query, key, value, params):
+        if use_flex:
+            out = kernels.flex_attention.attend_local(
+                query, key, value, (query_positions, key_positions, *segments), params,
+                causal=True, window=window, scale=16**-0.5, function=function, learned=True,
+                compiler="interpret", query_offset=offsets)
+        else:
+            bias = P.dense_from_blocks(function, params, query_positions, key_positions)
+            out = kernels.attention(query, key, value, backend="reference", bias=bias,
+                                    mask=mask)
+        return jnp.sum(out * probe), out
+
+    grad = jax.jit(jax.value_and_grad(loss, (1, 2, 3, 4), has_aux=True), static_argnums=0)
+    (_, want), want_grads = grad(False, query, key, value, params)
+    (_, got), got_grads = grad(True, query, key, value, params)
+    np.testing.assert_allclose(got, want, atol=2e-5)
+    for name, g, w in zip(["q", "k", "v", "slopes"], jax.tree.leaves(got_grads),
+                          jax.tree.leaves(want_grads), strict=True):
+        scale = float(jnp.abs(w).max())
+        np.testing.assert_allclose(g / scale, w / scale, atol=2e-5, err_msg=name)
 
 
 def _model_config(backend: str, **changes) -> ModelConfig:

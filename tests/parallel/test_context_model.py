@@ -8,12 +8,15 @@ packed rows under fsdp=2 x context=4; setup's refusal of what context parallelis
 
 import functools
 import math
+import re
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from attention_cases import lowered_lm_grad
+from jax._src.mesh import AbstractDevice  # no public constructor: a device kind without chips
 from tiny_model import TINY_LM
 
 from configs import synthetic_lm
@@ -22,7 +25,7 @@ from tfm.nn.config import ModelConfig
 from tfm.nn.models import DecoderLM
 from tfm.parallel import sharding
 from tfm.training import train
-from tfm.training.experiment import setup
+from tfm.training.experiment import context_attention_backend, setup
 
 LENGTH = 16
 SEGMENTS = np.array([[1] * LENGTH, [1] * 5 + [2] * 7 + [3] * 2 + [0] * 2], np.int32)
@@ -82,14 +85,65 @@ def test_context_parallel_loss_and_gradients_equal_one_device(scheme, strategy, 
     params = nn.meta.unbox(DecoderLM(config).init(jax.random.key(0), batch["inputs"])["params"])
     want_loss, want_grads = _loss_and_grads(config, None, batch, params)
     got_loss, got_grads = _loss_and_grads(config, mesh_sizes, batch, params)
+    _assert_close(got_loss, got_grads, want_loss, want_grads)
+
+
+def _assert_close(got_loss, got_grads, want_loss, want_grads):
+    """Losses equal to 1e-5 relative, and every gradient relative to the largest gradient:
+    some are zero but for rounding (a key bias shifts every logit of a query alike, which the
+    softmax ignores)."""
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
-    # Relative to the largest gradient: some are zero but for rounding (a key bias shifts
-    # every logit of a query alike, which the softmax ignores).
     scale = max(float(jnp.max(jnp.abs(leaf))) for leaf in jax.tree.leaves(want_grads))
     for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(got_grads),
                                  jax.tree.leaves(want_grads), strict=True):
         np.testing.assert_allclose(got / scale, want / scale, rtol=1e-5, atol=1e-5,
                                    err_msg=jax.tree_util.keystr(path))
+
+
+# The flex kernel per chunk (all_gather; Pallas interpret mode on CPU) against the reference
+# on one device: the packed row's documents cross the chunk boundaries at both sizes.
+@pytest.mark.parametrize("scheme, context, window", [
+    ("rope", 4, None), ("alibi", 2, 3), ("t5_bias", 4, 5)])
+def test_the_flex_kernel_per_chunk_equals_the_reference_on_one_device(scheme, context, window):
+    config = ModelConfig(**{**TINY_LM, "num_decoder_layers": 1}, position_scheme=scheme,
+                         local_window=window, attention_backend="reference")
+    batch = {key: jnp.asarray(value) for key, value in _batch().items()}
+    params = nn.meta.unbox(DecoderLM(config).init(jax.random.key(0), batch["inputs"])["params"])
+    want = _loss_and_grads(config, None, batch, params)
+    flex = config.replace(attention_backend="flex")
+    got = _loss_and_grads(flex, {"context": context}, batch, params)
+    _assert_close(*got, *want)
+
+
+# (platform lowered for, device kind and platform of the abstract mesh, the kernel's call)
+ACCELERATORS = {"tpu": ("tpu", "TPU v5 lite", "tpu", "tpu_custom_call"),
+                "gpu": ("cuda", "NVIDIA H100", "gpu", "__gpu$xla.gpu.triton")}
+
+
+@pytest.mark.parametrize("accelerator", ACCELERATORS)
+def test_the_accelerator_program_runs_the_kernel_per_chunk_and_holds_no_chunk_by_row_array(
+        accelerator):
+    """The train gradient lowered for TPU (Mosaic) or GPU (Triton) without a device over an
+    abstract mesh with context=4: with flex, each device's two query halves call the Pallas
+    kernel (forward, dq, dk/dv: 6 calls) and no [.., chunk, T] (nor [.., T, T]) array is
+    left, where the reference per chunk writes its [.., 128, 512] scores out."""
+    platform, kind, mesh_platform, kernel_call = ACCELERATORS[accelerator]
+    length, context = 512, 4
+    chunk_by_row = re.compile(rf"x{length // context}x{length}x|x{length}x{length}x")
+    mesh = jax.sharding.AbstractMesh((1, 1, context, 1), sharding.MESH_AXES,
+                                     abstract_device=AbstractDevice(kind, None, mesh_platform))
+
+    def lowered(backend):
+        config = ModelConfig(**{**TINY_LM, "num_decoder_layers": 1},
+                             position_scheme="t5_bias", attention_backend=backend)
+        with jax.sharding.use_abstract_mesh(mesh), nn.logical_axis_rules(
+                sharding.DEFAULT_LOGICAL_RULES):
+            return lowered_lm_grad(config, length, platform)
+
+    flex_text = lowered("flex")
+    assert flex_text.count(kernel_call) == 6
+    assert not chunk_by_row.search(flex_text)
+    assert chunk_by_row.search(lowered("reference"))
 
 
 def _lm_experiment(data_dir, mesh, devices):
@@ -129,12 +183,7 @@ def test_train_step_under_context_parallelism_equals_one_device(tmp_path):
     params = nn.meta.unbox(one.family.init(one.model, jax.random.key(0), host_batch))
     want_grads, want_sums = _step_grads(one, params, host_batch)
     got_grads, got_sums = _step_grads(split, params, host_batch)
-    np.testing.assert_allclose(got_sums["loss_sum"], want_sums["loss_sum"], rtol=1e-5)
-    scale = max(float(jnp.max(jnp.abs(leaf))) for leaf in jax.tree.leaves(want_grads))
-    for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(got_grads),
-                                 jax.tree.leaves(want_grads), strict=True):
-        np.testing.assert_allclose(got / scale, want / scale, rtol=1e-5, atol=1e-5,
-                                   err_msg=jax.tree_util.keystr(path))
+    _assert_close(got_sums["loss_sum"], got_grads, want_sums["loss_sum"], want_grads)
 
 
 def test_setup_refuses_context_parallelism_it_cannot_run(tmp_path):
@@ -146,6 +195,17 @@ def test_setup_refuses_context_parallelism_it_cannot_run(tmp_path):
     with pytest.raises(ConfigError, match=r"^model.position_scheme='relative' with "
                                           r"mesh.context=8: Shaw's bias comes from the query"):
         setup(config, tmp_path / "workdir")
+
+
+def test_auto_means_flex_per_chunk_on_tpu_under_all_gather_else_the_reference():
+    config = lambda **fields: ModelConfig(**{**TINY_LM, "num_decoder_layers": 1},  # noqa: E731
+                                          position_scheme="t5_bias", **fields)
+    assert context_attention_backend(config(), "tpu") == "flex"
+    assert context_attention_backend(config(context_parallel="ring"), "tpu") == "reference"
+    assert context_attention_backend(config(), "cpu") == "reference"
+    assert context_attention_backend(config(), "gpu") == "reference"
+    # flex has no attention dropout (setup then refuses it under context parallelism)
+    assert context_attention_backend(config(attention_dropout_rate=0.1), "tpu") == "reference"
 
 
 def test_rows_load_balancing_cannot_cut_run_whole_with_the_same_logits():

@@ -400,7 +400,11 @@ def _decoder(**fields):
         ({"position_scheme": "relative"}, 16,
          r"model.position_scheme='relative' with mesh.context=4: Shaw's bias"),
         ({"attention_backend": "cpu"}, 16,
-         r"model.attention_backend='cpu' with mesh.context=4: .* use 'auto' or 'reference'"),
+         r"model.attention_backend='cpu' with mesh.context=4: .* use 'auto', 'reference' or "
+         r"'flex'"),
+        ({"attention_backend": "flex", "context_parallel": "ring"}, 16,
+         r"model.attention_backend='flex' with model.context_parallel='ring' with "
+         r"mesh.context=4: .* use context_parallel='all_gather'"),
         ({"attention_dropout_rate": 0.1}, 16,
          r"model.attention_dropout_rate=0.1 with mesh.context=4: .* set it to 0"),
         ({}, 12, r"data.seq_len=12 with mesh.context=4: .* use a multiple of 8"),
@@ -417,6 +421,8 @@ def test_context_parallelism_accepts_every_position_bias_and_refuses_encoders():
     sizes = {"data": 1, "fsdp": 1, "context": 8, "tensor": 1}
     for scheme in ("rope", "alibi", "t5_bias", "learned", "kerple_log", "fire"):
         sharding.check_context(_decoder(position_scheme=scheme, local_window=4), sizes, 64)
+        sharding.check_context(_decoder(position_scheme=scheme, attention_backend="flex"),
+                               sizes, 64)
     seq2seq = ModelConfig(vocab_size=32, num_encoder_layers=1, num_decoder_layers=1, d_model=16,
                           num_heads=2, d_ff=32)
     with pytest.raises(ConfigError, match=r"model.num_encoder_layers=1 with mesh.context=8"):

@@ -31,6 +31,7 @@ import ml_collections
 import numpy as np
 import pytest
 from compile_cache import persistent_compilation_cache
+from run_records import assert_trees_equal, saved_state, train_losses
 
 from configs import char_lm, context_extension, synthetic_lm, synthetic_seq2seq, translate
 from tfm.checks import ConfigError
@@ -121,22 +122,6 @@ def seq2seq_config(data_dir, **train_overrides) -> ml_collections.ConfigDict:
     config.eval.update(splits=("validation",), max_generation_examples=8)
     config.train.update(**train_overrides)
     return config
-
-
-def train_losses(workdir) -> dict[int, float]:
-    return {r["step"]: r["train_loss"] for r in metrics.read_metrics(workdir) if "train_loss" in r}
-
-
-def saved_state(workdir, step: int):
-    """The state saved at `step`, as numpy arrays (restored as written, no config check)."""
-    with checkpoint.Checkpointer(workdir / "checkpoints", async_save=False) as checkpointer:
-        return jax.tree.map(np.asarray, checkpointer.restore(step))
-
-
-def assert_trees_equal(a, b) -> None:
-    assert jax.tree.structure(a) == jax.tree.structure(b)
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_array_equal(x, y)
 
 
 def assert_loss_falls(losses: list[float], factor: float) -> None:

@@ -13,8 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import jax
-import numpy as np
+from run_records import assert_trees_equal, saved_state
 
 from tfm.training import checkpoint, metrics
 
@@ -82,11 +81,6 @@ def train_process(workdir: Path, data_dir: Path, cache_dir: Path, kill: dict | N
     return result.returncode
 
 
-def saved_state(workdir: Path, step: int):
-    with checkpoint.Checkpointer(workdir / "checkpoints", async_save=False) as checkpointer:
-        return jax.tree.map(np.asarray, checkpointer.restore(step))
-
-
 def test_random_sigkills_inside_steps_and_saves_end_in_the_uninterrupted_state(tmp_path):
     data_dir, cache_dir = tmp_path / "data", tmp_path / "jax_cache"
     reference = tmp_path / "reference"
@@ -112,10 +106,7 @@ def test_random_sigkills_inside_steps_and_saves_end_in_the_uninterrupted_state(t
 
     with checkpoint.Checkpointer(workdir / "checkpoints") as checkpointer:
         assert checkpointer.latest_step() == NUM_STEPS
-    got, want = saved_state(workdir, NUM_STEPS), saved_state(reference, NUM_STEPS)
-    assert jax.tree.structure(got) == jax.tree.structure(want)
-    for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_array_equal(x, y)
+    assert_trees_equal(saved_state(workdir, NUM_STEPS), saved_state(reference, NUM_STEPS))
     # metrics.jsonl: every step once (replayed steps are not recorded twice), same numbers.
     records, expected = metrics.read_metrics(workdir), metrics.read_metrics(reference)
     strip = lambda rs: [{k: v for k, v in r.items() if not k.endswith(("_per_second", "mfu"))}

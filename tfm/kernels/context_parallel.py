@@ -7,8 +7,13 @@ position bias is built from those, never from a chunk's local indices: a load-ba
 inside `jax.shard_map` (`attention_shard`; `context_attention` wraps the shard_map):
 
   all_gather  keys and values (and their indices, segments, positions) are gathered over the
-              axis, then the reference maths (tfm.kernels.reference) runs on the local
-              queries against the whole row (MaxText's default).
+              axis, then the local queries attend the whole row (MaxText's default) by
+              `kernel` (KERNELS): the reference maths (tfm.kernels.reference, dense [chunk, T]
+              scores) on any layout, or the flex kernel (tfm.kernels.flex_attention: the mask
+              and the position bias per block) on rows in a known order (SequenceMask.layout):
+              the gathered keys are put back in their original order and each contiguous run
+              of local queries (a load-balanced chunk's two halves) is one kernel call whose
+              causal mask and window start at the run's first original index.
   ring        keys and values rotate around the axis by `ppermute`, one step per device, with
               an online softmax (running max, sum and output in float32); the backward pass
               recomputes each block and rotates dK/dV home (Liu et al. 2023, Ring Attention,
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 
 import flax.linen as nn
 import jax
@@ -41,10 +47,12 @@ from tfm.kernels.call import BlockBias
 
 AXIS = "context"  # the mesh axis the sequence is split over
 STRATEGIES = ("all_gather", "ring")
+KERNELS = ("reference", "flex")  # what computes a device's queries against gathered keys
+LAYOUTS = ("original", "balanced")  # orders of the rows a fused kernel can run on
 MeshAxes = str | tuple[str, ...] | None
 
 
-@functools.partial(jax.tree_util.register_dataclass, meta_fields=("causal", "window"),
+@functools.partial(jax.tree_util.register_dataclass, meta_fields=("causal", "window", "layout"),
                    data_fields=("query_index", "key_index", "query_segments", "key_segments"))
 @dataclasses.dataclass(frozen=True)
 class SequenceMask:
@@ -54,7 +62,10 @@ class SequenceMask:
     and key_index <= query_index when causal, and |query_index - key_index| <= window when
     window is set. Indices are each token's place in the original (unsplit, unpermuted) row.
     Padding is a segment of its own (id 0 by tfm's convention): its keys are seen by no real
-    query. A query that sees no key gets a zero output, as in the reference.
+    query. A query that sees no key gets a zero output, as in the reference. layout: how the
+    rows are ordered over the axis, when known (LAYOUTS): "original" (device i holds the i-th
+    chunk) or "balanced" (`load_balance`'s order); None: any permutation, which only the
+    reference maths reads.
 
     query_index: [batch, q_len] int32; key_index: [batch, kv_len] int32; query_segments:
     [batch, q_len] int32 | None; key_segments: [batch, kv_len] int32 | None (both or neither).
@@ -67,6 +78,7 @@ class SequenceMask:
     key_segments: jax.Array | None = None
     causal: bool = False
     window: int | None = None
+    layout: str | None = None
 
 
 def block_mask(
@@ -113,15 +125,72 @@ def gathered_attention(
     *,
     scale: float | None = None,
     axis_name: str = AXIS,
+    kernel: str = "reference",
+    compiler: str | None = None,
 ) -> jax.Array:  # [batch, chunk, num_heads, head_dim]
     """The all_gather strategy, per device under shard_map: the whole row's keys and values
-    (and their indices, segments, positions) gathered over `axis_name`, then the reference."""
+    (and their indices, segments, positions) gathered over `axis_name`, then `kernel`
+    (KERNELS; flex: `fused_gathered_attention`, compiled by `compiler`)."""
+    if kernel == "flex":
+        return fused_gathered_attention(query, key, value, mask, bias, scale=scale,
+                                        axis_name=axis_name, compiler=compiler)
     gather = functools.partial(jax.lax.all_gather, axis_name=axis_name, axis=1, tiled=True)
     key_segments = None if mask.key_segments is None else gather(mask.key_segments)
     dense_mask = block_mask(mask, gather(mask.key_index), key_segments)
     dense_bias = None if bias is None else block_bias(bias, gather(bias.key_positions))
     return reference.dot_product_attention(query, gather(key), gather(value), bias=dense_bias,
                                            mask=dense_mask, scale=scale)
+
+
+def fused_gathered_attention(
+    query: jax.Array,  # [batch, chunk, num_heads, head_dim], this device's queries
+    key: jax.Array,  # [batch, chunk, num_kv_heads, head_dim], this device's keys
+    value: jax.Array,  # like key
+    mask: SequenceMask,  # this device's chunks; layout "original" or "balanced"
+    bias: BlockBias | None = None,  # positions: this device's chunks
+    *,
+    scale: float | None = None,
+    axis_name: str = AXIS,
+    compiler: str | None = None,
+) -> jax.Array:  # [batch, chunk, num_heads, head_dim]
+    """The all_gather strategy on the flex kernel: keys, values, their segments and positions
+    gathered and put back in the row's original order (a static permutation), so a key's
+    index is its place; then one kernel call per contiguous run of local queries (the chunk,
+    or a load-balanced chunk's two halves), with the run's first original index as the causal
+    mask's and the window's query offset. No [chunk, T] array: the mask and the bias are made
+    per block. compiler: one of per_device.COMPILERS, None: chosen at lowering."""
+    if mask.layout not in LAYOUTS:
+        raise ValueError(f"the flex kernel under context parallelism needs rows in a known "
+                         f"order: SequenceMask.layout={mask.layout!r}; choose one of: "
+                         f"{', '.join(LAYOUTS)}")
+    flex = importlib.import_module("tfm.kernels.flex_attention")  # Pallas: on first use
+    size = jax.lax.axis_size(axis_name)
+    balanced = mask.layout == "balanced"
+
+    def gather(x: jax.Array) -> jax.Array:  # [batch, chunk, ...] -> [batch, T, ...], in order
+        whole = jax.lax.all_gather(x, axis_name, axis=1, tiled=True)
+        return restore_order(whole, size) if balanced else whole
+
+    batch, chunk = query.shape[:2]
+    zeros = lambda length: jnp.zeros((batch, length), jnp.int32)  # noqa: E731
+    query_segments, key_segments = ((zeros(chunk), zeros(chunk * size))
+                                    if mask.query_segments is None else
+                                    (mask.query_segments, gather(mask.key_segments)))
+    query_positions, key_positions = ((zeros(chunk), zeros(chunk * size)) if bias is None
+                                      else (bias.query_positions, gather(bias.key_positions)))
+    local = functools.partial(
+        flex.attend_local, causal=mask.causal, window=mask.window,
+        scale=reference.default_scale(query.shape[-1]) if scale is None else float(scale),
+        function=None if bias is None else bias.function,
+        learned=bias is not None and bias.learned, compiler=compiler)
+    keys, values = gather(key), gather(value)
+    outs = []
+    for run in _halves(chunk) if balanced else [slice(0, chunk)]:
+        rows = (query_positions[:, run], key_positions, query_segments[:, run], key_segments)
+        outs.append(local(query[:, run], keys, values, rows,
+                          None if bias is None else bias.params,
+                          query_offset=mask.query_index[:, run.start]))
+    return jnp.concatenate(outs, axis=1)
 
 
 # ------------------------------------------------------------------------------ ring
@@ -400,13 +469,21 @@ def attention_shard(
     strategy: str = "all_gather",
     scale: float | None = None,
     axis_name: str = AXIS,
+    kernel: str = "reference",
+    compiler: str | None = None,
 ) -> jax.Array:  # [batch, chunk, num_heads, head_dim]
-    """Context-parallel attention on one device's chunk, by `strategy` (STRATEGIES); call it
-    inside jax.shard_map over `axis_name`. Same values as the reference on the whole row."""
+    """Context-parallel attention on one device's chunk, by `strategy` (STRATEGIES) and, for
+    all_gather, `kernel` (KERNELS; the ring runs its own blocks); call it inside
+    jax.shard_map over `axis_name`. Same values as the reference on the whole row."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel={kernel!r} is unknown; choose one of: {', '.join(KERNELS)}")
     if strategy == "all_gather":
         return gathered_attention(query, key, value, mask, bias, scale=scale,
-                                  axis_name=axis_name)
+                                  axis_name=axis_name, kernel=kernel, compiler=compiler)
     if strategy == "ring":
+        if kernel != "reference":
+            raise ValueError(f"context_parallel='ring' runs its own blocks, not kernel="
+                             f"{kernel!r}; use all_gather")
         return ring_attention(query, key, value, mask, bias, scale=scale, axis_name=axis_name)
     raise ValueError(f"context_parallel={strategy!r} is unknown; choose one of: "
                      f"{', '.join(STRATEGIES)}")
@@ -425,10 +502,16 @@ def context_attention(
     batch_axes: MeshAxes = None,
     head_axes: MeshAxes = None,
     axis_name: str = AXIS,
+    kernel: str = "reference",
 ) -> jax.Array:  # [batch, length, num_heads, head_dim]
     """`attention_shard` under jax.shard_map: the length split over `axis_name`, the batch over
     `batch_axes` and the heads (and the bias parameters' head rows) over `head_axes`. `mesh`
-    defaults to the one set by jax.set_mesh."""
+    defaults to the one set by jax.set_mesh; a Pallas `kernel` compiles for its devices'
+    platform (chosen at lowering when the mesh names none)."""
+    abstract = (jax.sharding.get_abstract_mesh() if mesh is None else mesh).abstract_mesh
+    device = abstract.abstract_device
+    compiler = None if device is None else per_device.COMPILER_OF_PLATFORM.get(
+        device.platform, "interpret")
     row_spec = P(batch_axes, axis_name)
     tensor_spec = P(batch_axes, axis_name, head_axes, None)
     mask_specs = jax.tree.map(lambda _: row_spec, mask)
@@ -436,7 +519,7 @@ def context_attention(
         bias, params=jax.tree.map(lambda _: P(head_axes, None), bias.params),
         query_positions=row_spec, key_positions=row_spec)
     run = functools.partial(attention_shard, strategy=strategy, scale=scale,
-                            axis_name=axis_name)
+                            axis_name=axis_name, kernel=kernel, compiler=compiler)
     return jax.shard_map(
         run, mesh=mesh, check_vma=False,
         in_specs=(tensor_spec, tensor_spec, tensor_spec, mask_specs, bias_specs),
@@ -462,6 +545,7 @@ def attention_by_rules(
     *,
     strategy: str = "all_gather",
     scale: float | None = None,
+    kernel: str = "reference",
 ) -> jax.Array:  # [batch, length, num_heads, head_dim]
     """`context_attention` over the mesh set around tracing, the batch and heads split as the
     active logical axis rules (flax's nn.logical_axis_rules) say, where they divide."""
@@ -472,7 +556,7 @@ def attention_by_rules(
                                     mesh)[0]
     return context_attention(query, key, value, mask, bias, mesh=mesh, strategy=strategy,
                              scale=scale, batch_axes=batch,
-                             head_axes=heads if heads == kv_heads else None)
+                             head_axes=heads if heads == kv_heads else None, kernel=kernel)
 
 
 # ------------------------------------------------------------------------ causal load balance

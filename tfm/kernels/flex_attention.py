@@ -85,7 +85,7 @@ def attention(
     rows = (*(ids.astype(jnp.int32) for ids in positions),
             query_segments.astype(jnp.int32), key_segments.astype(jnp.int32))
     local = functools.partial(
-        _attend_local, causal=structure.causal, window=structure.window, scale=scale,
+        attend_local, causal=structure.causal, window=structure.window, scale=scale,
         function=None if bias is None else bias.function,
         learned=bias is not None and bias.learned,
     )
@@ -123,6 +123,13 @@ class _Spec:
     params_tree: Any  # treedef of the bias parameters
     precision: jax.lax.Precision
     compiler: str  # one of per_device.COMPILERS
+    offset: bool = False  # whether a per-row query offset ([batch] int32) is passed
+
+    def first_query(self, offset_refs: list, q_block: Any) -> Any:
+        """The index, among the keys, of query block `q_block`'s first query: its place in
+        the queries, shifted by the row's query offset when there is one."""
+        first = q_block * self.block_q
+        return first + offset_refs[0][pl.program_id(0)] if offset_refs else first
 
     @property
     def reach(self) -> tuple[int | None, int | None]:
@@ -130,22 +137,23 @@ class _Spec:
         ahead = 0 if self.causal else self.window
         return self.window, ahead
 
-    def key_blocks(self, q_block: Any) -> tuple[Any, Any]:
-        """[first, end) key blocks query block `q_block` can see."""
+    def key_blocks(self, first_row: Any) -> tuple[Any, Any]:
+        """[first, end) key blocks a query block whose first query has index `first_row`
+        among the keys (`first_query`) can see."""
         back, ahead = self.reach
         real_blocks = -(-self.kv_len // self.block_k)
-        first_row = q_block * self.block_q
         first = 0 if back is None else _divide(_maximum(first_row - back, 0), self.block_k)
         if ahead is None:
             return first, real_blocks
         last_key = first_row + self.block_q - 1 + ahead
         return first, _minimum(_divide(last_key, self.block_k) + 1, real_blocks)
 
-    def query_blocks(self, k_block: Any) -> tuple[Any, Any]:
-        """[first, end) query blocks that can see key block `k_block`."""
+    def query_blocks(self, k_block: Any, offset: Any = 0) -> tuple[Any, Any]:
+        """[first, end) query blocks that can see key block `k_block`, the queries' indices
+        among the keys shifted by `offset`."""
         back, ahead = self.reach
         real_blocks = -(-self.q_len // self.block_q)
-        first_key = k_block * self.block_k
+        first_key = k_block * self.block_k - offset
         first = 0 if ahead is None else _divide(_maximum(first_key - ahead, 0), self.block_q)
         if back is None:
             return first, real_blocks
@@ -156,7 +164,7 @@ class _Spec:
         """Query-key pairs the kernel computes (whole blocks): for its cost estimate."""
         pairs = 0
         for q_block in range(-(-self.q_len // self.block_q)):
-            first, end = self.key_blocks(q_block)
+            first, end = self.key_blocks(q_block * self.block_q)
             pairs += max(end - first, 0) * self.block_q * self.block_k
         return pairs
 
@@ -197,7 +205,8 @@ def _dot(spec: _Spec, a: jax.Array, b: jax.Array) -> jax.Array:
 def _forward_kernel(spec: _Spec, *refs: Any) -> None:
     (query_ref, key_ref, value_ref, query_pos_ref, key_pos_ref, query_seg_ref, key_seg_ref,
      *param_refs, out_ref, lse_ref) = refs
-    q_block = pl.program_id(2)
+    offset_refs, param_refs = param_refs[:spec.offset], param_refs[spec.offset:]
+    first_query = spec.first_query(offset_refs, pl.program_id(2))
     block_k = spec.block_k
     query = query_ref[...]
     query_rows = (query_pos_ref[...], query_seg_ref[...])
@@ -208,8 +217,8 @@ def _forward_kernel(spec: _Spec, *refs: Any) -> None:
         start = pl.multiple_of(k_block * block_k, block_k)
         keys = pl.ds(start, block_k)
         rows = (query_rows[0], key_pos_ref[:, keys], query_rows[1], key_seg_ref[:, keys])
-        scores, mask = _scores(spec, query, key_ref[keys, :], rows, params,
-                               q_block * spec.block_q, start)
+        scores, mask = _scores(spec, query, key_ref[keys, :], rows, params, first_query,
+                               start)
         scores = jnp.where(mask, scores, MASKED)
         new_max = jnp.maximum(running_max, jnp.max(scores, axis=1, keepdims=True))
         weights = jnp.where(mask, jnp.exp(scores - new_max), 0.0)
@@ -219,7 +228,7 @@ def _forward_kernel(spec: _Spec, *refs: Any) -> None:
         acc = rescale * acc + _dot(spec, weights.astype(value.dtype), value)
         return new_max, total, acc
 
-    first, end = spec.key_blocks(q_block)
+    first, end = spec.key_blocks(first_query)
     rows_shape = (spec.block_q, 1)
     init = (jnp.full(rows_shape, MASKED, jnp.float32), jnp.zeros(rows_shape, jnp.float32),
             jnp.zeros(query.shape, jnp.float32))
@@ -248,9 +257,10 @@ def _weights_and_score_grads(spec: _Spec, query, key, value, out_grad, lse, delt
 def _query_grad_kernel(spec: _Spec, num_params: int, *refs: Any) -> None:
     (query_ref, key_ref, value_ref, out_grad_ref, lse_ref, delta_ref, query_pos_ref,
      key_pos_ref, query_seg_ref, key_seg_ref, *rest) = refs
+    offset_refs, rest = rest[:spec.offset], rest[spec.offset:]
     param_refs, query_grad_ref, param_grad_refs = (
         rest[:num_params], rest[num_params], rest[num_params + 1:])
-    q_block = pl.program_id(2)
+    first_query = spec.first_query(offset_refs, pl.program_id(2))
     block_k = spec.block_k
     query, out_grad = query_ref[...], out_grad_ref[...]
     lse, delta = lse_ref[...], delta_ref[...]
@@ -265,7 +275,7 @@ def _query_grad_kernel(spec: _Spec, num_params: int, *refs: Any) -> None:
                 key_seg_ref[:, keys])
         _, score_grads = _weights_and_score_grads(
             spec, query, key, value_ref[keys, :], out_grad, lse, delta, rows, params,
-            q_block * spec.block_q, start)
+            first_query, start)
         query_grad = query_grad + _dot(spec, score_grads.astype(key.dtype), key)
         if param_grads:
             _, pull = jax.vjp(lambda p: spec.function(p, rows[0], rows[1]), params)
@@ -274,7 +284,7 @@ def _query_grad_kernel(spec: _Spec, num_params: int, *refs: Any) -> None:
                                 zip(param_grads, jax.tree.leaves(grads), strict=True))
         return query_grad, param_grads
 
-    first, end = spec.key_blocks(q_block)
+    first, end = spec.key_blocks(first_query)
     init_params = tuple(jnp.zeros(ref.shape, jnp.float32) for ref in param_grad_refs)
     query_grad, param_grads = jax.lax.fori_loop(
         first, end, visit, (jnp.zeros(query.shape, jnp.float32), init_params))
@@ -289,7 +299,9 @@ def _key_value_grad_kernel(spec: _Spec, *refs: Any) -> None:
     segments, log-sum-exp, delta) are then lane-dense rows [1, q_len] held whole on chip."""
     (query_ref, key_ref, value_ref, out_grad_ref, lse_ref, delta_ref, query_pos_ref,
      key_pos_ref, query_seg_ref, key_seg_ref, *rest) = refs
-    param_refs, (key_grad_ref, value_grad_ref) = rest[:-2], rest[-2:]
+    offset_refs, param_refs = rest[:spec.offset], rest[spec.offset:-2]
+    key_grad_ref, value_grad_ref = rest[-2:]
+    offset = spec.first_query(offset_refs, 0)  # the row's query offset (0 without one)
     k_block = pl.program_id(2)
     block_q = spec.block_q
     key, value = key_ref[...], value_ref[...]
@@ -305,12 +317,12 @@ def _key_value_grad_kernel(spec: _Spec, *refs: Any) -> None:
                 key_columns[1])
         weights, score_grads = _weights_and_score_grads(
             spec, query, key, value, out_grad, lse_ref[:, queries], delta_ref[:, queries],
-            rows, params, start, k_block * spec.block_k, transposed=True)
+            rows, params, start + offset, k_block * spec.block_k, transposed=True)
         value_grad = value_grad + _dot(spec, weights.astype(out_grad.dtype), out_grad)
         key_grad = key_grad + _dot(spec, score_grads.astype(query.dtype), query)
         return key_grad, value_grad
 
-    first, end = spec.query_blocks(k_block)
+    first, end = spec.query_blocks(k_block, offset)
     zeros = jnp.zeros(key.shape, jnp.float32)
     key_grad, value_grad = jax.lax.fori_loop(first, end, visit, (zeros, zeros))
     key_grad_ref[...] = (key_grad * jnp.float32(spec.scale)).astype(key_grad_ref.dtype)
@@ -346,6 +358,17 @@ def _row(length: int, blocked: bool) -> pl.BlockSpec:  # [batch, 1, len] arrays
 
 def _per_head_row(leaf: jax.Array) -> pl.BlockSpec:  # [heads, 1, P] arrays
     return pl.BlockSpec((None, 1, leaf.shape[-1]), lambda b, h, i: (h, 0, 0))
+
+
+def _offsets(spec: _Spec, rows: tuple) -> list[pl.BlockSpec]:
+    """The per-row query offset ([batch] int32, whole), if the call has one: scalars read
+    from scalar memory on TPU."""
+    if not spec.offset:
+        return []
+    batch = rows[-1].shape[0]
+    if spec.compiler == "triton":
+        return [pl.BlockSpec((batch,), lambda b, h, i: (0,))]
+    return [pl.BlockSpec(memory_space=pltpu.SMEM)]
 
 
 def _row_stats(spec: _Spec, length: int, blocked: bool) -> pl.BlockSpec:  # [b, heads, len, 1]
@@ -388,7 +411,7 @@ def _resident_bytes(length: int, head_dim: int, dtype: Any, count: int) -> int:
 def _forward(spec: _Spec, query, key, value, rows, params):
     batch, heads, q_padded, head_dim = query.shape
     kv_padded = key.shape[2]
-    query_pos, key_pos, query_seg, key_seg = rows
+    query_pos, key_pos, query_seg, key_seg, *offsets = rows
     param_leaves = jax.tree.leaves(params)
     pairs = batch * heads * spec.visible_pairs()
     cost = pl.CostEstimate(flops=4 * pairs * head_dim, transcendentals=pairs,
@@ -399,12 +422,12 @@ def _forward(spec: _Spec, query, key, value, rows, params):
         [_query_block(spec, head_dim), _whole_head(kv_padded, head_dim, spec.groups),
          _whole_head(kv_padded, head_dim, spec.groups), _column(spec.block_q, True),
          _row(kv_padded, False), _column(spec.block_q, True), _row(kv_padded, False),
-         *(_per_head_row(leaf) for leaf in param_leaves)],
+         *_offsets(spec, rows), *(_per_head_row(leaf) for leaf in param_leaves)],
         [_query_block(spec, head_dim), _row_stats(spec, q_padded, True)],
         [jax.ShapeDtypeStruct(query.shape, query.dtype),
          jax.ShapeDtypeStruct((batch, heads, q_padded, 1), jnp.float32)],
         cost, _resident_bytes(kv_padded, head_dim, key.dtype, 2),
-        query, key, value, query_pos, key_pos, query_seg, key_seg, *param_leaves,
+        query, key, value, query_pos, key_pos, query_seg, key_seg, *offsets, *param_leaves,
     )
     return out, lse
 
@@ -412,13 +435,13 @@ def _forward(spec: _Spec, query, key, value, rows, params):
 def _backward(spec: _Spec, query, key, value, rows, params, out, lse, out_grad):
     batch, heads, q_padded, head_dim = query.shape
     kv_heads, kv_padded = key.shape[1], key.shape[2]
-    query_pos, key_pos, query_seg, key_seg = rows
+    query_pos, key_pos, query_seg, key_seg, *offsets = rows
     param_leaves = jax.tree.leaves(params)
     delta = jnp.sum(out_grad.astype(jnp.float32) * out.astype(jnp.float32), axis=-1,
                     keepdims=True)  # [batch, heads, q_padded, 1]
     pairs = batch * heads * spec.visible_pairs()
     inputs = (query, key, value, out_grad, lse, delta, query_pos, key_pos, query_seg, key_seg,
-              *param_leaves)
+              *offsets, *param_leaves)
     learned = spec.learned and bool(param_leaves)
     q_blocks = q_padded // spec.block_q
     param_grad_shapes = [jax.ShapeDtypeStruct((batch, heads, q_blocks, 1, leaf.shape[-1]),
@@ -433,7 +456,8 @@ def _backward(spec: _Spec, query, key, value, rows, params, out, lse, out_grad):
          _whole_head(kv_padded, head_dim, spec.groups), _query_block(spec, head_dim),
          _row_stats(spec, q_padded, True), _row_stats(spec, q_padded, True),
          _column(spec.block_q, True), _row(kv_padded, False), _column(spec.block_q, True),
-         _row(kv_padded, False), *(_per_head_row(leaf) for leaf in param_leaves)],
+         _row(kv_padded, False), *_offsets(spec, rows),
+         *(_per_head_row(leaf) for leaf in param_leaves)],
         [_query_block(spec, head_dim), *param_grad_specs],
         [jax.ShapeDtypeStruct(query.shape, query.dtype), *param_grad_shapes],
         pl.CostEstimate(flops=6 * pairs * head_dim, transcendentals=pairs,
@@ -447,14 +471,14 @@ def _backward(spec: _Spec, query, key, value, rows, params, out, lse, out_grad):
     whole_rows = pl.BlockSpec((None, None, 1, q_padded), lambda b, h, j: (b, h, 0, 0))
     transposed_inputs = (query, key, value, out_grad, as_row(lse), as_row(delta),
                          as_row(query_pos), as_column(key_pos), as_row(query_seg),
-                         as_column(key_seg), *param_leaves)
+                         as_column(key_seg), *offsets, *param_leaves)
     key_grad, value_grad = _pallas(
         spec, functools.partial(_key_value_grad_kernel, spec),
         (batch, heads, kv_padded // spec.block_k),
         [_whole_head(q_padded, head_dim), _key_block(spec, head_dim, spec.groups),
          _key_block(spec, head_dim, spec.groups), _whole_head(q_padded, head_dim),
          whole_rows, whole_rows, _row(q_padded, False), _column(spec.block_k, True),
-         _row(q_padded, False), _column(spec.block_k, True),
+         _row(q_padded, False), _column(spec.block_k, True), *_offsets(spec, rows),
          *(_per_head_row(leaf) for leaf in param_leaves)],
         [_key_block(spec, head_dim), _key_block(spec, head_dim)],
         [per_query_head, per_query_head],
@@ -499,7 +523,7 @@ def _flex_backward(spec: _Spec, residuals, out_grad):
 _flex.defvjp(_flex_forward, _flex_backward)
 
 
-def _attend_local(
+def attend_local(
     query: jax.Array,  # [batch, q_len, num_heads, head_dim], this device's rows and heads
     key: jax.Array,  # [batch, kv_len, num_kv_heads, head_dim]
     value: jax.Array,  # like key
@@ -508,8 +532,13 @@ def _attend_local(
     params: Any,  # pytree of [num_heads, P]
     *, causal: bool, window: int | None, scale: float,
     function: Callable[..., jax.Array] | None, learned: bool, compiler: str | None,
+    query_offset: jax.Array | None = None,  # [batch] int32
 ) -> jax.Array:  # [batch, q_len, num_heads, head_dim]
-    """The kernel over local arrays: lengths padded to whole blocks, heads-major layout."""
+    """The kernel over local arrays (one device's; call it inside shard_map with the mesh's
+    compiler, or without a mesh with None): lengths padded to whole blocks, heads-major
+    layout. query_offset: query i's index among the keys is i + query_offset[b] (None: i), for
+    the causal mask and the window, as AttentionStructure.query_offset says; context
+    parallelism runs a device's contiguous queries against the whole row's keys with it."""
     batch, q_len, num_heads, head_dim = query.shape
     kv_len, kv_heads = key.shape[1], key.shape[2]
     q_padded, kv_padded = per_device.round_up(q_len), per_device.round_up(kv_len)
@@ -521,6 +550,8 @@ def _attend_local(
     padded_rows = (pad(query_pos, q_padded)[:, :, None], pad(key_pos, kv_padded)[:, None, :],
                    pad(query_seg, q_padded)[:, :, None],
                    pad(key_seg, kv_padded, per_device.PADDING_KEY_SEGMENT)[:, None, :])
+    if query_offset is not None:
+        padded_rows = (*padded_rows, query_offset.astype(jnp.int32))
 
     def heads_major(x: jax.Array, padded: int) -> jax.Array:  # -> [batch, heads, padded, hd]
         x = jnp.pad(x, ((0, 0), (0, padded - x.shape[1]), (0, 0), (0, 0)))
@@ -543,7 +574,7 @@ def _attend_local(
             q_len=q_len, kv_len=kv_len,
             causal=causal, window=window, scale=scale, groups=num_heads // kv_heads,
             function=function, learned=learned, params_tree=jax.tree.structure(params),
-            precision=precision, compiler=compiler,
+            precision=precision, compiler=compiler, offset=query_offset is not None,
         )
         return _flex(spec, *arrays)
 

@@ -48,7 +48,7 @@ def split_causal_rows(
     index = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
     index = balance(index)
     mask = context_parallel.SequenceMask(index, index, segments, segments, causal=True,
-                                         window=config.local_window)
+                                         window=config.local_window, layout="balanced")
     # Only the context-parallel attention reads this structure, for its bias by blocks.
     structure = AttentionStructure(True, config.local_window, segments, segments)
     return balance(tokens), balance(positions), mask, structure

@@ -373,14 +373,16 @@ def _context_parallel_attend(
     value: Array,  # like key
     inputs: AttentionInputs,  # with the sequence mask and the structure's bias by blocks
 ) -> Array:  # [batch, len, heads, head_dim]
-    """Self-attention under context parallelism (tfm.kernels.context_parallel)."""
+    """Self-attention under context parallelism (tfm.kernels.context_parallel): each
+    device's chunk by the flex kernel when it is the backend, else the reference maths."""
     if config.scheme.relative is not None:
         raise ValueError(f"position_scheme={config.position_scheme!r} computes its bias from the "
                          "queries, which context-parallel attention cannot")
+    kernel = "flex" if config.attention_backend == "flex" else "reference"
     return context_parallel.attention_by_rules(
         query, key.astype(query.dtype), value.astype(query.dtype), inputs.sequence,
-        inputs.structure.bias,
-        strategy=config.context_parallel, scale=config.resolved_attention_scale)
+        inputs.structure.bias, strategy=config.context_parallel,
+        scale=config.resolved_attention_scale, kernel=kernel)
 
 
 def _write_cache(

@@ -409,7 +409,8 @@ def context_size(mesh: Mesh | Mapping[str, int]) -> int:
 def context_refusal(model_config: Any, context: int, seq_len: int) -> str | None:
     """Why context parallelism over `context` devices cannot run this model yet (one line
     naming the fields), or None. `model_config`: a tfm ModelConfig, its attention backend
-    resolved ("auto" means the reference under context parallelism)."""
+    resolved (tfm.training.experiment.context_attention_backend). Each chunk runs the
+    reference maths, or the flex kernel under all_gather."""
     given = f"with mesh.context={context}"
     if model_config.num_encoder_layers:
         return (f"model.num_encoder_layers={model_config.num_encoder_layers} {given}: "
@@ -418,9 +419,14 @@ def context_refusal(model_config: Any, context: int, seq_len: int) -> str | None
         return (f"model.position_scheme={model_config.position_scheme!r} {given}: Shaw's bias "
                 "comes from the query vectors, not from positions, so no chunk can compute it; "
                 "use a rotary, embedding or bias scheme, or mesh.context=1")
-    if model_config.attention_backend != "reference":
-        return (f"model.attention_backend={model_config.attention_backend!r} {given}: each "
-                "chunk's attention is the reference maths so far; use 'auto' or 'reference'")
+    backend, strategy = model_config.attention_backend, model_config.context_parallel
+    if backend == "flex" and strategy != "all_gather":
+        return (f"model.attention_backend='flex' with model.context_parallel={strategy!r} "
+                f"{given}: the ring runs its own blocks; use context_parallel='all_gather' or "
+                "attention_backend='reference'")
+    if backend not in ("reference", "flex"):
+        return (f"model.attention_backend={backend!r} {given}: each chunk's attention is the "
+                "reference maths or the flex kernel so far; use 'auto', 'reference' or 'flex'")
     if model_config.attention_dropout_rate > 0:
         return (f"model.attention_dropout_rate={model_config.attention_dropout_rate} {given}: "
                 "context-parallel attention has no attention dropout; set it to 0")

@@ -252,11 +252,24 @@ def model_config_for(
     if sections.pretrained is not None:
         values = _pretrained_model_values(sections.pretrained, values, data)
     platform = mesh.devices.flat[0].platform
-    if sharding.context_size(mesh) > 1 and values["attention_backend"] == "auto":
-        values["attention_backend"] = "reference"  # each chunk's attention (context_parallel)
     values["loss_backend"] = _loss_backend(values["loss_backend"], platform, values["vocab_size"],
                                            mesh, sections.rules)
-    return _model_for_platform(from_dict(values), platform)
+    model_config = from_dict(values)
+    if sharding.context_size(mesh) > 1 and model_config.attention_backend == "auto":
+        model_config = model_config.replace(
+            attention_backend=context_attention_backend(model_config, platform))
+    return _model_for_platform(model_config, platform)
+
+
+def context_attention_backend(model_config: ModelConfig, platform: str) -> str:
+    """What attention_backend "auto" means under context parallelism (each chunk's attention,
+    tfm.kernels.context_parallel) on `platform`: the flex kernel on TPU under all_gather when
+    it serves the model (its lowered program is checked there), else the reference maths."""
+    flex = kernels.BACKENDS["flex"]
+    if (platform == "tpu" and model_config.context_parallel == "all_gather"
+            and kernels.Needs(**model_config.attention_needs).unmet(flex) is None):
+        return "flex"
+    return "reference"
 
 
 def _model_for_platform(model_config: ModelConfig, platform: str) -> ModelConfig:
