@@ -1,29 +1,32 @@
-"""Bytes per chip of a GPT-2-small train step against MaxText's, compiled for the same TPU
-(issue 46): 12 layers, d_model 768, 12 heads, d_ff 3,072, vocabulary 50,304, learned
-positions, bfloat16 compute with float32 weights and AdamW, no dropout, 8 x 1,024 tokens per
-chip, `v5e-8`, deviceless (libtpu: `pip install -e ".[tpu]"`).
+"""Bytes per chip of GPT-2 train steps against MaxText's, compiled for the same TPU (issue
+46): GPT-2 small (12 layers, d_model 768, 12 heads, d_ff 3,072) and medium (24 layers, d_model
+1,024, 16 heads, d_ff 4,096), vocabulary 50,304, learned positions, bfloat16 compute with
+float32 weights and AdamW, no dropout, 8 x 1,024 tokens per chip, `v5e-8`, deviceless (libtpu:
+`pip install -e ".[tpu]"`).
 
     python benchmarks/wide_vocab_text.py /tmp/wide_vocab.txt --vocab 50304
-    python benchmarks/vs_maxtext.py --text /tmp/wide_vocab.txt [--rows data8,fsdp8] \\
+    python benchmarks/vs_maxtext.py --text /tmp/wide_vocab.txt [--rows data8,medium_fsdp8] \\
         [--maxtext_dir ~/maxtext --maxtext_python ~/maxtext-venv/bin/python]
 
 Each tfm row is one `./launch.sh compile configs/char_lm.py --target v5e-8 ... --json FILE
 --breakdown` (printed before it runs; a few minutes each on a 2-core host), with XLA's
 windowed einsums off as for MaxText (`--windowed_einsum` keeps them). MaxText rows are
 compiled only when its checkout and a Python environment with its requirements are given
-(MaxText at commit e591f30c wants Python >= 3.12): its `train_compile` with layers unrolled and
-windowed einsums off, since XLA's cost analysis counts a loop body once. Writes
+(MaxText at commit e591f30c wants Python >= 3.12; those of the shapes of the tfm rows asked
+for): its `train_compile` with layers unrolled and windowed einsums off, since XLA's cost
+analysis counts a loop body once. Writes
 benchmarks/results/vs_maxtext.{json,md}.
 
-MFU follows the issue's convention: model FLOPs 6 N + 12 L T d per token (N = 123.6M matmul
-parameters), over the roofline step max(FLOPs / 197 TFLOP/s, bytes / 819 GB/s); XLA's FLOPs
-leave splash attention out (it declares no cost), so at these memory-bound steps the bytes
-decide.
+MFU follows the issue's convention: model FLOPs 6 N + 12 L T d per token (N: matmul
+parameters with the tied output layer, 123.6M small, 353.5M medium), over the roofline step
+max(FLOPs / 197 TFLOP/s, bytes / 819 GB/s); XLA's FLOPs leave splash attention out (it
+declares no cost), so at these memory-bound steps the bytes decide.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -38,29 +41,70 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 
 PEAK_FLOPS, HBM_BANDWIDTH = 197e12, 819e9  # TPU v5e, per chip
-LAYERS, D_MODEL, SEQ_LEN, TOKENS_PER_CHIP = 12, 768, 1024, 8 * 1024
-MATMUL_PARAMS = 123.6e6
-MODEL_FLOPS_PER_CHIP = (6 * MATMUL_PARAMS + 12 * LAYERS * SEQ_LEN * D_MODEL) * TOKENS_PER_CHIP
+VOCAB, SEQ_LEN, TOKENS_PER_CHIP = 50304, 1024, 8 * 1024
 
-SHAPE = ["--config.model.d_model=768", "--config.model.num_heads=12",
-         "--config.model.d_ff=3072", "--config.model.num_decoder_layers=12",
-         "--config.data.seq_len=1024", "--config.data.batch_size=64",
-         "--config.model.dtype=bfloat16", "--config.model.dropout_rate=0.0",
-         "--config.model.position_scheme=learned", "--config.model.max_len=1024"]
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """A GPT-2 body (learned positions, tied output layer, head_dim 64)."""
+
+    layers: int
+    d_model: int
+    heads: int
+    d_ff: int
+
+    @property
+    def matmul_params(self) -> float:  # attention, FFN and the tied output layer
+        return self.layers * (4 * self.d_model**2 + 2 * self.d_model * self.d_ff) \
+            + VOCAB * self.d_model
+
+    @property
+    def model_flops_per_chip(self) -> float:  # the issue's 6 N + 12 L T d per token
+        return (6 * self.matmul_params
+                + 12 * self.layers * SEQ_LEN * self.d_model) * TOKENS_PER_CHIP
+
+
+SHAPES = {"small": Shape(12, 768, 12, 3072), "medium": Shape(24, 1024, 16, 4096)}
+
+
+def tfm_shape(shape: Shape) -> list[str]:
+    return [f"--config.model.d_model={shape.d_model}", f"--config.model.num_heads={shape.heads}",
+            f"--config.model.d_ff={shape.d_ff}",
+            f"--config.model.num_decoder_layers={shape.layers}",
+            "--config.data.seq_len=1024", "--config.data.batch_size=64",
+            "--config.model.dtype=bfloat16", "--config.model.dropout_rate=0.0",
+            "--config.model.position_scheme=learned", "--config.model.max_len=1024"]
+
+
 FSDP = ["--config.mesh.data=1", "--config.mesh.fsdp=8"]
 REMAT_FULL = ["--config.model.remat=full"]
 
-# name -> (mesh, remat, extra flags)
+# name -> (shape, mesh, remat, extra flags)
 TFM_ROWS = {
-    "data8": ("data=8", "none", []),
-    "data8_full": ("data=8", "full", REMAT_FULL),
-    "fsdp8": ("fsdp=8", "none", FSDP),
-    "fsdp8_full": ("fsdp=8", "full", FSDP + REMAT_FULL),
+    "data8": ("small", "data=8", "none", []),
+    "data8_full": ("small", "data=8", "full", REMAT_FULL),
+    "fsdp8": ("small", "fsdp=8", "none", FSDP),
+    "fsdp8_full": ("small", "fsdp=8", "full", FSDP + REMAT_FULL),
+    "medium_fsdp8": ("medium", "fsdp=8", "none", FSDP),
+    "medium_fsdp8_full": ("medium", "fsdp=8", "full", FSDP + REMAT_FULL),
 }
-MAXTEXT_ROWS = {"maxtext_fsdp8_minimal": "minimal_with_context", "maxtext_fsdp8_full": "full"}
+# name -> (shape, remat policy)
+MAXTEXT_ROWS = {
+    "maxtext_fsdp8_minimal": ("small", "minimal_with_context"),
+    "maxtext_fsdp8_full": ("small", "full"),
+    "maxtext_medium_fsdp8_minimal": ("medium", "minimal_with_context"),
+    "maxtext_medium_fsdp8_full": ("medium", "full"),
+}
+
+
+def maxtext_shape(shape: Shape) -> list[str]:
+    return [f"base_num_decoder_layers={shape.layers}", f"base_emb_dim={shape.d_model}",
+            f"base_num_query_heads={shape.heads}", f"base_num_kv_heads={shape.heads}",
+            f"base_mlp_dim={shape.d_ff}"]
+
+
 MAXTEXT_FLAGS = [
-    "compile_topology=v5e-8", "compile_topology_num_slices=1", "base_num_decoder_layers=12",
-    "base_emb_dim=768", "base_num_query_heads=12", "base_num_kv_heads=12", "base_mlp_dim=3072",
+    "compile_topology=v5e-8", "compile_topology_num_slices=1",
     "head_dim=64", "vocab_size=50304", "max_target_length=1024", "per_device_batch_size=8",
     "dtype=bfloat16", "weight_dtype=float32", "dropout_rate=0.0", "enable_dropout=false",
     "dataset_type=synthetic", "decoder_block=gpt3", "trainable_position_size=1024",
@@ -71,18 +115,19 @@ MAXTEXT_LIBTPU_ARGS = ("--xla_tpu_enable_windowed_einsum_for_all_gather=false "
                        "--xla_tpu_enable_windowed_einsum_for_reduce_scatter=false")
 
 
-def roofline(bytes_per_chip: float, flops_per_chip: float) -> tuple[float, float]:
+def roofline(bytes_per_chip: float, flops_per_chip: float, shape: Shape
+             ) -> tuple[float, float]:
     """(roofline step seconds, MFU at most) by the issue's convention."""
     step = max(flops_per_chip / PEAK_FLOPS, bytes_per_chip / HBM_BANDWIDTH)
-    return step, MODEL_FLOPS_PER_CHIP / (step * PEAK_FLOPS)
+    return step, shape.model_flops_per_chip / (step * PEAK_FLOPS)
 
 
 def tfm_row(name: str, text: str, workdir: Path, windowed_einsum: bool) -> dict:
-    mesh, remat, extra = TFM_ROWS[name]
+    model, mesh, remat, extra = TFM_ROWS[name]
     out = workdir / f"{name}.json"
     command = ["./launch.sh", "compile", "configs/char_lm.py", "--target", "v5e-8",
-               f"--config.data.path={text}", *SHAPE, *extra, "--json", str(out), "--breakdown",
-               "--workdir", str(workdir / name)]
+               f"--config.data.path={text}", *tfm_shape(SHAPES[model]), *extra,
+               "--json", str(out), "--breakdown", "--workdir", str(workdir / name)]
     print("$", shlex.join(command), flush=True)
     start = time.time()
     # Deviceless compiles use no chip: several may load libtpu at once.
@@ -93,10 +138,11 @@ def tfm_row(name: str, text: str, workdir: Path, windowed_einsum: bool) -> dict:
     if result.returncode != 0 and not out.exists():
         raise SystemExit(f"{name}: compile failed:\n{result.stderr[-3000:]}")
     report = json.loads(out.read_text())
-    step, mfu = roofline(report["bytes_per_chip"], report["compiled_flops_per_chip"])
+    step, mfu = roofline(report["bytes_per_chip"], report["compiled_flops_per_chip"],
+                         SHAPES[model])
     groups = {group: figures["bytes"] for group, figures in
               report.get("breakdown", {}).get("groups", {}).items()}
-    return {"row": name, "system": "tfm", "mesh": mesh, "remat": remat,
+    return {"row": name, "system": "tfm", "model": model, "mesh": mesh, "remat": remat,
             "windowed_einsum": windowed_einsum,
             "bytes_per_chip": report["bytes_per_chip"],
             "compiled_flops_per_chip": report["compiled_flops_per_chip"],
@@ -106,9 +152,9 @@ def tfm_row(name: str, text: str, workdir: Path, windowed_einsum: bool) -> dict:
 
 
 def maxtext_row(name: str, maxtext_dir: Path, python: str) -> dict:
-    remat = MAXTEXT_ROWS[name]
+    model, remat = MAXTEXT_ROWS[name]
     command = [python, "-m", "maxtext.trainers.pre_train.train_compile", *MAXTEXT_FLAGS,
-               f"remat_policy={remat}"]
+               *maxtext_shape(SHAPES[model]), f"remat_policy={remat}"]
     env = {**os.environ, "DECOUPLE_GCLOUD": "TRUE", "LIBTPU_INIT_ARGS": MAXTEXT_LIBTPU_ARGS,
            "PYTHONPATH": str(maxtext_dir / "src")}
     print("$", shlex.join(command), flush=True)
@@ -119,10 +165,16 @@ def maxtext_row(name: str, maxtext_dir: Path, python: str) -> dict:
     if result.returncode != 0 or not all(found.values()):
         raise SystemExit(f"{name}: MaxText's compile gave no cost analysis:\n{output[-3000:]}")
     bytes_per_chip, flops = (float(found[key].group(1)) for key in ("bytes accessed", "flops"))
-    step, mfu = roofline(bytes_per_chip, flops)
-    return {"row": name, "system": "MaxText", "mesh": "fsdp=8", "remat": remat,
+    step, mfu = roofline(bytes_per_chip, flops, SHAPES[model])
+    # memory_analysis(), as compile_report counts it: arguments + outputs - aliased + temporaries
+    memory = {key: int(match.group(1)) for key in ("argument", "output", "alias", "temp")
+              if (match := re.search(rf"{key}_size_in_bytes=(\d+)", output))}
+    needed = (memory["argument"] + memory["output"] - memory["alias"] + memory["temp"]
+              if len(memory) == 4 else None)
+    return {"row": name, "system": "MaxText", "model": model, "mesh": "fsdp=8", "remat": remat,
             "bytes_per_chip": bytes_per_chip, "compiled_flops_per_chip": flops,
-            "roofline_ms": 1e3 * step, "mfu": mfu, "command": shlex.join(command)}
+            "roofline_ms": 1e3 * step, "mfu": mfu, "needed_bytes": needed,
+            "command": shlex.join(command)}
 
 
 def _windowed(row: dict) -> str:
@@ -130,12 +182,16 @@ def _windowed(row: dict) -> str:
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| step (per v5e chip) | mesh | remat | windowed einsums | bytes accessed "
-             "| roofline step | MFU at most |", "|---|---|---|---|---:|---:|---:|"]
+    lines = ["| step (per v5e chip) | GPT-2 | mesh | remat | windowed einsums | memory "
+             "| bytes accessed | roofline step | MFU at most |",
+             "|---|---|---|---|---|---:|---:|---:|---:|"]
     for row in rows:
         label = ("MaxText, splash, layers unrolled" if row["system"] == "MaxText"
                  else "tfm, splash, fused loss")
-        lines.append(f"| {label} | {row['mesh']} | `{row['remat']}` | {_windowed(row)} | "
+        memory = (f"{row['needed_bytes'] / 1e9:.2f} GB" if row.get("needed_bytes")
+                  else "-")
+        lines.append(f"| {label} | {row.get('model', 'small')} | {row['mesh']} | "
+                     f"`{row['remat']}` | {_windowed(row)} | {memory} | "
                      f"{row['bytes_per_chip'] / 1e9:.1f} GB | {row['roofline_ms']:.1f} ms | "
                      f"{100 * row['mfu']:.1f}% |")
     groups = sorted({group for row in rows for group in row.get("bytes_by_group", {})})
@@ -169,10 +225,11 @@ def main() -> None:
     unknown = [name for name in names if name not in TFM_ROWS]
     if unknown:
         sys.exit(f"--rows: {unknown[0]!r} is unknown; choose from {', '.join(TFM_ROWS)}")
+    models = {TFM_ROWS[name][0] for name in names}
     rows = []
     if args.maxtext_dir and args.maxtext_python:
         rows += [maxtext_row(name, args.maxtext_dir, args.maxtext_python)
-                 for name in MAXTEXT_ROWS]
+                 for name, (model, _) in MAXTEXT_ROWS.items() if model in models]
     with tempfile.TemporaryDirectory() as scratch:
         for name in names:
             rows.append(tfm_row(name, args.text, Path(scratch), args.windowed_einsum))

@@ -294,6 +294,21 @@ def test_fitted_blocks_cover_the_tokens_with_little_padding(tokens):
     assert blocks.tokens <= -(-tokens // 128) * 128
 
 
+@pytest.mark.parametrize("d_model,grad_vocab", [(768, 3968), (1024, 3200), (1600, 2560)])
+def test_blocks_shrink_until_their_vmem_fits(d_model, grad_vocab):
+    """v5e's blocks over GPT-2's 8 x 1,024 tokens and 50,304 words: GPT-2 small (768) keeps
+    d table blocks of 3,968 words; GPT-2 medium's 1,024 needs smaller ones (at 3,968 Mosaic
+    asked 76.9e6 bytes of the 64 MiB it may take, CompileTimeScopedVmemOom), and every call
+    fits its estimate."""
+    chip = fce.BLOCKS_BY_CHIP["TPU v5 lite"]
+    blocks, _ = fce.fit_blocks(chip, 8192, 50_304, d_model, 2)
+    assert blocks.grad_vocab == grad_vocab
+    assert blocks.grad_vocab % 128 == 0 and blocks.tokens % 128 == 0
+    assert fce._vmem_bytes(blocks.grad_vocab, blocks.grad_tokens, d_model, 2) <= chip.vmem_limit
+    assert fce._vmem_bytes(blocks.tokens, blocks.vocab, d_model, 2) <= chip.vmem_limit
+    assert fce._vmem_bytes(3968, 1024, 1024, 2) > chip.vmem_limit
+
+
 def test_auto_keeps_the_reference_where_the_mesh_splits_the_vocabulary():
     """The fused kernel takes the whole table on every device: with a tensor axis over the
     vocabulary "auto" keeps XLA's split logits; a named backend stays as asked."""

@@ -93,6 +93,41 @@ def test_kernels_read_the_structure(backend):
     np.testing.assert_allclose(got, want, atol=2e-5)
 
 
+def test_block_segments_pass_ids_that_mark_padding_as_they_are():
+    """Packed rows (id 0 = padding) whose validity is their ids > 0: flagged, the blocked
+    kernels get the one id array for queries and keys (padding keys keep segment 0, which
+    only padding queries share); unflagged, padding keys get a segment no query has."""
+    ids = jnp.asarray([[1, 1, 2, 2, 0, 0], [1, 2, 2, 2, 2, 0]], jnp.int32)
+    structure = AttentionStructure(True, None, ids, ids, key_valid=ids > 0)
+    query_ids, key_ids = masks.block_segments(structure, 6, -1)
+    np.testing.assert_array_equal(query_ids, ids)
+    np.testing.assert_array_equal(key_ids, jnp.where(ids > 0, ids, -1))
+    query_ids, key_ids = masks.block_segments(structure.replace(segments_mark_padding=True), 6, -1)
+    assert query_ids is ids and key_ids is ids
+    # The dense mask does not read the flag: the reference's values stay as they were.
+    np.testing.assert_array_equal(
+        masks.dense_mask(structure, 6, 6),
+        masks.dense_mask(structure.replace(segments_mark_padding=True), 6, 6))
+
+
+@pytest.mark.parametrize("backend", ["splash", "flex"])
+def test_fused_kernels_with_ids_that_mark_padding_equal_the_reference(backend):
+    """Causal packed rows given as one id array (segments_mark_padding): the values at every
+    real query equal the reference fed the dense mask (padding queries may differ)."""
+    query, key, value = random_inputs(np.random.default_rng(4), 128, 128, 4, 2, "float32")
+    ids = np.zeros((2, 128), np.int32)
+    ids[0, :50], ids[0, 50:100], ids[1, :90], ids[1, 90:120] = 1, 2, 1, 3
+    ids = jnp.asarray(ids)
+    structure = AttentionStructure(True, None, ids, ids, key_valid=ids > 0,
+                                   segments_mark_padding=True)
+    want = reference.dot_product_attention(query, key, value,
+                                           mask=masks.dense_mask(structure, 128, 128))
+    got = jax.jit(functools.partial(kernels.attention, backend=backend, structure=structure))(
+        query, key, value)
+    real = np.asarray(ids) > 0
+    np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], atol=2e-5)
+
+
 def test_cached_decoding_offsets_reach_the_cpu_kernel():
     """Two new queries at per-row cache offsets against a cache with unfilled slots: the CPU
     kernel builds its mask from the offset and the filled slots."""

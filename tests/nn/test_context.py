@@ -72,9 +72,14 @@ def test_a_full_pass_mask_by_parts_is_the_dense_mask(causal, window, rows):
         valid = jnp.asarray(LEFT_PADDED if rows == "left_padded" else RIGHT_PADDED)
     if rows == "packed":
         segment_ids, positions = jnp.asarray(PACKED), jnp.asarray(_packed_positions(PACKED))
+    from_segments = valid is None and segment_ids is not None
     valid = resolve_valid(tokens, valid, segment_ids)
     got_positions, structure = full_pass_inputs(_config(window), tokens, positions, valid,
-                                                segment_ids, causal)
+                                                segment_ids, causal,
+                                                valid_from_segments=from_segments)
+    # Only packed rows whose validity is their ids > 0 let blocked kernels read the ids as
+    # they are (tfm.kernels.masks.block_segments).
+    assert structure.segments_mark_padding == (rows == "packed")
     real = np.ones((2, 8), bool) if valid is None else np.asarray(valid)
     ids = np.ones((2, 8), int) if segment_ids is None else PACKED
     # Positions count the real tokens before each one (left padding does not shift them).

@@ -50,7 +50,7 @@ class RelativeBias:
 
 
 @functools.partial(
-    jax.tree_util.register_dataclass, meta_fields=("causal", "window"),
+    jax.tree_util.register_dataclass, meta_fields=("causal", "window", "segments_mark_padding"),
     data_fields=("query_segments", "key_segments", "bias", "key_valid", "query_offset",
                  "query_positions", "key_positions", "relative"))
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +74,11 @@ class AttentionStructure:
     bias: the position scheme's logit bias (BlockBias), relative: a bias from the queries
     (RelativeBias); None: none. A pytree (arrays are its leaves; causal and window static), so
     it travels through nn.scan with the layers' shared inputs.
+
+    segments_mark_padding: key_valid is key_segments > 0 and the query segments are the key
+    segments (self-attention over packed rows, id 0 = padding). A blocked kernel may then
+    compare the ids as they are: a padding key's segment 0 is shared only by padding queries,
+    whose outputs no real query reads, so every real query's value is unchanged.
     """
 
     causal: bool = False
@@ -86,6 +91,7 @@ class AttentionStructure:
     query_positions: jax.Array | None = None
     key_positions: jax.Array | None = None
     relative: RelativeBias | None = None
+    segments_mark_padding: bool = False
 
     def replace(self, **changes: Any) -> AttentionStructure:
         return dataclasses.replace(self, **changes)

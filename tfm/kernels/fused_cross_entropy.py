@@ -138,7 +138,8 @@ def _local(hidden, table, bias, targets, *, blocks: Blocks,
     leading = targets.shape
     tokens = math.prod(leading)
     vocab_size, d_model = table.shape
-    blocks, padded_tokens = fit_blocks(blocks, tokens, vocab_size)
+    blocks, padded_tokens = fit_blocks(blocks, tokens, vocab_size, d_model,
+                                       jnp.dtype(hidden.dtype).itemsize)
     # Tokens are padded to whole blocks (a cheap [tokens, d_model] copy, usually none); the
     # table is not (that would copy it at every step): the last vocabulary block reads past its
     # end, and the kernels mask those rows.
@@ -156,20 +157,46 @@ def _local(hidden, table, bias, targets, *, blocks: Blocks,
     return SoftmaxStatistics(*(value[:tokens].reshape(leading) for value in stats))
 
 
-def fit_blocks(blocks: Blocks, tokens: int, vocab_size: int) -> tuple[Blocks, int]:
+def fit_blocks(blocks: Blocks, tokens: int, vocab_size: int, d_model: int = 0,
+               itemsize: int = 2) -> tuple[Blocks, int]:
     """`blocks` fitted to a call: (blocks, tokens padded to whole blocks). Blocks are evened out
     so that padding stays under 128 per block (5,000 tokens in blocks of at most 4,096: two of
     2,560; 50,304 words in blocks of at most 4,096: 13 of 3,968) and no block is larger than
     the input (rounded to 128 lanes); the d table pass's token block is the largest up to its
-    size that divides the padded tokens."""
-    block_tokens = _even(blocks.tokens, tokens)
+    size that divides the padded tokens. The token block of the first two passes and the
+    vocabulary block of the d table pass shrink by 128 until what those calls keep in VMEM
+    (`_vmem_bytes`, for d_model and the hidden dtype's `itemsize`) fits blocks.vmem_limit:
+    GPT-2 medium's d_model 1,024 takes d table blocks of 3,200 words where 768 takes 3,968."""
+    block_tokens = _shrunk(blocks.tokens, tokens, lambda size: _vmem_bytes(
+        size, blocks.vocab, d_model, itemsize) <= blocks.vmem_limit)
     padded = -(-tokens // block_tokens) * block_tokens
     grad_tokens = next(size for size in range(min(blocks.grad_tokens, padded), 0, -LANES)
                        if padded % size == 0)
+    grad_vocab = _shrunk(blocks.grad_vocab, vocab_size, lambda size: _vmem_bytes(
+        size, grad_tokens, d_model, itemsize) <= blocks.vmem_limit)
     fitted = dataclasses.replace(blocks, tokens=block_tokens, grad_tokens=grad_tokens,
-                                 vocab=_even(blocks.vocab, vocab_size),
-                                 grad_vocab=_even(blocks.grad_vocab, vocab_size))
+                                 vocab=_even(blocks.vocab, vocab_size), grad_vocab=grad_vocab)
     return fitted, padded
+
+
+def _vmem_bytes(rows: int, block: int, d_model: int, itemsize: int) -> int:
+    """VMEM that the d hidden call (rows = its tokens, block = its words) or the d table call
+    (rows = its words, block = its tokens) keeps at once, as Mosaic allocates it: the
+    [rows, d_model] input and output blocks double-buffered and their float32 accumulator, the
+    other operand's [block, d_model] double-buffered, and the [rows, block] logits tile in
+    float32 with its copy for the second matmul. (At d_model 1,024, 3,968 x 1,024 d table
+    blocks: 77.3e6 here, 76.9e6 in Mosaic's CompileTimeScopedVmemOom for v5e.)"""
+    return (rows * d_model * (4 * itemsize + 4) + 2 * block * d_model * itemsize
+            + rows * block * (4 + itemsize))
+
+
+def _shrunk(largest: int, length: int, fits) -> int:
+    """The evened block (`_even`) of the largest size up to `largest`, by steps of 128, that
+    `fits` (else 128)."""
+    for size in range(largest, LANES, -LANES):
+        if fits(_even(size, length)):
+            return _even(size, length)
+    return _even(LANES, length)
 
 
 def _even(block: int, length: int) -> int:

@@ -111,10 +111,12 @@ def block_segments(
     structure: AttentionStructure, q_len: int, padding_segment: int
 ) -> tuple[jax.Array, jax.Array] | None:  # ([batch, q_len], [batch, kv_len]) int32, or None
     """The segments a blocked kernel compares: the structure's (None: all one), with invalid
-    keys given `padding_segment` (no query has it). None: one segment and every key valid."""
+    keys given `padding_segment` (no query has it), unless the segments already mark them
+    (structure.segments_mark_padding: then the ids pass as they are, one array for both, as
+    splash reads fewer bytes that way). None: one segment and every key valid."""
     query_segments, key_segments = structure.query_segments, structure.key_segments
     valid = structure.key_valid
-    if valid is None:
+    if valid is None or (structure.segments_mark_padding and query_segments is not None):
         return None if query_segments is None else (query_segments, key_segments)
     if query_segments is None:
         query_segments = jnp.ones((valid.shape[0], q_len), jnp.int32)

@@ -93,11 +93,14 @@ def full_pass_inputs(
     valid: Array | None,  # [batch, len] bool
     segment_ids: Array | None,  # [batch, len]
     causal: bool,
+    valid_from_segments: bool = False,
 ) -> tuple[Array, AttentionStructure]:
     """(positions, the self-attention mask by parts) of a pass over `tokens` alone (no cache):
     causal by index when `causal`, valid keys, packed segments, and the local window. The
     window compares indices when positions advance by one per token (the default positions,
-    or packed segments': a blocked kernel builds it), else the positions."""
+    or packed segments': a blocked kernel builds it), else the positions.
+    valid_from_segments: `valid` is segment_ids > 0 (resolve_valid made it from them), so the
+    segments mark the padding (AttentionStructure.segments_mark_padding)."""
     follows_index = segment_ids is not None or (positions is None and valid is None)
     if positions is None:
         positions = default_positions(tokens)
@@ -105,8 +108,9 @@ def full_pass_inputs(
             positions = positions_from_valid(valid)
     by_position = None if follows_index or config.local_window is None else positions
     ids = None if segment_ids is None else jnp.asarray(segment_ids).astype(jnp.int32)
-    structure = AttentionStructure(causal, config.local_window, ids, ids, key_valid=valid,
-                                   query_positions=by_position, key_positions=by_position)
+    structure = AttentionStructure(
+        causal, config.local_window, ids, ids, key_valid=valid, query_positions=by_position,
+        key_positions=by_position, segments_mark_padding=valid_from_segments and ids is not None)
     return positions, structure
 
 

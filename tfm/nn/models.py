@@ -195,9 +195,10 @@ class Encoder(nn.Module):
         embedding = self.shared_embedding
         if embedding is None:
             embedding = TokenEmbedding(config, config.resolved_source_vocab_size, name="embed")
+        from_segments = valid is None and segment_ids is not None
         valid = resolve_valid(tokens, valid, segment_ids)
         positions, structure = full_pass_inputs(config, tokens, positions, valid, segment_ids,
-                                                causal=False)
+                                                causal=False, valid_from_segments=from_segments)
         x = _embed(config, self, embedding, tokens, positions, token_types)
         x = self.perturb("embedded", x)  # lets tests take gradients w.r.t. the input embeddings
         x = nn.Dropout(config.dropout_rate)(x, deterministic=deterministic)
@@ -239,13 +240,15 @@ class Decoder(nn.Module):
             raise ValueError("output_kernel is the tied embedding's transpose; this model's "
                              "output is untied (tie_output=False)")
         write_index, new_valid = None, None
+        from_segments = valid is None and segment_ids is not None
         valid = resolve_valid(tokens, valid, segment_ids)
         sequence = None
         shards = context_split.shards_for(tokens, cache is not None or self.has_cross)
         if cache is None:
             follows_index = segment_ids is not None or (positions is None and valid is None)
             positions, structure = full_pass_inputs(config, tokens, positions, valid,
-                                                    segment_ids, causal=True)
+                                                    segment_ids, causal=True,
+                                                    valid_from_segments=from_segments)
             if shards > 1:  # context parallelism: rows load balanced until the last block
                 tokens, positions, sequence, structure = context_split.split_causal_rows(
                     config, tokens, positions, valid, segment_ids, follows_index, shards)
