@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 from attention_cases import lowered_lm_grad
 from jax._src.mesh import AbstractDevice  # no public constructor: a device kind without chips
-from tiny_model import TINY_LM
+from tiny_model import TINY, TINY_LM
 
 from configs import synthetic_lm
 from tfm.checks import ConfigError
 from tfm.nn.config import ModelConfig
-from tfm.nn.models import DecoderLM
+from tfm.nn.models import DecoderLM, EncoderDecoder
 from tfm.parallel import sharding
 from tfm.training import train
 from tfm.training.experiment import context_attention_backend, setup
@@ -34,18 +34,54 @@ SEGMENTS = np.array([[1] * LENGTH, [1] * 5 + [2] * 7 + [3] * 2 + [0] * 2], np.in
 def _batch():
     rng = np.random.default_rng(0)
     tokens = rng.integers(1, TINY_LM["vocab_size"], size=(2, LENGTH + 1)).astype(np.int32)
-    positions = np.zeros_like(SEGMENTS)
-    for t in range(1, LENGTH):
-        same = SEGMENTS[:, t] == SEGMENTS[:, t - 1]
-        positions[:, t] = np.where(same, positions[:, t - 1] + 1, 0)
     # Next-token targets are shifted on the whole row, before any split.
-    return dict(inputs=tokens[:, :-1], targets=tokens[:, 1:], positions=positions,
+    return dict(inputs=tokens[:, :-1], targets=tokens[:, 1:],
+                positions=_segment_positions(SEGMENTS),
                 segment_ids=SEGMENTS, weights=(SEGMENTS > 0).astype(np.float32))
+
+
+def _seq2seq_batch(packed):
+    """Source and decoder rows of LENGTH tokens: padded (valid masks, rows of 16 and 11 source
+    and 16 and 9 target tokens), or packed (two examples in the second row, both sides, then
+    padding), the segments crossing the chunk boundaries of context 2 and 4."""
+    rng = np.random.default_rng(1)
+    source, tokens = (rng.integers(1, TINY["vocab_size"], size=(2, length)).astype(np.int32)
+                      for length in (LENGTH, LENGTH + 1))
+    batch = dict(source=source, inputs=tokens[:, :-1], targets=tokens[:, 1:])
+    if packed:
+        source_ids = np.array([[1] * LENGTH, [1] * 6 + [2] * 7 + [0] * 3], np.int32)
+        target_ids = np.array([[1] * LENGTH, [1] * 5 + [2] * 8 + [0] * 3], np.int32)
+        batch.update(source_segment_ids=source_ids, segment_ids=target_ids,
+                     source_positions=_segment_positions(source_ids),
+                     positions=_segment_positions(target_ids))
+        return dict(batch, weights=(target_ids > 0).astype(np.float32))
+    index = np.arange(LENGTH)
+    valid = index < np.array([[LENGTH], [9]])
+    batch.update(source_valid=index < np.array([[LENGTH], [11]]), valid=valid)
+    return dict(batch, weights=valid.astype(np.float32))
+
+
+def _segment_positions(segment_ids):  # [batch, len] -> each token's place in its segment
+    positions = np.zeros_like(segment_ids)
+    for t in range(1, segment_ids.shape[1]):
+        same = segment_ids[:, t] == segment_ids[:, t - 1]
+        positions[:, t] = np.where(same, positions[:, t - 1] + 1, 0)
+    return positions
+
+
+def _model(config):
+    return (EncoderDecoder if config.num_encoder_layers else DecoderLM)(config)
+
+
+def _init(config, batch):
+    """The model's parameters (unboxed) for `batch` (_batch's or _seq2seq_batch's)."""
+    inputs = [batch[key] for key in ("source", "inputs") if key in batch]
+    return nn.meta.unbox(_model(config).init(jax.random.key(0), *inputs)["params"])
 
 
 def _loss_and_grads(config, mesh_sizes, batch, params):
     """Loss and gradients on one device (mesh_sizes None) or on a mesh of those sizes."""
-    model = DecoderLM(config)
+    model = _model(config)
     run = jax.jit(jax.value_and_grad(functools.partial(_loss_sum, model)))
     if mesh_sizes is None:
         return run(params, batch)
@@ -56,8 +92,10 @@ def _loss_and_grads(config, mesh_sizes, batch, params):
 
 
 def _loss_sum(model, params, batch):
-    logits = model.apply({"params": params}, batch["inputs"], positions=batch["positions"],
-                         segment_ids=batch["segment_ids"])
+    inputs = [batch[key] for key in ("source", "inputs") if key in batch]
+    features = {key: value for key, value in batch.items()
+                if key not in ("source", "inputs", "targets", "weights")}
+    logits = model.apply({"params": params}, *inputs, **features)
     log_probs = jax.nn.log_softmax(logits)
     nll = -jnp.take_along_axis(log_probs, batch["targets"][..., None], axis=-1)[..., 0]
     return jnp.sum(nll * batch["weights"])
@@ -85,6 +123,27 @@ def test_context_parallel_loss_and_gradients_equal_one_device(scheme, strategy, 
     params = nn.meta.unbox(DecoderLM(config).init(jax.random.key(0), batch["inputs"])["params"])
     want_loss, want_grads = _loss_and_grads(config, None, batch, params)
     got_loss, got_grads = _loss_and_grads(config, mesh_sizes, batch, params)
+    _assert_close(got_loss, got_grads, want_loss, want_grads)
+
+
+# The encoder-decoder: the encoder's rows in contiguous chunks (bidirectional), the decoder's
+# load balanced, its cross-attention against the gathered source; padded or packed rows.
+@pytest.mark.parametrize("scheme, strategy, context, packed", [
+    ("t5_bias", "all_gather", 2, True),
+    ("rope", "ring", 4, False),
+    ("learned", "all_gather", 4, False),
+    ("alibi", "ring", 2, True),
+], ids=["t5-all_gather-context2-packed", "rope-ring-context4-padded",
+        "learned-all_gather-context4-padded", "alibi-ring-context2-packed"])
+def test_encoder_decoder_under_context_parallelism_equals_one_device(scheme, strategy, context,
+                                                                      packed):
+    config = ModelConfig(**{**TINY, "num_encoder_layers": 1, "num_decoder_layers": 1},
+                         position_scheme=scheme, context_parallel=strategy,
+                         attention_backend="reference")
+    batch = {key: jnp.asarray(value) for key, value in _seq2seq_batch(packed).items()}
+    params = _init(config, batch)
+    want_loss, want_grads = _loss_and_grads(config, None, batch, params)
+    got_loss, got_grads = _loss_and_grads(config, {"context": context}, batch, params)
     _assert_close(got_loss, got_grads, want_loss, want_grads)
 
 
