@@ -127,23 +127,28 @@ def test_context_parallel_loss_and_gradients_equal_one_device(scheme, strategy, 
 
 
 # The encoder-decoder: the encoder's rows in contiguous chunks (bidirectional), the decoder's
-# load balanced, its cross-attention against the gathered source; padded or packed rows.
-@pytest.mark.parametrize("scheme, strategy, context, packed", [
-    ("t5_bias", "all_gather", 2, True),
-    ("rope", "ring", 4, False),
-    ("learned", "all_gather", 4, False),
-    ("alibi", "ring", 2, True),
+# load balanced, its cross-attention against the gathered source; padded or packed rows; each
+# chunk by the reference maths or the flex kernel (Pallas interpret mode), against the
+# reference on one device.
+@pytest.mark.parametrize("scheme, strategy, context, packed, backend", [
+    ("t5_bias", "all_gather", 2, True, "reference"),
+    ("rope", "ring", 4, False, "reference"),
+    ("learned", "all_gather", 4, False, "reference"),
+    ("alibi", "ring", 2, True, "reference"),
+    ("t5_bias", "all_gather", 2, True, "flex"),
 ], ids=["t5-all_gather-context2-packed", "rope-ring-context4-padded",
-        "learned-all_gather-context4-padded", "alibi-ring-context2-packed"])
+        "learned-all_gather-context4-padded", "alibi-ring-context2-packed",
+        "t5-flex-context2-packed"])
 def test_encoder_decoder_under_context_parallelism_equals_one_device(scheme, strategy, context,
-                                                                      packed):
+                                                                      packed, backend):
     config = ModelConfig(**{**TINY, "num_encoder_layers": 1, "num_decoder_layers": 1},
                          position_scheme=scheme, context_parallel=strategy,
                          attention_backend="reference")
     batch = {key: jnp.asarray(value) for key, value in _seq2seq_batch(packed).items()}
     params = _init(config, batch)
     want_loss, want_grads = _loss_and_grads(config, None, batch, params)
-    got_loss, got_grads = _loss_and_grads(config, {"context": context}, batch, params)
+    got_loss, got_grads = _loss_and_grads(config.replace(attention_backend=backend),
+                                          {"context": context}, batch, params)
     _assert_close(got_loss, got_grads, want_loss, want_grads)
 
 
