@@ -19,7 +19,7 @@ from attention_cases import lowered_lm_grad
 from jax._src.mesh import AbstractDevice  # no public constructor: a device kind without chips
 from tiny_model import TINY, TINY_LM
 
-from configs import synthetic_lm
+from configs import synthetic_lm, synthetic_seq2seq
 from tfm.checks import ConfigError
 from tfm.nn.config import ModelConfig
 from tfm.nn.models import DecoderLM, EncoderDecoder
@@ -210,11 +210,15 @@ def test_the_accelerator_program_runs_the_kernel_per_chunk_and_holds_no_chunk_by
     assert chunk_by_row.search(lowered("reference"))
 
 
-def _lm_experiment(data_dir, mesh, devices):
-    config = synthetic_lm.get_config("runlocal")
+def _experiment(data_dir, mesh, devices, configs=synthetic_lm):
+    """A tiny experiment of `configs` (synthetic_lm, or synthetic_seq2seq with one encoder
+    layer) on packed rows of 16 tokens."""
+    config = configs.get_config("runlocal")
     config.model.update(d_model=16, num_heads=4, num_kv_heads=2, d_ff=32, num_decoder_layers=1,
                         position_scheme="t5_bias", context_parallel="ring", dropout_rate=0.0,
                         attention_dropout_rate=0.0)
+    if config.model.num_encoder_layers:  # all_gather: the ring's is the LM's (compile time)
+        config.model.update(num_encoder_layers=1, context_parallel="all_gather")
     config.data.update(batch_size=4, seq_len=16, packing=True, num_train_examples=100,
                        num_eval_examples=8, train_lengths=(1, 3), data_dir=str(data_dir))
     config.mesh.update(mesh)
@@ -234,16 +238,20 @@ def _step_grads(exp, params, host_batch):
         return jax.jit(grads_of)(params, batch, None)
 
 
-def test_train_step_under_context_parallelism_equals_one_device(tmp_path):
-    """Loss and gradients of the train step on packed rows (documents across chunk boundaries)
-    with T5 bias: fsdp=2 x context=4 (ring, 'auto' meaning the reference per chunk) against one
-    device ('auto' meaning the CPU kernels)."""
-    one = _lm_experiment(tmp_path, {"data": 1}, jax.devices()[:1])
-    split = _lm_experiment(tmp_path, {"data": 1, "fsdp": 2, "context": 4}, jax.devices())
+@pytest.mark.parametrize("configs", [synthetic_lm, synthetic_seq2seq], ids=["lm", "seq2seq"])
+def test_train_step_under_context_parallelism_equals_one_device(tmp_path, configs):
+    """Loss and gradients of the train step on packed rows (documents across chunk boundaries;
+    the decoder's targets shifted by the pipeline on whole rows) with T5 bias: fsdp=2 x
+    context=4 (ring, 'auto' meaning the reference per chunk) against one device ('auto'
+    meaning the CPU kernels); an LM, and an encoder-decoder whose sources are packed too."""
+    one = _experiment(tmp_path, {"data": 1}, jax.devices()[:1], configs)
+    split = _experiment(tmp_path, {"data": 1, "fsdp": 2, "context": 4}, jax.devices(), configs)
     assert split.model_config.attention_backend == "reference"
     host_batch = next(one.data.train_iterator())
     # several documents in a row, which chunks of 2 tokens (2 x 4 per row of 16) cut
-    assert max(len(np.unique(row)) for row in host_batch["segment_ids"]) > 2
+    for key in ("segment_ids", "source_segment_ids"):
+        assert key not in host_batch or max(len(np.unique(row))
+                                            for row in host_batch[key]) > 2
     params = nn.meta.unbox(one.family.init(one.model, jax.random.key(0), host_batch))
     want_grads, want_sums = _step_grads(one, params, host_batch)
     got_grads, got_sums = _step_grads(split, params, host_batch)
