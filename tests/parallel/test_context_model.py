@@ -297,3 +297,26 @@ def test_rows_load_balancing_cannot_cut_run_whole_with_the_same_logits():
         got = jax.jit(lambda params, tokens: model.apply({"params": params}, tokens))(params,
                                                                                      tokens)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("source_len, target_len", [(14, 16), (16, 12)],
+                         ids=["source-uncut", "target-uncut"])
+def test_encoder_decoder_rows_that_cannot_be_cut_run_whole_with_the_same_logits(source_len,
+                                                                                 target_len):
+    """Under context=4 a source of 14 tokens (4 chunks needed) runs the encoder and the
+    decoder whole; a target of 12 (8 chunks needed) runs the decoder whole against the
+    encoder's split output."""
+    config = ModelConfig(**{**TINY, "num_encoder_layers": 1, "num_decoder_layers": 1},
+                         position_scheme="t5_bias", attention_backend="reference")
+    batch = _seq2seq_batch(packed=True)
+    source = jnp.asarray(batch["source"][:, :source_len])
+    inputs = jnp.asarray(batch["inputs"][:, :target_len])
+    model = EncoderDecoder(config)
+    params = _init(config, dict(source=source, inputs=inputs))
+    apply = lambda params, source, inputs: model.apply({"params": params}, source,  # noqa: E731
+                                                       inputs)
+    want = jax.jit(apply)(params, source, inputs)
+    mesh = sharding.make_mesh({"data": 1, "context": 4}, devices=jax.devices()[:4])
+    with sharding.sharding_context(mesh):
+        got = jax.jit(apply)(params, source, inputs)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
