@@ -129,23 +129,24 @@ def test_context_parallel_loss_and_gradients_equal_one_device(scheme, strategy, 
 
 
 # The encoder-decoder: the encoder's rows in contiguous chunks (bidirectional), the decoder's
-# load balanced, its cross-attention against the gathered source; padded or packed rows; each
+# load balanced, its cross-attention against the gathered source; padded or packed rows,
+# local windows (bidirectional in the encoder, causal in the decoder); each
 # chunk by the reference maths or the flex kernel (Pallas interpret mode), against the
 # reference on one device.
-@pytest.mark.parametrize("scheme, strategy, context, packed, backend", [
-    ("t5_bias", "all_gather", 2, True, "reference"),
-    ("rope", "ring", 4, False, "reference"),
-    ("learned", "all_gather", 4, False, "reference"),
-    ("alibi", "ring", 2, True, "reference"),
-    ("t5_bias", "all_gather", 2, True, "flex"),
+@pytest.mark.parametrize("scheme, strategy, context, packed, backend, window", [
+    ("t5_bias", "all_gather", 2, True, "reference", None),
+    ("rope", "ring", 4, False, "reference", None),
+    ("learned", "all_gather", 4, False, "reference", None),
+    ("alibi", "ring", 2, True, "reference", 3),
+    ("t5_bias", "all_gather", 2, True, "flex", 5),
 ], ids=["t5-all_gather-context2-packed", "rope-ring-context4-padded",
-        "learned-all_gather-context4-padded", "alibi-ring-context2-packed",
-        "t5-flex-context2-packed"])
+        "learned-all_gather-context4-padded", "alibi-ring-context2-packed-window",
+        "t5-flex-context2-packed-window"])
 def test_encoder_decoder_under_context_parallelism_equals_one_device(scheme, strategy, context,
-                                                                      packed, backend):
+                                                                      packed, backend, window):
     config = ModelConfig(**{**TINY, "num_encoder_layers": 1, "num_decoder_layers": 1},
                          position_scheme=scheme, context_parallel=strategy,
-                         attention_backend="reference")
+                         attention_backend="reference", local_window=window)
     batch = {key: jnp.asarray(value) for key, value in _seq2seq_batch(packed).items()}
     params = _init(config, batch)
     want_loss, want_grads = _loss_and_grads(config, None, batch, params)
