@@ -6,7 +6,7 @@ FIRE and learned positions, plain and packed rows (documents crossing the chunk 
 padding, and a local window; a tiny encoder-decoder's (padded and packed sources and targets,
 all_gather and ring, reference and flex per chunk); the train step's loss and gradients on the
 data pipeline's packed rows under fsdp=2 x context=4 (LM and encoder-decoder); setup's refusal
-of what context parallelism cannot run."""
+of what context parallelism cannot run; greedy translation under a context mesh."""
 
 import functools
 import math
@@ -23,6 +23,7 @@ from tiny_model import TINY, TINY_LM
 
 from configs import synthetic_lm, synthetic_seq2seq
 from tfm.checks import ConfigError
+from tfm.decode.generate import translate
 from tfm.nn.config import ModelConfig
 from tfm.nn.models import DecoderLM, EncoderDecoder
 from tfm.parallel import sharding
@@ -321,3 +322,21 @@ def test_encoder_decoder_rows_that_cannot_be_cut_run_whole_with_the_same_logits(
     with sharding.sharding_context(mesh):
         got = jax.jit(apply)(params, source, inputs)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_translate_under_a_context_mesh_equals_one_device():
+    """Greedy translation under context=4: the encoder splits the 16-token source into
+    chunks (its padding hidden), the cached decoding steps run whole against its output; the
+    tokens and their scores are the one-device run's."""
+    config = ModelConfig(**{**TINY, "num_encoder_layers": 1, "num_decoder_layers": 1},
+                         position_scheme="t5_bias", attention_backend="reference")
+    batch = _seq2seq_batch(packed=False)
+    params = _init(config, {key: jnp.asarray(batch[key]) for key in ("source", "inputs")})
+    run = functools.partial(translate, params, config, batch["source"], np.array([LENGTH, 11]),
+                            method="greedy", max_new_tokens=6, eos_id=None)
+    want = run()
+    mesh = sharding.make_mesh({"data": 1, "context": 4}, devices=jax.devices()[:4])
+    with sharding.sharding_context(mesh):
+        got = run()
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_allclose(got.scores, want.scores, rtol=1e-5)
