@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from attention_cases import lowered_lm_grad
+from attention_cases import lowered_lm_grad, lowered_seq2seq_grad
 from jax._src.mesh import AbstractDevice  # no public constructor: a device kind without chips
 from tiny_model import TINY, TINY_LM
 
@@ -214,6 +214,31 @@ def test_the_accelerator_program_runs_the_kernel_per_chunk_and_holds_no_chunk_by
     assert chunk_by_row.search(lowered("reference"))
 
 
+def test_the_tpu_program_of_an_encoder_decoder_runs_the_kernel_per_chunk():
+    """The encoder-decoder's train gradient lowered for TPU over an abstract context=4 mesh
+    with flex: the encoder's chunk (one run: forward, dq, dk/dv), the cross-attention's chunk
+    (one run) and the decoder's two load-balanced halves call the Pallas kernel 3 + 3 + 6
+    times, each attention under shard_map, and no [.., chunk, T] (nor [.., T, T]) array is
+    left."""
+    platform, kind, mesh_platform, kernel_call = ACCELERATORS["tpu"]
+    length, context = 512, 4
+    chunk_by_row = re.compile(rf"x{length // context}x{length}x|x{length}x{length}x")
+    mesh = jax.sharding.AbstractMesh((1, 1, context, 1), sharding.MESH_AXES,
+                                     abstract_device=AbstractDevice(kind, None, mesh_platform))
+    config = ModelConfig(**{**TINY, "num_encoder_layers": 1, "num_decoder_layers": 1},
+                         position_scheme="t5_bias", attention_backend="flex")
+    with jax.sharding.use_abstract_mesh(mesh), nn.logical_axis_rules(
+            sharding.DEFAULT_LOGICAL_RULES):
+        text = lowered_seq2seq_grad(config, length, platform)
+    assert text.count(kernel_call) == 12
+    # the three attentions' forward and backward passes run under shard_map, each on the
+    # device's queries only (the first operand split over the context axis)
+    split_queries = re.compile(r'manual_computation\([^)]*\) in_shardings=\[<@mesh, '
+                               r'\[\{"data", "fsdp"\}, \{"context"\}')
+    assert len(split_queries.findall(text)) == 6
+    assert not chunk_by_row.search(text)
+
+
 def _experiment(data_dir, mesh, devices, configs=synthetic_lm):
     """A tiny experiment of `configs` (synthetic_lm, or synthetic_seq2seq with one encoder
     layer) on packed rows of 16 tokens."""
@@ -284,11 +309,13 @@ def test_auto_means_flex_per_chunk_on_tpu_under_all_gather_else_the_reference():
     assert context_attention_backend(config(attention_dropout_rate=0.1), "tpu") == "reference"
 
 
-def test_rows_load_balancing_cannot_cut_run_whole_with_the_same_logits():
+@pytest.mark.parametrize("backend", ["reference", "flex"])
+def test_rows_load_balancing_cannot_cut_run_whole_with_the_same_logits(backend):
     """A call whose length 2 x mesh.context does not divide (initialisation, an eval length)
-    runs whole on every device: the logits of 12 tokens under context=4 (8 chunks needed)."""
+    runs whole on every device: the logits of 12 tokens under context=4 (8 chunks needed).
+    A kernel run whole keeps the sequence whole though context (4) divides it."""
     config = ModelConfig(**{**TINY_LM, "num_decoder_layers": 1}, position_scheme="alibi",
-                         attention_backend="reference")
+                         attention_backend=backend)
     tokens = jnp.asarray(_batch()["inputs"][:, :12])
     model = DecoderLM(config)
     params = nn.meta.unbox(model.init(jax.random.key(0), tokens)["params"])
