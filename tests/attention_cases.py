@@ -156,10 +156,22 @@ def lowered_lm_grad(config, length: int, platform: str) -> str:
     for `platform` (no device or plugin needed), as text."""
     from tfm.nn import models
 
-    model = models.DecoderLM(config)
-    tokens = jax.ShapeDtypeStruct((2, length), jnp.int32)
-    params = jax.eval_shape(
-        lambda: {"params": model.init(jax.random.key(0), jnp.ones((2, length), int))["params"]})
-    loss = lambda params, tokens: jnp.sum(model.apply(params, tokens))
+    return _lowered_grad(models.DecoderLM(config), 1, length, platform)
+
+
+def lowered_seq2seq_grad(config, length: int, platform: str) -> str:
+    """`lowered_lm_grad` of an encoder-decoder: [2, length] source and decoder tokens."""
+    from tfm.nn import models
+
+    return _lowered_grad(models.EncoderDecoder(config), 2, length, platform)
+
+
+def _lowered_grad(model, num_inputs: int, length: int, platform: str) -> str:
+    """The gradient of the sum of `model`'s logits over `num_inputs` [2, length] token arrays,
+    lowered for `platform`, as text."""
+    tokens = [jax.ShapeDtypeStruct((2, length), jnp.int32)] * num_inputs
+    params = jax.eval_shape(lambda: {"params": model.init(
+        jax.random.key(0), *[jnp.ones((2, length), int)] * num_inputs)["params"]})
+    loss = lambda params, tokens: jnp.sum(model.apply(params, *tokens))
     traced = jax.jit(jax.grad(loss)).trace(params, tokens)
     return traced.lower(lowering_platforms=(platform,)).as_text()

@@ -3,8 +3,10 @@ context axis) on 8 simulated CPU devices, against the same model on one device i
 (relative 1e-5): a tiny decoder-only LM's loss and every parameter gradient under
 mesh.context = 2, 4 (all_gather, ring; alone, with data and with tensor) for RoPE, ALiBi, T5,
 FIRE and learned positions, plain and packed rows (documents crossing the chunk boundaries) with
-padding, and a local window; the train step's loss and gradients on the data pipeline's
-packed rows under fsdp=2 x context=4; setup's refusal of what context parallelism cannot run."""
+padding, and a local window; a tiny encoder-decoder's (padded and packed sources and targets,
+all_gather and ring, reference and flex per chunk); the train step's loss and gradients on the
+data pipeline's packed rows under fsdp=2 x context=4 (LM and encoder-decoder); setup's refusal
+of what context parallelism cannot run; greedy translation under a context mesh."""
 
 import functools
 import math
@@ -15,14 +17,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from attention_cases import lowered_lm_grad
+from attention_cases import lowered_lm_grad, lowered_seq2seq_grad
 from jax._src.mesh import AbstractDevice  # no public constructor: a device kind without chips
-from tiny_model import TINY_LM
+from tiny_model import TINY, TINY_LM
 
-from configs import synthetic_lm
+from configs import synthetic_lm, synthetic_seq2seq
 from tfm.checks import ConfigError
+from tfm.decode.generate import translate
 from tfm.nn.config import ModelConfig
-from tfm.nn.models import DecoderLM
+from tfm.nn.models import DecoderLM, EncoderDecoder
 from tfm.parallel import sharding
 from tfm.training import train
 from tfm.training.experiment import context_attention_backend, setup
@@ -34,18 +37,54 @@ SEGMENTS = np.array([[1] * LENGTH, [1] * 5 + [2] * 7 + [3] * 2 + [0] * 2], np.in
 def _batch():
     rng = np.random.default_rng(0)
     tokens = rng.integers(1, TINY_LM["vocab_size"], size=(2, LENGTH + 1)).astype(np.int32)
-    positions = np.zeros_like(SEGMENTS)
-    for t in range(1, LENGTH):
-        same = SEGMENTS[:, t] == SEGMENTS[:, t - 1]
-        positions[:, t] = np.where(same, positions[:, t - 1] + 1, 0)
     # Next-token targets are shifted on the whole row, before any split.
-    return dict(inputs=tokens[:, :-1], targets=tokens[:, 1:], positions=positions,
+    return dict(inputs=tokens[:, :-1], targets=tokens[:, 1:],
+                positions=_segment_positions(SEGMENTS),
                 segment_ids=SEGMENTS, weights=(SEGMENTS > 0).astype(np.float32))
+
+
+def _seq2seq_batch(packed):
+    """Source and decoder rows of LENGTH tokens: padded (valid masks, rows of 16 and 11 source
+    and 16 and 9 target tokens), or packed (two examples in the second row, both sides, then
+    padding), the segments crossing the chunk boundaries of context 2 and 4."""
+    rng = np.random.default_rng(1)
+    source, tokens = (rng.integers(1, TINY["vocab_size"], size=(2, length)).astype(np.int32)
+                      for length in (LENGTH, LENGTH + 1))
+    batch = dict(source=source, inputs=tokens[:, :-1], targets=tokens[:, 1:])
+    if packed:
+        source_ids = np.array([[1] * LENGTH, [1] * 6 + [2] * 7 + [0] * 3], np.int32)
+        target_ids = np.array([[1] * LENGTH, [1] * 5 + [2] * 8 + [0] * 3], np.int32)
+        batch.update(source_segment_ids=source_ids, segment_ids=target_ids,
+                     source_positions=_segment_positions(source_ids),
+                     positions=_segment_positions(target_ids))
+        return dict(batch, weights=(target_ids > 0).astype(np.float32))
+    index = np.arange(LENGTH)
+    valid = index < np.array([[LENGTH], [9]])
+    batch.update(source_valid=index < np.array([[LENGTH], [11]]), valid=valid)
+    return dict(batch, weights=valid.astype(np.float32))
+
+
+def _segment_positions(segment_ids):  # [batch, len] -> each token's place in its segment
+    positions = np.zeros_like(segment_ids)
+    for t in range(1, segment_ids.shape[1]):
+        same = segment_ids[:, t] == segment_ids[:, t - 1]
+        positions[:, t] = np.where(same, positions[:, t - 1] + 1, 0)
+    return positions
+
+
+def _model(config):
+    return (EncoderDecoder if config.num_encoder_layers else DecoderLM)(config)
+
+
+def _init(config, batch):
+    """The model's parameters (unboxed) for `batch` (_batch's or _seq2seq_batch's)."""
+    inputs = [batch[key] for key in ("source", "inputs") if key in batch]
+    return nn.meta.unbox(_model(config).init(jax.random.key(0), *inputs)["params"])
 
 
 def _loss_and_grads(config, mesh_sizes, batch, params):
     """Loss and gradients on one device (mesh_sizes None) or on a mesh of those sizes."""
-    model = DecoderLM(config)
+    model = _model(config)
     run = jax.jit(jax.value_and_grad(functools.partial(_loss_sum, model)))
     if mesh_sizes is None:
         return run(params, batch)
@@ -56,8 +95,10 @@ def _loss_and_grads(config, mesh_sizes, batch, params):
 
 
 def _loss_sum(model, params, batch):
-    logits = model.apply({"params": params}, batch["inputs"], positions=batch["positions"],
-                         segment_ids=batch["segment_ids"])
+    inputs = [batch[key] for key in ("source", "inputs") if key in batch]
+    features = {key: value for key, value in batch.items()
+                if key not in ("source", "inputs", "targets", "weights")}
+    logits = model.apply({"params": params}, *inputs, **features)
     log_probs = jax.nn.log_softmax(logits)
     nll = -jnp.take_along_axis(log_probs, batch["targets"][..., None], axis=-1)[..., 0]
     return jnp.sum(nll * batch["weights"])
@@ -85,6 +126,33 @@ def test_context_parallel_loss_and_gradients_equal_one_device(scheme, strategy, 
     params = nn.meta.unbox(DecoderLM(config).init(jax.random.key(0), batch["inputs"])["params"])
     want_loss, want_grads = _loss_and_grads(config, None, batch, params)
     got_loss, got_grads = _loss_and_grads(config, mesh_sizes, batch, params)
+    _assert_close(got_loss, got_grads, want_loss, want_grads)
+
+
+# The encoder-decoder: the encoder's rows in contiguous chunks (bidirectional), the decoder's
+# load balanced, its cross-attention against the gathered source; padded or packed rows,
+# local windows (bidirectional in the encoder, causal in the decoder); each
+# chunk by the reference maths or the flex kernel (Pallas interpret mode), against the
+# reference on one device.
+@pytest.mark.parametrize("scheme, strategy, context, packed, backend, window", [
+    ("t5_bias", "all_gather", 2, True, "reference", None),
+    ("rope", "ring", 4, False, "reference", None),
+    ("learned", "all_gather", 4, False, "reference", None),
+    ("alibi", "ring", 2, True, "reference", 3),
+    ("t5_bias", "all_gather", 2, True, "flex", 5),
+], ids=["t5-all_gather-context2-packed", "rope-ring-context4-padded",
+        "learned-all_gather-context4-padded", "alibi-ring-context2-packed-window",
+        "t5-flex-context2-packed-window"])
+def test_encoder_decoder_under_context_parallelism_equals_one_device(scheme, strategy, context,
+                                                                      packed, backend, window):
+    config = ModelConfig(**{**TINY, "num_encoder_layers": 1, "num_decoder_layers": 1},
+                         position_scheme=scheme, context_parallel=strategy,
+                         attention_backend="reference", local_window=window)
+    batch = {key: jnp.asarray(value) for key, value in _seq2seq_batch(packed).items()}
+    params = _init(config, batch)
+    want_loss, want_grads = _loss_and_grads(config, None, batch, params)
+    got_loss, got_grads = _loss_and_grads(config.replace(attention_backend=backend),
+                                          {"context": context}, batch, params)
     _assert_close(got_loss, got_grads, want_loss, want_grads)
 
 
@@ -146,11 +214,40 @@ def test_the_accelerator_program_runs_the_kernel_per_chunk_and_holds_no_chunk_by
     assert chunk_by_row.search(lowered("reference"))
 
 
-def _lm_experiment(data_dir, mesh, devices):
-    config = synthetic_lm.get_config("runlocal")
+def test_the_tpu_program_of_an_encoder_decoder_runs_the_kernel_per_chunk():
+    """The encoder-decoder's train gradient lowered for TPU over an abstract context=4 mesh
+    with flex: the encoder's chunk (one run: forward, dq, dk/dv), the cross-attention's chunk
+    (one run) and the decoder's two load-balanced halves call the Pallas kernel 3 + 3 + 6
+    times, each attention under shard_map, and no [.., chunk, T] (nor [.., T, T]) array is
+    left."""
+    platform, kind, mesh_platform, kernel_call = ACCELERATORS["tpu"]
+    length, context = 512, 4
+    chunk_by_row = re.compile(rf"x{length // context}x{length}x|x{length}x{length}x")
+    mesh = jax.sharding.AbstractMesh((1, 1, context, 1), sharding.MESH_AXES,
+                                     abstract_device=AbstractDevice(kind, None, mesh_platform))
+    config = ModelConfig(**{**TINY, "num_encoder_layers": 1, "num_decoder_layers": 1},
+                         position_scheme="t5_bias", attention_backend="flex")
+    with jax.sharding.use_abstract_mesh(mesh), nn.logical_axis_rules(
+            sharding.DEFAULT_LOGICAL_RULES):
+        text = lowered_seq2seq_grad(config, length, platform)
+    assert text.count(kernel_call) == 12
+    # the three attentions' forward and backward passes run under shard_map, each on the
+    # device's queries only (the first operand split over the context axis)
+    split_queries = re.compile(r'manual_computation\([^)]*\) in_shardings=\[<@mesh, '
+                               r'\[\{"data", "fsdp"\}, \{"context"\}')
+    assert len(split_queries.findall(text)) == 6
+    assert not chunk_by_row.search(text)
+
+
+def _experiment(data_dir, mesh, devices, configs=synthetic_lm):
+    """A tiny experiment of `configs` (synthetic_lm, or synthetic_seq2seq with one encoder
+    layer) on packed rows of 16 tokens."""
+    config = configs.get_config("runlocal")
     config.model.update(d_model=16, num_heads=4, num_kv_heads=2, d_ff=32, num_decoder_layers=1,
                         position_scheme="t5_bias", context_parallel="ring", dropout_rate=0.0,
                         attention_dropout_rate=0.0)
+    if config.model.num_encoder_layers:  # all_gather: the ring's is the LM's (compile time)
+        config.model.update(num_encoder_layers=1, context_parallel="all_gather")
     config.data.update(batch_size=4, seq_len=16, packing=True, num_train_examples=100,
                        num_eval_examples=8, train_lengths=(1, 3), data_dir=str(data_dir))
     config.mesh.update(mesh)
@@ -170,16 +267,20 @@ def _step_grads(exp, params, host_batch):
         return jax.jit(grads_of)(params, batch, None)
 
 
-def test_train_step_under_context_parallelism_equals_one_device(tmp_path):
-    """Loss and gradients of the train step on packed rows (documents across chunk boundaries)
-    with T5 bias: fsdp=2 x context=4 (ring, 'auto' meaning the reference per chunk) against one
-    device ('auto' meaning the CPU kernels)."""
-    one = _lm_experiment(tmp_path, {"data": 1}, jax.devices()[:1])
-    split = _lm_experiment(tmp_path, {"data": 1, "fsdp": 2, "context": 4}, jax.devices())
+@pytest.mark.parametrize("configs", [synthetic_lm, synthetic_seq2seq], ids=["lm", "seq2seq"])
+def test_train_step_under_context_parallelism_equals_one_device(tmp_path, configs):
+    """Loss and gradients of the train step on packed rows (documents across chunk boundaries;
+    the decoder's targets shifted by the pipeline on whole rows) with T5 bias: fsdp=2 x
+    context=4 (ring, 'auto' meaning the reference per chunk) against one device ('auto'
+    meaning the CPU kernels); an LM, and an encoder-decoder whose sources are packed too."""
+    one = _experiment(tmp_path, {"data": 1}, jax.devices()[:1], configs)
+    split = _experiment(tmp_path, {"data": 1, "fsdp": 2, "context": 4}, jax.devices(), configs)
     assert split.model_config.attention_backend == "reference"
     host_batch = next(one.data.train_iterator())
     # several documents in a row, which chunks of 2 tokens (2 x 4 per row of 16) cut
-    assert max(len(np.unique(row)) for row in host_batch["segment_ids"]) > 2
+    for key in ("segment_ids", "source_segment_ids"):
+        assert key not in host_batch or max(len(np.unique(row))
+                                            for row in host_batch[key]) > 2
     params = nn.meta.unbox(one.family.init(one.model, jax.random.key(0), host_batch))
     want_grads, want_sums = _step_grads(one, params, host_batch)
     got_grads, got_sums = _step_grads(split, params, host_batch)
@@ -208,11 +309,13 @@ def test_auto_means_flex_per_chunk_on_tpu_under_all_gather_else_the_reference():
     assert context_attention_backend(config(attention_dropout_rate=0.1), "tpu") == "reference"
 
 
-def test_rows_load_balancing_cannot_cut_run_whole_with_the_same_logits():
+@pytest.mark.parametrize("backend", ["reference", "flex"])
+def test_rows_load_balancing_cannot_cut_run_whole_with_the_same_logits(backend):
     """A call whose length 2 x mesh.context does not divide (initialisation, an eval length)
-    runs whole on every device: the logits of 12 tokens under context=4 (8 chunks needed)."""
+    runs whole on every device: the logits of 12 tokens under context=4 (8 chunks needed).
+    A kernel run whole keeps the sequence whole though context (4) divides it."""
     config = ModelConfig(**{**TINY_LM, "num_decoder_layers": 1}, position_scheme="alibi",
-                         attention_backend="reference")
+                         attention_backend=backend)
     tokens = jnp.asarray(_batch()["inputs"][:, :12])
     model = DecoderLM(config)
     params = nn.meta.unbox(model.init(jax.random.key(0), tokens)["params"])
@@ -223,3 +326,44 @@ def test_rows_load_balancing_cannot_cut_run_whole_with_the_same_logits():
         got = jax.jit(lambda params, tokens: model.apply({"params": params}, tokens))(params,
                                                                                      tokens)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("source_len, target_len", [(14, 16), (16, 12)],
+                         ids=["source-uncut", "target-uncut"])
+def test_encoder_decoder_rows_that_cannot_be_cut_run_whole_with_the_same_logits(source_len,
+                                                                                 target_len):
+    """Under context=4 a source of 14 tokens (4 chunks needed) runs the encoder and the
+    decoder whole; a target of 12 (8 chunks needed) runs the decoder whole against the
+    encoder's split output."""
+    config = ModelConfig(**{**TINY, "num_encoder_layers": 1, "num_decoder_layers": 1},
+                         position_scheme="t5_bias", attention_backend="reference")
+    batch = _seq2seq_batch(packed=True)
+    source = jnp.asarray(batch["source"][:, :source_len])
+    inputs = jnp.asarray(batch["inputs"][:, :target_len])
+    model = EncoderDecoder(config)
+    params = _init(config, dict(source=source, inputs=inputs))
+    apply = lambda params, source, inputs: model.apply({"params": params}, source,  # noqa: E731
+                                                       inputs)
+    want = jax.jit(apply)(params, source, inputs)
+    mesh = sharding.make_mesh({"data": 1, "context": 4}, devices=jax.devices()[:4])
+    with sharding.sharding_context(mesh):
+        got = jax.jit(apply)(params, source, inputs)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_translate_under_a_context_mesh_equals_one_device():
+    """Greedy translation under context=4: the encoder splits the 16-token source into
+    chunks (its padding hidden), the cached decoding steps run whole against its output; the
+    tokens and their scores are the one-device run's."""
+    config = ModelConfig(**{**TINY, "num_encoder_layers": 1, "num_decoder_layers": 1},
+                         position_scheme="t5_bias", attention_backend="reference")
+    batch = _seq2seq_batch(packed=False)
+    params = _init(config, {key: jnp.asarray(batch[key]) for key in ("source", "inputs")})
+    run = functools.partial(translate, params, config, batch["source"], np.array([LENGTH, 11]),
+                            method="greedy", max_new_tokens=6, eos_id=None)
+    want = run()
+    mesh = sharding.make_mesh({"data": 1, "context": 4}, devices=jax.devices()[:4])
+    with sharding.sharding_context(mesh):
+        got = run()
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_allclose(got.scores, want.scores, rtol=1e-5)

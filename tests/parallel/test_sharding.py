@@ -417,16 +417,24 @@ def test_context_parallelism_refuses_what_it_cannot_run(fields, seq_len, match):
     sharding.check_context(_decoder(**fields), {**sizes, "context": 1}, seq_len)  # no split
 
 
-def test_context_parallelism_accepts_every_position_bias_and_refuses_encoders():
+def test_context_parallelism_accepts_every_position_bias_and_encoder_decoders():
     sizes = {"data": 1, "fsdp": 1, "context": 8, "tensor": 1}
     for scheme in ("rope", "alibi", "t5_bias", "learned", "kerple_log", "fire"):
         sharding.check_context(_decoder(position_scheme=scheme, local_window=4), sizes, 64)
         sharding.check_context(_decoder(position_scheme=scheme, attention_backend="flex"),
                                sizes, 64)
     seq2seq = ModelConfig(vocab_size=32, num_encoder_layers=1, num_decoder_layers=1, d_model=16,
-                          num_heads=2, d_ff=32)
-    with pytest.raises(ConfigError, match=r"model.num_encoder_layers=1 with mesh.context=8"):
-        sharding.check_context(seq2seq, sizes, 64)
+                          num_heads=2, d_ff=32, attention_backend="reference")
+    sharding.check_context(seq2seq, sizes, 64)
+    sharding.check_context(seq2seq, sizes, 64, source_seq_len=24)  # 8 contiguous chunks
+    with pytest.raises(ConfigError, match=r"^data.source_seq_len=20 with mesh.context=8: the "
+                                          r"encoder's rows .* use a multiple of 8$"):
+        sharding.check_context(seq2seq, sizes, 64, source_seq_len=20)
+    with pytest.raises(ConfigError, match=r"^data.seq_len=20 with mesh.context=8: .* 16$"):
+        sharding.check_context(seq2seq, sizes, 20, source_seq_len=24)
+    encoder = seq2seq.replace(num_decoder_layers=0)
+    with pytest.raises(ConfigError, match=r"^model.num_decoder_layers=0 with mesh.context=8"):
+        sharding.check_context(encoder, sizes, 64)
     with pytest.raises(ConfigError, match=r"model.context_parallel='ulysses' is unknown"):
         with field_prefix("model"):
             _decoder(context_parallel="ulysses")

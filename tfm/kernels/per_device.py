@@ -96,9 +96,11 @@ def run(
     compiler = COMPILER_OF_PLATFORM.get(mesh.abstract_device.platform, "interpret")
     if mesh.size == 1:
         return local(query, key, value, rows, heads, compiler=compiler)
-    query_spec = nn.logical_to_mesh_axes(("batch", "length", "heads", "head_dim"))
-    kv_spec = nn.logical_to_mesh_axes(("batch", "length", "kv_heads", "head_dim"))
-    rows_spec = nn.logical_to_mesh_axes(("batch", "length"))
+    # The sequence stays whole: a call's queries attend all of its keys. A mesh's context axis
+    # splits it only inside tfm.kernels.context_parallel, which runs the kernel on each chunk.
+    query_spec = nn.logical_to_mesh_axes(("batch", None, "heads", "head_dim"))
+    kv_spec = nn.logical_to_mesh_axes(("batch", None, "kv_heads", "head_dim"))
+    rows_spec = nn.logical_to_mesh_axes(("batch", None))
     query_spec = divisible(query_spec, query.shape, mesh)
     kv_spec = divisible(kv_spec, key.shape, mesh)
     if query_spec[2] != kv_spec[2]:  # heads split one way, kv heads another: keep both whole,

@@ -246,9 +246,9 @@ class AttentionInputs:
     query_positions: [batch, q_len]; key_positions: [batch, kv_len], of every key attended to;
     structure: the mask and the shared position bias by their parts (AttentionStructure), the
     one form they take on the way to the kernel; sequence: under context parallelism
-    (tfm.nn.context_split), the self-attention mask from each token's original index and
-    segment, which replaces the structure's mask (the structure then only carries the position
-    bias by blocks).
+    (tfm.nn.context_split), the self- or cross-attention mask from each token's original index
+    and segment, which replaces the structure's mask (the structure then only carries the
+    position bias by blocks).
     """
 
     query_positions: Array
@@ -338,7 +338,7 @@ class MultiHeadAttention(nn.Module):
     ) -> Array:  # [batch, q_len, heads, head_dim]
         """The attention core, with a Shaw relative scheme's logit bias and value term."""
         config = self.config
-        if inputs.sequence is not None and not self.is_cross:
+        if inputs.sequence is not None:
             return _context_parallel_attend(config, query, key, value, inputs)
         value_term, structure = None, inputs.structure
         collect = self.is_mutable_collection("intermediates")
@@ -373,7 +373,7 @@ def _context_parallel_attend(
     value: Array,  # like key
     inputs: AttentionInputs,  # with the sequence mask and the structure's bias by blocks
 ) -> Array:  # [batch, len, heads, head_dim]
-    """Self-attention under context parallelism (tfm.kernels.context_parallel): each
+    """Self- or cross-attention under context parallelism (tfm.kernels.context_parallel): each
     device's chunk by the flex kernel when it is the backend, else the reference maths."""
     if config.scheme.relative is not None:
         raise ValueError(f"position_scheme={config.position_scheme!r} computes its bias from the "

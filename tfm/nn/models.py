@@ -197,14 +197,23 @@ class Encoder(nn.Module):
             embedding = TokenEmbedding(config, config.resolved_source_vocab_size, name="embed")
         from_segments = valid is None and segment_ids is not None
         valid = resolve_valid(tokens, valid, segment_ids)
+        follows_index = segment_ids is not None or (positions is None and valid is None)
         positions, structure = full_pass_inputs(config, tokens, positions, valid, segment_ids,
                                                 causal=False, valid_from_segments=from_segments)
+        shards = context_split.shards_for(tokens, False, balanced=False)
+        sequence = None
+        if shards > 1:  # context parallelism: contiguous chunks, the output in the input's order
+            tokens, positions, sequence, structure = context_split.split_rows(
+                config, tokens, positions, valid, segment_ids, follows_index, shards,
+                causal=False)
         x = _embed(config, self, embedding, tokens, positions, token_types)
         x = self.perturb("embedded", x)  # lets tests take gradients w.r.t. the input embeddings
         x = nn.Dropout(config.dropout_rate)(x, deterministic=deterministic)
         ctx = self_attention_context(
             config, PositionBias(config, True, name="position_bias"), positions, positions,
             structure, None)
+        if sequence is not None:
+            x, ctx = context_split.with_sequence(x, ctx, sequence)
         x, _ = Stack(config, config.num_encoder_layers, False, True, name="stack")(
             x, None, ctx, deterministic
         )
@@ -243,15 +252,18 @@ class Decoder(nn.Module):
         from_segments = valid is None and segment_ids is not None
         valid = resolve_valid(tokens, valid, segment_ids)
         sequence = None
-        shards = context_split.shards_for(tokens, cache is not None or self.has_cross)
+        shards = context_split.shards_for(tokens, cache is not None)
+        if self.has_cross and encoded is not None:  # the source splits too, or both run whole
+            shards = min(shards, context_split.shards_for(encoded, False, balanced=False))
         if cache is None:
             follows_index = segment_ids is not None or (positions is None and valid is None)
             positions, structure = full_pass_inputs(config, tokens, positions, valid,
                                                     segment_ids, causal=True,
                                                     valid_from_segments=from_segments)
             if shards > 1:  # context parallelism: rows load balanced until the last block
-                tokens, positions, sequence, structure = context_split.split_causal_rows(
-                    config, tokens, positions, valid, segment_ids, follows_index, shards)
+                tokens, positions, sequence, structure = context_split.split_rows(
+                    config, tokens, positions, valid, segment_ids, follows_index, shards,
+                    causal=True)
             key_positions = positions
         else:
             check_cache(cache, config, self.has_cross, tokens.shape[0])
@@ -269,13 +281,16 @@ class Decoder(nn.Module):
             config, PositionBias(config, False, name="position_bias"), positions, key_positions,
             structure, write_index)
         if sequence is not None:
-            x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
-            ctx = ctx.replace(self_attention=ctx.self_attention.replace(sequence=sequence))
+            x, ctx = context_split.with_sequence(x, ctx, sequence)
         if self.has_cross:
             if encoded is None and cache is None:
                 raise ValueError("the encoder-decoder's decoder needs `encoded` or a filled cache")
             source_valid = cache.source_valid if encoded is None else source_valid
             ctx = with_cross_attention(ctx, encoded, source_valid, segment_ids, source_segment_ids)
+            if sequence is not None:  # each device's queries against the gathered source
+                cross = context_split.cross_mask(tokens, segment_ids, ctx.source_valid,
+                                                 source_segment_ids, shards)
+                ctx = ctx.replace(cross_attention=ctx.cross_attention.replace(sequence=cross))
 
         x, new_cache = Stack(
             config, config.num_decoder_layers, self.has_cross, False, name="stack"

@@ -406,15 +406,21 @@ def context_size(mesh: Mesh | Mapping[str, int]) -> int:
     return _axis_sizes(mesh).get("context", 1)
 
 
-def context_refusal(model_config: Any, context: int, seq_len: int) -> str | None:
+def context_refusal(model_config: Any, context: int, seq_len: int,
+                    source_seq_len: int | None = None) -> str | None:
     """Why context parallelism over `context` devices cannot run this model yet (one line
     naming the fields), or None. `model_config`: a tfm ModelConfig, its attention backend
     resolved (tfm.training.experiment.context_attention_backend). Each chunk runs the
-    reference maths, or the flex kernel under all_gather."""
+    reference maths, or the flex kernel under all_gather. source_seq_len: an encoder-decoder's
+    source row length (None: seq_len)."""
     given = f"with mesh.context={context}"
-    if model_config.num_encoder_layers:
-        return (f"model.num_encoder_layers={model_config.num_encoder_layers} {given}: "
-                "context parallelism runs decoder-only models so far; use mesh.context=1")
+    if model_config.num_encoder_layers and not model_config.num_decoder_layers:
+        return (f"model.num_decoder_layers=0 {given}: context parallelism runs decoder-only "
+                "and encoder-decoder models so far; use mesh.context=1")
+    source_len = seq_len if source_seq_len is None else source_seq_len
+    if model_config.num_encoder_layers and source_len % context:
+        return (f"data.source_seq_len={source_len} {given}: the encoder's rows split into "
+                f"mesh.context equal contiguous chunks; use a multiple of {context}")
     if model_config.scheme.logit_bias_kind == "query":
         return (f"model.position_scheme={model_config.position_scheme!r} {given}: Shaw's bias "
                 "comes from the query vectors, not from positions, so no chunk can compute it; "
@@ -436,10 +442,12 @@ def context_refusal(model_config: Any, context: int, seq_len: int) -> str | None
     return None
 
 
-def check_context(model_config: Any, mesh: Mesh | Mapping[str, int], seq_len: int) -> None:
+def check_context(model_config: Any, mesh: Mesh | Mapping[str, int], seq_len: int,
+                  source_seq_len: int | None = None) -> None:
     """ConfigError (`context_refusal`) when mesh.context > 1 cannot run this model."""
     context = context_size(mesh)
-    reason = None if context == 1 else context_refusal(model_config, context, seq_len)
+    reason = None if context == 1 else context_refusal(model_config, context, seq_len,
+                                                       source_seq_len)
     if reason is not None:
         raise ConfigError(reason)
 

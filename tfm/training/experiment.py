@@ -200,7 +200,7 @@ def setup(
     sharding.check_divisibility(
         model_config, mesh, data.config.batch_size, sections.rules, sections.train.microbatches
     )
-    sharding.check_context(model_config, mesh, data.config.seq_len)
+    sharding.check_context(model_config, mesh, data.config.seq_len, data.config.source_seq_len)
     optimizer, schedule = optim.make_optimizer(sections.optimizer, d_model=model_config.d_model)
     experiment = Experiment(
         config=sections.source,
