@@ -23,7 +23,7 @@ from tiny_model import TINY, TINY_LM
 
 from configs import synthetic_lm, synthetic_seq2seq
 from tfm.checks import ConfigError
-from tfm.decode.generate import translate
+from tfm.decode.generate import lm_generate, translate
 from tfm.nn.config import ModelConfig
 from tfm.nn.models import DecoderLM, EncoderDecoder
 from tfm.parallel import sharding
@@ -360,6 +360,25 @@ def test_translate_under_a_context_mesh_equals_one_device():
     batch = _seq2seq_batch(packed=False)
     params = _init(config, {key: jnp.asarray(batch[key]) for key in ("source", "inputs")})
     run = functools.partial(translate, params, config, batch["source"], np.array([LENGTH, 11]),
+                            method="greedy", max_new_tokens=6, eos_id=None)
+    want = run()
+    mesh = sharding.make_mesh({"data": 1, "context": 4}, devices=jax.devices()[:4])
+    with sharding.sharding_context(mesh):
+        got = run()
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_allclose(got.scores, want.scores, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["reference", "flex"])
+def test_lm_generation_under_a_context_mesh_equals_one_device(backend):
+    """Greedy continuation of 16-token prompts (one right-padded) under context=4: the
+    prefill fills its cache, so it runs as a full pass through the kernel, whole on every
+    device; the cached steps run whole too. Tokens and scores are the one-device run's."""
+    config = ModelConfig(**{**TINY_LM, "num_decoder_layers": 1}, position_scheme="t5_bias",
+                         attention_backend=backend)
+    prompts = _batch()["inputs"]
+    params = _init(config, dict(inputs=jnp.asarray(prompts)))
+    run = functools.partial(lm_generate, params, config, prompts, np.array([LENGTH, 11]),
                             method="greedy", max_new_tokens=6, eos_id=None)
     want = run()
     mesh = sharding.make_mesh({"data": 1, "context": 4}, devices=jax.devices()[:4])
