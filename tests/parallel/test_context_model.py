@@ -359,8 +359,13 @@ def test_translate_under_a_context_mesh_equals_one_device():
                          position_scheme="t5_bias", attention_backend="reference")
     batch = _seq2seq_batch(packed=False)
     params = _init(config, {key: jnp.asarray(batch[key]) for key in ("source", "inputs")})
-    run = functools.partial(translate, params, config, batch["source"], np.array([LENGTH, 11]),
-                            method="greedy", max_new_tokens=6, eos_id=None)
+    _assert_decodes_alike_under_context_4(functools.partial(
+        translate, params, config, batch["source"], np.array([LENGTH, 11]), method="greedy",
+        max_new_tokens=6, eos_id=None))
+
+
+def _assert_decodes_alike_under_context_4(run):
+    """run() (a decoding call) gives the same tokens and scores under context=4 as alone."""
     want = run()
     mesh = sharding.make_mesh({"data": 1, "context": 4}, devices=jax.devices()[:4])
     with sharding.sharding_context(mesh):
@@ -378,11 +383,6 @@ def test_lm_generation_under_a_context_mesh_equals_one_device(backend):
                          attention_backend=backend)
     prompts = _batch()["inputs"]
     params = _init(config, dict(inputs=jnp.asarray(prompts)))
-    run = functools.partial(lm_generate, params, config, prompts, np.array([LENGTH, 11]),
-                            method="greedy", max_new_tokens=6, eos_id=None)
-    want = run()
-    mesh = sharding.make_mesh({"data": 1, "context": 4}, devices=jax.devices()[:4])
-    with sharding.sharding_context(mesh):
-        got = run()
-    np.testing.assert_array_equal(got.tokens, want.tokens)
-    np.testing.assert_allclose(got.scores, want.scores, rtol=1e-5)
+    _assert_decodes_alike_under_context_4(functools.partial(
+        lm_generate, params, config, prompts, np.array([LENGTH, 11]), method="greedy",
+        max_new_tokens=6, eos_id=None))
