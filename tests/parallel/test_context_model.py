@@ -2,7 +2,8 @@
 context axis) on 8 simulated CPU devices, against the same model on one device in float32
 (relative 1e-5): a tiny decoder-only LM's loss and every parameter gradient under
 mesh.context = 2, 4 (all_gather, ring; alone, with data and with tensor) for RoPE, ALiBi, T5,
-FIRE and learned positions, plain and packed rows (documents crossing the chunk boundaries) with
+FIRE, learned positions and Shaw's (all_gather; with and without relative values), plain and
+packed rows (documents crossing the chunk boundaries) with
 padding, and a local window; a tiny encoder-decoder's (padded and packed sources and targets,
 all_gather and ring, reference and flex per chunk); the train step's loss and gradients on the
 data pipeline's packed rows under fsdp=2 x context=4 (LM and encoder-decoder); setup's refusal
