@@ -121,10 +121,13 @@ def _loss_sum(model, params, batch):
     ("relative", "all_gather", {"context": 4}, None, {"relative_values": True}),
     ("relative", "all_gather", {"data": 2, "context": 2}, None,
      {"relative_max_distance": 6, "relative_values": True}),
+    ("relative", "all_gather", {"context": 2, "tensor": 2}, None,
+     {"num_decoder_layers": 2, "scan_layers": True, "remat": "full"}),
 ], ids=["rope-ring-context4", "alibi-all_gather-data2-context2-window",
         "t5-ring-context2-tensor2-window", "learned-all_gather-context4-tensor2",
         "fire-all_gather-context2", "rope-ring-context2-scan-remat", "shaw-keys-context2",
-        "shaw-values-context4", "shaw-values-data2-context2"])
+        "shaw-values-context4", "shaw-values-data2-context2",
+        "shaw-values-context2-tensor2-scan-remat"])
 def test_context_parallel_loss_and_gradients_equal_one_device(scheme, strategy, mesh_sizes,
                                                               window, changes):
     config = ModelConfig(**{**TINY_LM, "num_decoder_layers": 1, **changes},
