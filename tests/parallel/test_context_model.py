@@ -2,7 +2,8 @@
 context axis) on 8 simulated CPU devices, against the same model on one device in float32
 (relative 1e-5): a tiny decoder-only LM's loss and every parameter gradient under
 mesh.context = 2, 4 (all_gather, ring; alone, with data and with tensor) for RoPE, ALiBi, T5,
-FIRE and learned positions, plain and packed rows (documents crossing the chunk boundaries) with
+FIRE, learned positions and Shaw's (all_gather; with and without relative values), plain and
+packed rows (documents crossing the chunk boundaries) with
 padding, and a local window; a tiny encoder-decoder's (padded and packed sources and targets,
 all_gather and ring, reference and flex per chunk); the train step's loss and gradients on the
 data pipeline's packed rows under fsdp=2 x context=4 (LM and encoder-decoder); setup's refusal
@@ -114,9 +115,19 @@ def _loss_sum(model, params, batch):
     ("fire", "all_gather", {"context": 2}, None, {}),  # a learned bias per layer
     ("rope", "ring", {"context": 2}, None,
      {"num_decoder_layers": 2, "scan_layers": True, "remat": "full"}),
+    # Shaw: the relative logit term from each device's queries, the value term from the same
+    # weights (TINY's max_distance 3 clips inside a chunk, so a local index would show)
+    ("relative", "all_gather", {"context": 2}, None, {"relative_values": False}),
+    ("relative", "all_gather", {"context": 4}, None, {"relative_values": True}),
+    ("relative", "all_gather", {"data": 2, "context": 2}, None,
+     {"relative_max_distance": 6, "relative_values": True}),
+    ("relative", "all_gather", {"context": 2, "tensor": 2}, None,
+     {"num_decoder_layers": 2, "scan_layers": True, "remat": "full"}),
 ], ids=["rope-ring-context4", "alibi-all_gather-data2-context2-window",
         "t5-ring-context2-tensor2-window", "learned-all_gather-context4-tensor2",
-        "fire-all_gather-context2", "rope-ring-context2-scan-remat"])
+        "fire-all_gather-context2", "rope-ring-context2-scan-remat", "shaw-keys-context2",
+        "shaw-values-context4", "shaw-values-data2-context2",
+        "shaw-values-context2-tensor2-scan-remat"])
 def test_context_parallel_loss_and_gradients_equal_one_device(scheme, strategy, mesh_sizes,
                                                               window, changes):
     config = ModelConfig(**{**TINY_LM, "num_decoder_layers": 1, **changes},
@@ -140,9 +151,10 @@ def test_context_parallel_loss_and_gradients_equal_one_device(scheme, strategy, 
     ("learned", "all_gather", 4, False, "reference", None),
     ("alibi", "ring", 2, True, "reference", 3),
     ("t5_bias", "all_gather", 2, True, "flex", 5),
+    ("relative", "all_gather", 4, True, "reference", None),
 ], ids=["t5-all_gather-context2-packed", "rope-ring-context4-padded",
         "learned-all_gather-context4-padded", "alibi-ring-context2-packed-window",
-        "t5-flex-context2-packed-window"])
+        "t5-flex-context2-packed-window", "shaw-values-all_gather-context4-packed"])
 def test_encoder_decoder_under_context_parallelism_equals_one_device(scheme, strategy, context,
                                                                       packed, backend, window):
     config = ModelConfig(**{**TINY, "num_encoder_layers": 1, "num_decoder_layers": 1},
@@ -289,12 +301,13 @@ def test_train_step_under_context_parallelism_equals_one_device(tmp_path, config
 
 def test_setup_refuses_context_parallelism_it_cannot_run(tmp_path):
     config = synthetic_lm.get_config("runlocal")
-    config.model.update(position_scheme="relative")
+    config.model.update(position_scheme="relative", context_parallel="ring")
     config.data.update(seq_len=16, data_dir=str(tmp_path), num_train_examples=100,
                        num_eval_examples=8, batch_size=8)
     config.mesh.update({"data": 1, "context": 8})
-    with pytest.raises(ConfigError, match=r"^model.position_scheme='relative' with "
-                                          r"mesh.context=8: Shaw's bias comes from the query"):
+    with pytest.raises(ConfigError, match=r"^model.position_scheme='relative' with model."
+                                          r"context_parallel='ring' with mesh.context=8: the "
+                                          r"ring's blocks take no bias from the queries"):
         setup(config, tmp_path / "workdir")
 
 

@@ -397,8 +397,9 @@ def _decoder(**fields):
 @pytest.mark.parametrize(
     "fields, seq_len, match",
     [
-        ({"position_scheme": "relative"}, 16,
-         r"model.position_scheme='relative' with mesh.context=4: Shaw's bias"),
+        ({"position_scheme": "relative", "context_parallel": "ring"}, 16,
+         r"model.position_scheme='relative' with model.context_parallel='ring' with "
+         r"mesh.context=4: .* use context_parallel='all_gather'"),
         ({"attention_backend": "cpu"}, 16,
          r"model.attention_backend='cpu' with mesh.context=4: .* use 'auto', 'reference' or "
          r"'flex'"),
@@ -423,6 +424,7 @@ def test_context_parallelism_accepts_every_position_bias_and_encoder_decoders():
         sharding.check_context(_decoder(position_scheme=scheme, local_window=4), sizes, 64)
         sharding.check_context(_decoder(position_scheme=scheme, attention_backend="flex"),
                                sizes, 64)
+    sharding.check_context(_decoder(position_scheme="relative"), sizes, 64)  # Shaw: all_gather
     seq2seq = ModelConfig(vocab_size=32, num_encoder_layers=1, num_decoder_layers=1, d_model=16,
                           num_heads=2, d_ff=32, attention_backend="reference")
     sharding.check_context(seq2seq, sizes, 64)

@@ -49,6 +49,25 @@ class RelativeBias:
     key_positions: jax.Array
 
 
+@functools.partial(jax.tree_util.register_dataclass, meta_fields=("function",),
+                   data_fields=("params", "query_positions", "key_positions"))
+@dataclasses.dataclass(frozen=True)
+class RelativeValue:
+    """A term added to attention's output from its weights (Shaw et al. 2018's relative values),
+    by its parts, so a context-parallel kernel can evaluate it on its own chunk's queries
+    against the gathered keys: term = function(weights [batch, heads, q_len, kv_len], params,
+    query_positions [batch, q_len], key_positions [batch, kv_len]) -> [batch, q_len, heads,
+    head_dim]. Called with the weights, it evaluates on its own positions."""
+
+    function: Callable[..., jax.Array]
+    params: Any
+    query_positions: jax.Array
+    key_positions: jax.Array
+
+    def __call__(self, weights: jax.Array) -> jax.Array:  # [batch, heads, q_len, kv_len]
+        return self.function(weights, self.params, self.query_positions, self.key_positions)
+
+
 @functools.partial(
     jax.tree_util.register_dataclass, meta_fields=("causal", "window", "segments_mark_padding"),
     data_fields=("query_segments", "key_segments", "bias", "key_valid", "query_offset",

@@ -547,16 +547,21 @@ def attention_by_rules(
     scale: float | None = None,
     kernel: str = "reference",
 ) -> jax.Array:  # [batch, length, num_heads, head_dim]
-    """`context_attention` over the mesh set around tracing, the batch and heads split as the
-    active logical axis rules (flax's nn.logical_axis_rules) say, where they divide."""
+    """`context_attention` over the mesh set around tracing, split by `axes_by_rules`."""
+    mesh, batch, heads = axes_by_rules(query, key)
+    return context_attention(query, key, value, mask, bias, mesh=mesh, strategy=strategy,
+                             scale=scale, batch_axes=batch, head_axes=heads, kernel=kernel)
+
+
+def axes_by_rules(query: jax.Array, key: jax.Array) -> tuple:  # [B, T, N, H], [B, S, K, H]
+    """The mesh set around tracing; the batch's and heads' mesh axes by flax's logical axis
+    rules where they divide (heads: None unless query and kv heads split alike)."""
     mesh = jax.sharding.get_abstract_mesh()
     batch = per_device.divisible(nn.logical_to_mesh_axes(("batch",)), query.shape[:1], mesh)[0]
     heads = per_device.divisible(nn.logical_to_mesh_axes(("heads",)), query.shape[2:3], mesh)[0]
     kv_heads = per_device.divisible(nn.logical_to_mesh_axes(("kv_heads",)), key.shape[2:3],
                                     mesh)[0]
-    return context_attention(query, key, value, mask, bias, mesh=mesh, strategy=strategy,
-                             scale=scale, batch_axes=batch,
-                             head_axes=heads if heads == kv_heads else None, kernel=kernel)
+    return mesh, batch, heads if heads == kv_heads else None
 
 
 # ------------------------------------------------------------------------ causal load balance

@@ -14,8 +14,8 @@ import jax.numpy as jnp
 from flax import struct
 
 from tfm import kernels
-from tfm.kernels import context_parallel
-from tfm.kernels.call import AttentionStructure, BlockBias
+from tfm.kernels import context_parallel, context_relative
+from tfm.kernels.call import AttentionStructure, BlockBias, RelativeValue
 from tfm.kernels.context_parallel import SequenceMask
 from tfm.nn import positions
 from tfm.nn.cache import CacheSlot, DecoderCache
@@ -338,14 +338,15 @@ class MultiHeadAttention(nn.Module):
     ) -> Array:  # [batch, q_len, heads, head_dim]
         """The attention core, with a Shaw relative scheme's logit bias and value term."""
         config = self.config
-        if inputs.sequence is not None:
-            return _context_parallel_attend(config, query, key, value, inputs)
         value_term, structure = None, inputs.structure
-        collect = self.is_mutable_collection("intermediates")
         if config.scheme.relative is not None and not self.is_cross:
             relative, value_term = config.scheme.relative(
                 config, inputs.query_positions, inputs.key_positions, _param_fn(self, config))
             structure = structure.replace(relative=relative)
+        if inputs.sequence is not None:
+            return _context_parallel_attend(config, query, key, value, inputs.sequence,
+                                            structure, value_term)
+        collect = self.is_mutable_collection("intermediates")
         dropout_rate = 0.0 if deterministic else config.attention_dropout_rate
         result = kernels.attention(
             query,
@@ -371,18 +372,26 @@ def _context_parallel_attend(
     query: Array,  # [batch, len, heads, head_dim], rows split over the context axis
     key: Array,  # [batch, len, kv_heads, head_dim]
     value: Array,  # like key
-    inputs: AttentionInputs,  # with the sequence mask and the structure's bias by blocks
+    sequence: SequenceMask,  # each token's original index and segment
+    structure: AttentionStructure,  # the bias by blocks, or Shaw's relative bias
+    value_term: RelativeValue | None,  # Shaw's relative values, or None
 ) -> Array:  # [batch, len, heads, head_dim]
     """Self- or cross-attention under context parallelism (tfm.kernels.context_parallel): each
-    device's chunk by the flex kernel when it is the backend, else the reference maths."""
-    if config.scheme.relative is not None:
-        raise ValueError(f"position_scheme={config.position_scheme!r} computes its bias from the "
-                         "queries, which context-parallel attention cannot")
+    device's chunk by the flex kernel when it is the backend, else the reference maths; a bias
+    from the queries (Shaw) by tfm.kernels.context_relative, under all_gather only."""
+    key, value = key.astype(query.dtype), value.astype(query.dtype)
+    scale = config.resolved_attention_scale
+    if structure.relative is not None:
+        if config.context_parallel != "all_gather":
+            raise ValueError(f"position_scheme={config.position_scheme!r} under context_parallel="
+                             f"{config.context_parallel!r}: its value term needs each key "
+                             "block's weights; use all_gather")
+        return context_relative.relative_attention_by_rules(
+            query, key, value, sequence, structure.relative, value_term, scale=scale)
     kernel = "flex" if config.attention_backend == "flex" else "reference"
     return context_parallel.attention_by_rules(
-        query, key.astype(query.dtype), value.astype(query.dtype), inputs.sequence,
-        inputs.structure.bias, strategy=config.context_parallel,
-        scale=config.resolved_attention_scale, kernel=kernel)
+        query, key, value, sequence, structure.bias, strategy=config.context_parallel,
+        scale=scale, kernel=kernel)
 
 
 def _write_cache(

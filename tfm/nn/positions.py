@@ -21,13 +21,14 @@ from tfm import kernels
 from tfm.checks import ConfigError
 from tfm.kernels import block_bias
 from tfm.kernels.block_bias import dense_from_blocks  # noqa: F401
-from tfm.kernels.call import RelativeBias
+from tfm.kernels.call import RelativeBias, RelativeValue
 from tfm.nn import learned_biases, rope_scaling
 from tfm.nn.shaw import (  # noqa: F401
     relative_indices,
     shaw_bias,
     shaw_logit_bias,
     shaw_value_term,
+    shaw_values,
 )
 
 Array = jax.Array
@@ -342,9 +343,9 @@ def t5_dense_bias(head_params: tuple[Array], query_positions: Array, key_positio
 
 # param(name, shape, init_stddev, logical_axes) -> a parameter of the calling linen module.
 ParamFn = Callable[[str, tuple[int, ...], float, tuple[str | None, ...]], Array]
-# A Shaw-style term: (its logit bias by parts, value_term(weights [B, N, T, S]) -> [B, T, N, H]
-# or None)
-RelativeTerm = tuple[RelativeBias, Callable[[Array], Array] | None]
+# A Shaw-style term: (its logit bias by parts, its value term by parts, called as
+# value_term(weights [B, N, T, S]) -> [B, T, N, H], or None)
+RelativeTerm = tuple[RelativeBias, RelativeValue | None]
 # dense(params, query_positions [B, T], key_positions [B, S]) -> [B, N, T, S]: a block bias's
 # params evaluated over whole rows (a faster form than the block function's for the reference)
 DenseBiasFn = Callable[[Any, Array, Array], Array]
@@ -464,13 +465,9 @@ def _shaw_relative(
                         query_positions, key_positions)
     if not config.relative_values:
         return bias, None
-
-    def value_term(weights: Array) -> Array:
-        value_table = param("relative_value", shape, head_dim**-0.5, axes)
-        rel_idx = relative_indices(query_positions, key_positions, distance)
-        return shaw_value_term(weights, value_table, rel_idx)
-
-    return bias, value_term
+    value_table = param("relative_value", shape, head_dim**-0.5, axes)
+    return bias, RelativeValue(functools.partial(shaw_values, max_distance=distance),
+                               value_table, query_positions, key_positions)
 
 
 def _t5_table(config: Any, param: ParamFn) -> Array:

@@ -53,3 +53,12 @@ def shaw_value_term(weights: Array, value_table: Array, rel_idx: Array) -> Array
     one_hot = jax.nn.one_hot(rel_idx, value_table.shape[0], dtype=weights.dtype)  # [B, T, S, R]
     per_row = jnp.einsum("bnts,btsr->btnr", weights, one_hot)
     return jnp.einsum("btnr,rh->btnh", per_row, value_table)
+
+
+def shaw_values(weights: Array, value_table: Array, query_positions: Array,
+                key_positions: Array, *, max_distance: int) -> Array:
+    """shaw_value_term from positions (the function of the scheme's RelativeValue); weights:
+    [B, N, T, S], value_table: [2k+1, H], query_positions: [B, T], key_positions: [B, S]
+    -> [B, T, N, H]."""
+    rel_idx = relative_indices(query_positions, key_positions, max_distance)
+    return shaw_value_term(weights, value_table, rel_idx)

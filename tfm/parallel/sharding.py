@@ -421,11 +421,12 @@ def context_refusal(model_config: Any, context: int, seq_len: int,
     if model_config.num_encoder_layers and source_len % context:
         return (f"data.source_seq_len={source_len} {given}: the encoder's rows split into "
                 f"mesh.context equal contiguous chunks; use a multiple of {context}")
-    if model_config.scheme.logit_bias_kind == "query":
-        return (f"model.position_scheme={model_config.position_scheme!r} {given}: Shaw's bias "
-                "comes from the query vectors, not from positions, so no chunk can compute it; "
-                "use a rotary, embedding or bias scheme, or mesh.context=1")
     backend, strategy = model_config.attention_backend, model_config.context_parallel
+    if model_config.scheme.logit_bias_kind == "query" and strategy != "all_gather":
+        return (f"model.position_scheme={model_config.position_scheme!r} with "
+                f"model.context_parallel={strategy!r} {given}: the ring's blocks take no bias "
+                "from the queries, and Shaw's value term needs each key block's attention "
+                "weights, which its online softmax never holds; use context_parallel='all_gather'")
     if backend == "flex" and strategy != "all_gather":
         return (f"model.attention_backend='flex' with model.context_parallel={strategy!r} "
                 f"{given}: the ring runs its own blocks; use context_parallel='all_gather' or "
