@@ -283,14 +283,8 @@ class Decoder(nn.Module):
         if sequence is not None:
             x, ctx = context_split.with_sequence(x, ctx, sequence)
         if self.has_cross:
-            if encoded is None and cache is None:
-                raise ValueError("the encoder-decoder's decoder needs `encoded` or a filled cache")
-            source_valid = cache.source_valid if encoded is None else source_valid
-            ctx = with_cross_attention(ctx, encoded, source_valid, segment_ids, source_segment_ids)
-            if sequence is not None:  # each device's queries against the gathered source
-                cross = context_split.cross_mask(tokens, segment_ids, ctx.source_valid,
-                                                 source_segment_ids, shards)
-                ctx = ctx.replace(cross_attention=ctx.cross_attention.replace(sequence=cross))
+            ctx = _cross_context(ctx, tokens, cache, encoded, source_valid, segment_ids,
+                                 source_segment_ids, None if sequence is None else shards)
 
         x, new_cache = Stack(
             config, config.num_decoder_layers, self.has_cross, False, name="stack"
@@ -310,14 +304,47 @@ class Decoder(nn.Module):
             logits = OutputProjection(config, self.embedding.vocab_size,
                                       name="output_projection")(x)
         if cache is not None:
-            # A row whose new tokens did not fit (only possible under jit, where lengths are
-            # not known in advance) gets NaN logits rather than silently wrong ones.
-            overflow = cache.lengths + tokens.shape[1] > cache.max_len  # [batch]
-            logits = jnp.where(overflow[:, None, None], jnp.nan, logits)
-            new_cache = new_cache.replace(lengths=cache.lengths + tokens.shape[1], valid=new_valid)
-            if self.has_cross:
-                new_cache = new_cache.replace(source_valid=ctx.source_valid)
+            logits, new_cache = _after_cached_call(logits, tokens, cache, new_cache, new_valid,
+                                                   ctx.source_valid if self.has_cross else None)
         return logits, new_cache
+
+
+def _cross_context(
+    ctx: LayerContext, tokens: Array, cache: DecoderCache | None, encoded: Array | None,
+    source_valid: Array | None, segment_ids: Array | None, source_segment_ids: Array | None,
+    shards: int | None,
+) -> LayerContext:
+    """`ctx` with the decoder's cross-attention inputs: the encoder's output `encoded` [batch,
+    src_len, d_model] (or the cache's keys when None) and its mask by parts; under context
+    parallelism (`shards`, else None) each device's queries against the gathered source.
+    tokens, segment_ids: [batch, len]; source_valid, source_segment_ids: [batch, src_len]."""
+    if encoded is None and cache is None:
+        raise ValueError("the encoder-decoder's decoder needs `encoded` or a filled cache")
+    source_valid = cache.source_valid if encoded is None else source_valid
+    ctx = with_cross_attention(ctx, encoded, source_valid, segment_ids, source_segment_ids)
+    if shards is None:
+        return ctx
+    cross = context_split.cross_mask(tokens, segment_ids, ctx.source_valid, source_segment_ids,
+                                     shards)
+    return ctx.replace(cross_attention=ctx.cross_attention.replace(sequence=cross))
+
+
+def _after_cached_call(
+    logits: Array,  # [batch, len | 1, vocab]
+    tokens: Array,  # [batch, len], the call's new tokens
+    cache: DecoderCache, new_cache: DecoderCache,
+    new_valid: Array | None,  # [batch, max_len] bool
+    source_valid: Array | None,  # [batch, src_len] bool; None: no cross-attention
+) -> tuple[Array, DecoderCache]:
+    """The logits and the cache after a cached call: a row whose new tokens did not fit (only
+    possible under jit, where lengths are not known in advance) gets NaN logits rather than
+    silently wrong ones; lengths advance by the new tokens."""
+    overflow = cache.lengths + tokens.shape[1] > cache.max_len  # [batch]
+    logits = jnp.where(overflow[:, None, None], jnp.nan, logits)
+    new_cache = new_cache.replace(lengths=cache.lengths + tokens.shape[1], valid=new_valid)
+    if source_valid is not None:
+        new_cache = new_cache.replace(source_valid=source_valid)
+    return logits, new_cache
 
 
 class DecoderLM(nn.Module):
