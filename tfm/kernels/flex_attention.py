@@ -125,6 +125,7 @@ class _Spec:
     precision: jax.lax.Precision
     compiler: str  # one of per_device.COMPILERS
     offset: bool = False  # whether a per-row query offset ([batch] int32) is passed
+    cost_offset: int = 0  # the query offset the cost estimate assumes (the real one is traced)
 
     def first_query(self, offset_refs: list, q_block: Any) -> Any:
         """The index, among the keys, of query block `q_block`'s first query: its place in
@@ -165,7 +166,7 @@ class _Spec:
         """Query-key pairs the kernel computes (whole blocks): for its cost estimate."""
         pairs = 0
         for q_block in range(-(-self.q_len // self.block_q)):
-            first, end = self.key_blocks(q_block * self.block_q)
+            first, end = self.key_blocks(q_block * self.block_q + self.cost_offset)
             pairs += max(end - first, 0) * self.block_q * self.block_k
         return pairs
 
@@ -549,12 +550,15 @@ def attend_local(
     *, causal: bool, window: int | None, scale: float,
     function: Callable[..., jax.Array] | None, learned: bool, compiler: str | None,
     query_offset: jax.Array | None = None,  # [batch] int32
+    cost_offset: int = 0,
 ) -> jax.Array:  # [batch, q_len, num_heads, head_dim]
     """The kernel over local arrays (one device's; call it inside shard_map with the mesh's
     compiler, or without a mesh with None): lengths padded to whole blocks, heads-major
     layout. query_offset: query i's index among the keys is i + query_offset[b] (None: i), for
     the causal mask and the window, as AttentionStructure.query_offset says; context
-    parallelism runs a device's contiguous queries against the whole row's keys with it."""
+    parallelism runs a device's contiguous queries against the whole row's keys with it.
+    cost_offset: the offset the kernel's cost estimate (XLA's FLOP count) assumes, a static
+    int: context parallelism passes the mean of its devices' offsets."""
     batch, q_len, num_heads, head_dim = query.shape
     kv_len, kv_heads = key.shape[1], key.shape[2]
     q_padded, kv_padded = per_device.round_up(q_len), per_device.round_up(kv_len)
@@ -591,6 +595,7 @@ def attend_local(
             causal=causal, window=window, scale=scale, groups=num_heads // kv_heads,
             function=function, learned=learned, params_tree=jax.tree.structure(params),
             precision=precision, compiler=compiler, offset=query_offset is not None,
+            cost_offset=cost_offset,
         )
         return _flex(spec, *arrays)
 
