@@ -14,8 +14,8 @@ commands:
             or from a Hugging Face folder: ./launch.sh generate --pretrained DIR --prompt "TEXT"
   average   average the last K checkpoints (--last_k 5) into a new workdir (--output DIR)
   compile   compile CONFIG's train step for a machine you need not have: --target NAME
-            (compile --help lists them) [--json FILE]; per-chip memory, FLOPs, traffic and
-            roofline MFU; exits 1 if it does not fit
+            (compile --help lists them) [--json FILE]; per-chip memory, FLOPs, traffic,
+            roofline MFU and collective bytes; exits 1 if it does not fit
   lm_eval   tasks of EleutherAI's lm-evaluation-harness on DIR's checkpoint: --tasks a,b
             [--limit N] [--num_fewshot K] [--include_path TASK_DIR]; results printed and in
             DIR/lm_eval/results.json (needs pip install -e ".[eval]"); with --num_processes

@@ -330,3 +330,37 @@ def test_sharded_inputs_without_the_mesh_set_are_one_clear_error():
     with pytest.raises(MeshContextError, match=r"^attention_backend='flex' runs a Pallas kernel"
                        r".*sharding_context\(mesh\).* or set attention_backend='reference'"):
         attend(query)
+
+
+def test_keys_and_values_too_long_for_two_copies_on_chip_are_single_buffered_on_tpu():
+    # At 131,072 keys of 64 lanes in bf16, two copies of a head's keys, values and rows need
+    # 168 MB of the v5e's 128 MiB of VMEM: Mosaic refused the context-parallel GPT-2 step.
+    from jax.experimental import pallas as pl
+
+    from tfm.kernels import flex_attention as flex
+
+    def spec(kv_len: int, compiler: str):
+        return flex._Spec(block_q=512, block_k=512, q_len=8192, kv_len=kv_len, causal=True,
+                          window=None, scale=1.0, groups=1, function=None, learned=False,
+                          params_tree=None, precision=jax.lax.Precision.DEFAULT,
+                          compiler=compiler)
+
+    assert flex._residency(spec(131072, "mosaic"), 131072, 64, jnp.bfloat16) == pl.Buffered(1)
+    assert flex._residency(spec(32768, "mosaic"), 32768, 64, jnp.bfloat16) is None
+    assert flex._residency(spec(131072, "triton"), 131072, 64, jnp.bfloat16) is None
+    assert flex._resident_bytes(131072, 64, jnp.bfloat16, 2, 1) == 131072 * 2 * (128 * 2 + 64)
+
+
+def test_the_cost_estimate_counts_the_pairs_at_the_assumed_query_offset():
+    # Context parallelism's offsets are traced: the estimate takes the devices' mean offset.
+    # Without it, 8,192 causal queries at offset 0 against 131,072 keys counted 1/16 of the
+    # work, and the compiled FLOPs of GPT-2 small at 131,072 tokens fell to a sixth of the
+    # model's (a roofline MFU of 171%).
+    from tfm.kernels import flex_attention as flex
+
+    spec = functools.partial(
+        flex._Spec, block_q=128, block_k=128, q_len=256, kv_len=1024, causal=True, window=None,
+        scale=1.0, groups=1, function=None, learned=False, params_tree=None,
+        precision=jax.lax.Precision.DEFAULT, compiler="mosaic", offset=True)
+    assert spec().visible_pairs() == (1 + 2) * 128 * 128
+    assert spec(cost_offset=512).visible_pairs() == (5 + 6) * 128 * 128

@@ -189,8 +189,20 @@ def fused_gathered_attention(
         rows = (query_positions[:, run], key_positions, query_segments[:, run], key_segments)
         outs.append(local(query[:, run], keys, values, rows,
                           None if bias is None else bias.params,
-                          query_offset=mask.query_index[:, run.start]))
+                          query_offset=mask.query_index[:, run.start],
+                          cost_offset=_mean_first_index(size, chunk, balanced, run)))
     return jnp.concatenate(outs, axis=1)
+
+
+def _mean_first_index(size: int, chunk: int, balanced: bool, run: slice) -> int:
+    """The mean over the `size` devices of a run of local queries' first original index: the
+    query offset the kernel's cost estimate assumes (the real one is traced), so that XLA's
+    FLOP count is the devices' mean work. Balanced, device i's halves are the row's chunks
+    i and 2N-1-i of chunk / 2 tokens; else device i's chunk starts at i x chunk."""
+    if not balanced:
+        return (size - 1) * chunk // 2
+    chunks = np.arange(size) if not run.start else 2 * size - 1 - np.arange(size)
+    return int(chunks.mean() * (chunk // 2))
 
 
 # ------------------------------------------------------------------------------ ring

@@ -14,8 +14,9 @@ FlashAttention; the backward recomputes scores from the saved log-sum-exp, Flash
 Layout inside: heads-major [batch, heads, length, head_dim], lengths padded to 128-lane
 blocks (padded keys get a segment no query has). Grid (batch, head, query block) with a loop
 over the key blocks the mask can reach (causal and window ranges are skipped, as are padded
-blocks); on TPU the head's keys and values stay in on-chip memory (VMEM: up to VMEM_LIMIT, so
-the longest contexts need a chip with that much), on GPU 64-row tiles are read from HBM. The
+blocks); on TPU the head's keys and values stay in on-chip memory (VMEM: up to VMEM_LIMIT,
+single-buffered where two copies would not fit, so the longest contexts need a chip with
+that much), on GPU 64-row tiles are read from HBM. The
 dk/dv pass works on transposed [block_k, block_q] tiles, so that its per-query rows (positions,
 segments, log-sum-exp) are lane-dense [1, q_len] arrays. GQA: query head h reads kv
 head h // (heads / kv_heads). Same values as the reference (tfm.nn.attention) at every real
@@ -124,6 +125,7 @@ class _Spec:
     precision: jax.lax.Precision
     compiler: str  # one of per_device.COMPILERS
     offset: bool = False  # whether a per-row query offset ([batch] int32) is passed
+    cost_offset: int = 0  # the query offset the cost estimate assumes (the real one is traced)
 
     def first_query(self, offset_refs: list, q_block: Any) -> Any:
         """The index, among the keys, of query block `q_block`'s first query: its place in
@@ -164,7 +166,7 @@ class _Spec:
         """Query-key pairs the kernel computes (whole blocks): for its cost estimate."""
         pairs = 0
         for q_block in range(-(-self.q_len // self.block_q)):
-            first, end = self.key_blocks(q_block * self.block_q)
+            first, end = self.key_blocks(q_block * self.block_q + self.cost_offset)
             pairs += max(end - first, 0) * self.block_q * self.block_k
         return pairs
 
@@ -336,9 +338,10 @@ def _query_block(spec: _Spec, head_dim: int) -> pl.BlockSpec:
     return pl.BlockSpec((None, None, spec.block_q, head_dim), lambda b, h, i: (b, h, i, 0))
 
 
-def _whole_head(length: int, head_dim: int, groups: int = 1) -> pl.BlockSpec:
+def _whole_head(length: int, head_dim: int, groups: int = 1,
+                mode: pl.Buffered | None = None) -> pl.BlockSpec:
     return pl.BlockSpec((None, None, length, head_dim),
-                        lambda b, h, i: (b, jax.lax.div(h, groups), 0, 0))
+                        lambda b, h, i: (b, jax.lax.div(h, groups), 0, 0), pipeline_mode=mode)
 
 
 def _key_block(spec: _Spec, head_dim: int, groups: int = 1) -> pl.BlockSpec:
@@ -351,9 +354,10 @@ def _column(length: int, blocked: bool) -> pl.BlockSpec:  # [batch, len, 1] arra
                         else (lambda b, h, i: (b, 0, 0)))
 
 
-def _row(length: int, blocked: bool) -> pl.BlockSpec:  # [batch, 1, len] arrays
+def _row(length: int, blocked: bool,
+         mode: pl.Buffered | None = None) -> pl.BlockSpec:  # [batch, 1, len] arrays
     return pl.BlockSpec((None, 1, length), (lambda b, h, j: (b, 0, j)) if blocked
-                        else (lambda b, h, j: (b, 0, 0)))
+                        else (lambda b, h, j: (b, 0, 0)), pipeline_mode=mode)
 
 
 def _per_head_row(leaf: jax.Array) -> pl.BlockSpec:  # [heads, 1, P] arrays
@@ -401,11 +405,22 @@ def _nbytes(*arrays: Any) -> int:
     return sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(arrays))
 
 
-def _resident_bytes(length: int, head_dim: int, dtype: Any, count: int) -> int:
-    """On-chip bytes of `count` whole-head [length, head_dim] arrays, double-buffered, lanes
-    padded to 128, plus their [1, length] position and segment rows."""
+def _resident_bytes(length: int, head_dim: int, dtype: Any, count: int,
+                    buffers: int = 2) -> int:
+    """On-chip bytes of `count` whole-head [length, head_dim] arrays, `buffers` copies each,
+    lanes padded to 128, plus their [1, length] position and segment rows (8 sublanes)."""
     lanes = per_device.round_up(head_dim)
-    return 2 * count * length * (lanes * jnp.dtype(dtype).itemsize + 2 * 8 * 4)
+    return buffers * count * length * (lanes * jnp.dtype(dtype).itemsize + 2 * 8 * 4)
+
+
+def _residency(spec: _Spec, length: int, head_dim: int, dtype: Any) -> pl.Buffered | None:
+    """How the arrays a grid step keeps for a whole head (keys and values and their rows) are
+    buffered: double (None: the next head's copy loads while this one is used) unless two
+    copies would pass VMEM_LIMIT on TPU, then single (Buffered(1): each head waits for its
+    load). At 131,072 keys of 64 lanes in bf16 two copies need 168 MB, over the v5e's 128 MiB."""
+    if spec.compiler != "mosaic" or _resident_bytes(length, head_dim, dtype, 2) <= VMEM_LIMIT:
+        return None
+    return pl.Buffered(1)
 
 
 def _forward(spec: _Spec, query, key, value, rows, params):
@@ -417,16 +432,17 @@ def _forward(spec: _Spec, query, key, value, rows, params):
     cost = pl.CostEstimate(flops=4 * pairs * head_dim, transcendentals=pairs,
                            bytes_accessed=_nbytes(query, key, value, rows, query))
     grid = (batch, heads, q_padded // spec.block_q)
+    mode = _residency(spec, kv_padded, head_dim, key.dtype)
     out, lse = _pallas(
         spec, functools.partial(_forward_kernel, spec), grid,
-        [_query_block(spec, head_dim), _whole_head(kv_padded, head_dim, spec.groups),
-         _whole_head(kv_padded, head_dim, spec.groups), _column(spec.block_q, True),
-         _row(kv_padded, False), _column(spec.block_q, True), _row(kv_padded, False),
+        [_query_block(spec, head_dim), _whole_head(kv_padded, head_dim, spec.groups, mode),
+         _whole_head(kv_padded, head_dim, spec.groups, mode), _column(spec.block_q, True),
+         _row(kv_padded, False, mode), _column(spec.block_q, True), _row(kv_padded, False, mode),
          *_offsets(spec, rows), *(_per_head_row(leaf) for leaf in param_leaves)],
         [_query_block(spec, head_dim), _row_stats(spec, q_padded, True)],
         [jax.ShapeDtypeStruct(query.shape, query.dtype),
          jax.ShapeDtypeStruct((batch, heads, q_padded, 1), jnp.float32)],
-        cost, _resident_bytes(kv_padded, head_dim, key.dtype, 2),
+        cost, _resident_bytes(kv_padded, head_dim, key.dtype, 2, 1 if mode else 2),
         query, key, value, query_pos, key_pos, query_seg, key_seg, *offsets, *param_leaves,
     )
     return out, lse
@@ -449,20 +465,21 @@ def _backward(spec: _Spec, query, key, value, rows, params, out, lse, out_grad):
     param_grad_specs = [pl.BlockSpec((None, None, None, 1, leaf.shape[-1]),
                                      lambda b, h, i: (b, h, i, 0, 0))
                         for leaf in param_leaves] * learned
+    mode = _residency(spec, kv_padded, head_dim, key.dtype)
     query_grad, *param_grads = _pallas(
         spec, functools.partial(_query_grad_kernel, spec, len(param_leaves)),
         (batch, heads, q_blocks),
-        [_query_block(spec, head_dim), _whole_head(kv_padded, head_dim, spec.groups),
-         _whole_head(kv_padded, head_dim, spec.groups), _query_block(spec, head_dim),
+        [_query_block(spec, head_dim), _whole_head(kv_padded, head_dim, spec.groups, mode),
+         _whole_head(kv_padded, head_dim, spec.groups, mode), _query_block(spec, head_dim),
          _row_stats(spec, q_padded, True), _row_stats(spec, q_padded, True),
-         _column(spec.block_q, True), _row(kv_padded, False), _column(spec.block_q, True),
-         _row(kv_padded, False), *_offsets(spec, rows),
+         _column(spec.block_q, True), _row(kv_padded, False, mode), _column(spec.block_q, True),
+         _row(kv_padded, False, mode), *_offsets(spec, rows),
          *(_per_head_row(leaf) for leaf in param_leaves)],
         [_query_block(spec, head_dim), *param_grad_specs],
         [jax.ShapeDtypeStruct(query.shape, query.dtype), *param_grad_shapes],
         pl.CostEstimate(flops=6 * pairs * head_dim, transcendentals=pairs,
                         bytes_accessed=_nbytes(*inputs, query)),
-        _resident_bytes(kv_padded, head_dim, key.dtype, 2),
+        _resident_bytes(kv_padded, head_dim, key.dtype, 2, 1 if mode else 2),
         *inputs,
     )
     per_query_head = jax.ShapeDtypeStruct((batch, heads, kv_padded, head_dim), key.dtype)
@@ -533,12 +550,15 @@ def attend_local(
     *, causal: bool, window: int | None, scale: float,
     function: Callable[..., jax.Array] | None, learned: bool, compiler: str | None,
     query_offset: jax.Array | None = None,  # [batch] int32
+    cost_offset: int = 0,
 ) -> jax.Array:  # [batch, q_len, num_heads, head_dim]
     """The kernel over local arrays (one device's; call it inside shard_map with the mesh's
     compiler, or without a mesh with None): lengths padded to whole blocks, heads-major
     layout. query_offset: query i's index among the keys is i + query_offset[b] (None: i), for
     the causal mask and the window, as AttentionStructure.query_offset says; context
-    parallelism runs a device's contiguous queries against the whole row's keys with it."""
+    parallelism runs a device's contiguous queries against the whole row's keys with it.
+    cost_offset: the offset the kernel's cost estimate (XLA's FLOP count) assumes, a static
+    int: context parallelism passes the mean of its devices' offsets."""
     batch, q_len, num_heads, head_dim = query.shape
     kv_len, kv_heads = key.shape[1], key.shape[2]
     q_padded, kv_padded = per_device.round_up(q_len), per_device.round_up(kv_len)
@@ -575,6 +595,7 @@ def attend_local(
             causal=causal, window=window, scale=scale, groups=num_heads // kv_heads,
             function=function, learned=learned, params_tree=jax.tree.structure(params),
             precision=precision, compiler=compiler, offset=query_offset is not None,
+            cost_offset=cost_offset,
         )
         return _flex(spec, *arrays)
 

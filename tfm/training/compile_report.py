@@ -6,7 +6,9 @@ this machine does not have (jax compiles for TPU topologies without the chips, g
 The report: parameter, optimizer-state and temporary memory per chip and whether the step fits
 the chip's HBM; FLOPs per step (the compiler's cost analysis beside tfm.training.flops'
 analytic count) and bytes of memory traffic; a roofline step time (the larger of FLOPs / peak
-and bytes / bandwidth) and the MFU it implies; the largest arrays of the compiled program.
+and bytes / bandwidth) and the MFU it implies; the largest arrays of the compiled program;
+the bytes of its collectives per kind (tfm.training.collectives: all-gather against ring
+under context parallelism).
 These are compiled, not measured, figures. XLA counts a scanned (`model.scan_layers=True`)
 body once, so its FLOPs and bytes then cover one layer: the report says so.
 """
@@ -28,7 +30,7 @@ import numpy as np
 from tfm.checks import ConfigError
 from tfm.kernels.hardware import CHIPS, Chip, hardware_line
 from tfm.parallel import sharding
-from tfm.training import batch_search, flops, hlo_breakdown, profiling
+from tfm.training import batch_search, collectives, flops, hlo_breakdown, profiling
 from tfm.training.experiment import Experiment, setup, state_shardings
 from tfm.training.train import jit_steps
 
@@ -188,6 +190,7 @@ def compile_report(experiment: Experiment, target: Target, breakdown: bool = Fal
         "scanned_layers": model_config.scan_layers,
         "largest_arrays": largest_arrays(program),
         "score_arrays": score_arrays(program, seq_len),
+        "collectives": collectives.collective_bytes(program),
     }
     if breakdown:
         report["breakdown"] = hlo_breakdown.breakdown(program)
@@ -325,6 +328,8 @@ def format_report(report: dict[str, Any]) -> str:
             + ("" if report["roofline_mfu_full_attention"] == report["roofline_mfu"] else
                f" ({100 * report['roofline_mfu_full_attention']:.1f}% counting the whole causal "
                "attention matrix, as tfm.training.flops does)"))
+    if "collectives" in report:
+        lines.append(collectives.format_collectives(report["collectives"]))
     lines.append("[.., T, T] arrays (attention scores or masks): "
                  + (", ".join(report["score_arrays"]) or "none"))
     lines.append("largest arrays: " + "; ".join(

@@ -253,8 +253,11 @@ class Cost:
 def classify(opcode: str, op_name: str) -> str:
     """The group (GROUPS) of an instruction, by opcode for collectives, else by name stack."""
     base = opcode.removesuffix("-start").removesuffix("-done")
-    if base in _COLLECTIVES:
-        return "collectives"
+    return "collectives" if base in _COLLECTIVES else name_group(op_name)
+
+
+def name_group(op_name: str) -> str:
+    """The group (GROUPS, but collectives) of the code whose JAX name stack is `op_name`."""
     name = op_name.lower()
     if any(word in name for word in ("optax", "adam", "optimizer", "clip", "apply_updates",
                                      "global_norm", "scale_by")):
