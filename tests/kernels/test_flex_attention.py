@@ -28,6 +28,7 @@ from attention_cases import (
 from tiny_model import TINY
 
 from tfm import kernels
+from tfm.kernels import per_device
 from tfm.kernels.call import AttentionStructure, BlockBias
 from tfm.nn import attention, models
 from tfm.nn import positions as P
@@ -348,7 +349,7 @@ def test_keys_and_values_too_long_for_two_copies_on_chip_are_single_buffered_on_
     assert flex._residency(spec(131072, "mosaic"), 131072, 64, jnp.bfloat16) == pl.Buffered(1)
     assert flex._residency(spec(32768, "mosaic"), 32768, 64, jnp.bfloat16) is None
     assert flex._residency(spec(131072, "triton"), 131072, 64, jnp.bfloat16) is None
-    assert flex._resident_bytes(131072, 64, jnp.bfloat16, 2, 1) == 131072 * 2 * (128 * 2 + 64)
+    assert per_device.resident_bytes(131072, 64, jnp.bfloat16, 2, 1) == 131072 * 2 * (128 * 2 + 64)
 
 
 def test_the_cost_estimate_counts_the_pairs_at_the_assumed_query_offset():

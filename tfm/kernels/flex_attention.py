@@ -405,20 +405,13 @@ def _nbytes(*arrays: Any) -> int:
     return sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(arrays))
 
 
-def _resident_bytes(length: int, head_dim: int, dtype: Any, count: int,
-                    buffers: int = 2) -> int:
-    """On-chip bytes of `count` whole-head [length, head_dim] arrays, `buffers` copies each,
-    lanes padded to 128, plus their [1, length] position and segment rows (8 sublanes)."""
-    lanes = per_device.round_up(head_dim)
-    return buffers * count * length * (lanes * jnp.dtype(dtype).itemsize + 2 * 8 * 4)
-
-
 def _residency(spec: _Spec, length: int, head_dim: int, dtype: Any) -> pl.Buffered | None:
     """How the arrays a grid step keeps for a whole head (keys and values and their rows) are
     buffered: double (None: the next head's copy loads while this one is used) unless two
     copies would pass VMEM_LIMIT on TPU, then single (Buffered(1): each head waits for its
     load). At 131,072 keys of 64 lanes in bf16 two copies need 168 MB, over the v5e's 128 MiB."""
-    if spec.compiler != "mosaic" or _resident_bytes(length, head_dim, dtype, 2) <= VMEM_LIMIT:
+    two_copies = per_device.resident_bytes(length, head_dim, dtype, 2)
+    if spec.compiler != "mosaic" or two_copies <= VMEM_LIMIT:
         return None
     return pl.Buffered(1)
 
@@ -442,7 +435,7 @@ def _forward(spec: _Spec, query, key, value, rows, params):
         [_query_block(spec, head_dim), _row_stats(spec, q_padded, True)],
         [jax.ShapeDtypeStruct(query.shape, query.dtype),
          jax.ShapeDtypeStruct((batch, heads, q_padded, 1), jnp.float32)],
-        cost, _resident_bytes(kv_padded, head_dim, key.dtype, 2, 1 if mode else 2),
+        cost, per_device.resident_bytes(kv_padded, head_dim, key.dtype, 2, 1 if mode else 2),
         query, key, value, query_pos, key_pos, query_seg, key_seg, *offsets, *param_leaves,
     )
     return out, lse
@@ -479,7 +472,7 @@ def _backward(spec: _Spec, query, key, value, rows, params, out, lse, out_grad):
         [jax.ShapeDtypeStruct(query.shape, query.dtype), *param_grad_shapes],
         pl.CostEstimate(flops=6 * pairs * head_dim, transcendentals=pairs,
                         bytes_accessed=_nbytes(*inputs, query)),
-        _resident_bytes(kv_padded, head_dim, key.dtype, 2, 1 if mode else 2),
+        per_device.resident_bytes(kv_padded, head_dim, key.dtype, 2, 1 if mode else 2),
         *inputs,
     )
     per_query_head = jax.ShapeDtypeStruct((batch, heads, kv_padded, head_dim), key.dtype)
@@ -501,7 +494,7 @@ def _backward(spec: _Spec, query, key, value, rows, params, out, lse, out_grad):
         [per_query_head, per_query_head],
         pl.CostEstimate(flops=8 * pairs * head_dim, transcendentals=pairs,
                         bytes_accessed=_nbytes(*inputs, key, value)),
-        _resident_bytes(q_padded, head_dim, query.dtype, 2),
+        per_device.resident_bytes(q_padded, head_dim, query.dtype, 2),
         *transposed_inputs,
     )
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 COMPILERS = ("mosaic", "triton", "interpret")  # how a Pallas kernel is compiled
@@ -38,6 +39,12 @@ def described_by_parts(call: Any, q_len: int, kv_len: int) -> bool:
 def round_up(length: int) -> int:
     """`length` padded to whole 128-lane blocks."""
     return -(-length // LANES) * LANES
+
+
+def resident_bytes(length: int, head_dim: int, dtype: Any, count: int, buffers: int = 2) -> int:
+    """On-chip bytes of `count` whole-head [length, head_dim] arrays, `buffers` copies each,
+    lanes padded to 128, plus their [1, length] position and segment rows (8 sublanes)."""
+    return buffers * count * length * (round_up(head_dim) * jnp.dtype(dtype).itemsize + 2 * 8 * 4)
 
 
 def block_size(padded: int, largest: int | None = None) -> int:

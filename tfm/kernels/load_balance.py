@@ -1,0 +1,42 @@
+"""Causal load balancing for context parallelism (tfm.kernels.context_parallel): a row cut into
+2N equal chunks, device i holding chunks i and 2N-1-i, so every device has as many early
+(cheap) as late (costly) causal queries. A pure permutation of the sequence axis."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def _check_split(length: int, num_shards: int) -> None:
+    if length % (2 * num_shards):
+        raise ValueError(f"load balancing cuts a row of length {length} into 2 x {num_shards} "
+                         f"chunks; the length must be a multiple of {2 * num_shards}")
+
+
+def load_balance(x: jax.Array, num_shards: int, axis: int = 1) -> jax.Array:
+    """x with its `axis` (the sequence, of length T) reordered so that an even split into
+    num_shards (N) pieces gives piece i the chunks i and 2N-1-i of 2N equal chunks: each
+    device then holds as many early (cheap) as late (costly) causal queries.
+
+    x: [..., T, ...] -> same shape; T must be a multiple of 2N. `restore_order` undoes it."""
+    x = jnp.moveaxis(jnp.asarray(x), axis, 0)
+    _check_split(x.shape[0], num_shards)
+    chunks = x.reshape(2, num_shards, -1, *x.shape[1:])  # [2, N, chunk, ...]: halves of the row
+    pairs = jnp.stack([chunks[0], jnp.flip(chunks[1], axis=0)], axis=1)  # [N, 2, chunk, ...]
+    return jnp.moveaxis(pairs.reshape(x.shape), 0, axis)
+
+
+def restore_order(x: jax.Array, num_shards: int, axis: int = 1) -> jax.Array:
+    """The inverse of `load_balance`: x [..., T, ...] back in the original order."""
+    x = jnp.moveaxis(jnp.asarray(x), axis, 0)
+    _check_split(x.shape[0], num_shards)
+    pairs = x.reshape(num_shards, 2, -1, *x.shape[1:])  # [N, 2, chunk, ...]
+    chunks = jnp.stack([pairs[:, 0], jnp.flip(pairs[:, 1], axis=0)], axis=0)
+    return jnp.moveaxis(chunks.reshape(x.shape), 0, axis)
+
+
+def load_balanced_index(length: int, num_shards: int) -> np.ndarray:
+    """[length] int32: the original index of each token of a load-balanced row."""
+    return np.asarray(load_balance(np.arange(length, dtype=np.int32), num_shards, axis=0))
