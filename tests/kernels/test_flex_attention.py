@@ -28,7 +28,6 @@ from attention_cases import (
 from tiny_model import TINY
 
 from tfm import kernels
-from tfm.kernels import per_device
 from tfm.kernels.call import AttentionStructure, BlockBias
 from tfm.nn import attention, models
 from tfm.nn import positions as P
@@ -331,25 +330,6 @@ def test_sharded_inputs_without_the_mesh_set_are_one_clear_error():
     with pytest.raises(MeshContextError, match=r"^attention_backend='flex' runs a Pallas kernel"
                        r".*sharding_context\(mesh\).* or set attention_backend='reference'"):
         attend(query)
-
-
-def test_keys_and_values_too_long_for_two_copies_on_chip_are_single_buffered_on_tpu():
-    # At 131,072 keys of 64 lanes in bf16, two copies of a head's keys, values and rows need
-    # 168 MB of the v5e's 128 MiB of VMEM: Mosaic refused the context-parallel GPT-2 step.
-    from jax.experimental import pallas as pl
-
-    from tfm.kernels import flex_attention as flex
-
-    def spec(kv_len: int, compiler: str):
-        return flex._Spec(block_q=512, block_k=512, q_len=8192, kv_len=kv_len, causal=True,
-                          window=None, scale=1.0, groups=1, function=None, learned=False,
-                          params_tree=None, precision=jax.lax.Precision.DEFAULT,
-                          compiler=compiler)
-
-    assert flex._residency(spec(131072, "mosaic"), 131072, 64, jnp.bfloat16) == pl.Buffered(1)
-    assert flex._residency(spec(32768, "mosaic"), 32768, 64, jnp.bfloat16) is None
-    assert flex._residency(spec(131072, "triton"), 131072, 64, jnp.bfloat16) is None
-    assert per_device.resident_bytes(131072, 64, jnp.bfloat16, 2, 1) == 131072 * 2 * (128 * 2 + 64)
 
 
 def test_the_cost_estimate_counts_the_pairs_at_the_assumed_query_offset():

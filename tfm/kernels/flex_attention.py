@@ -14,9 +14,9 @@ FlashAttention; the backward recomputes scores from the saved log-sum-exp, Flash
 Layout inside: heads-major [batch, heads, length, head_dim], lengths padded to 128-lane
 blocks (padded keys get a segment no query has). Grid (batch, head, query block) with a loop
 over the key blocks the mask can reach (causal and window ranges are skipped, as are padded
-blocks); on TPU the head's keys and values stay in on-chip memory (VMEM: up to VMEM_LIMIT,
-single-buffered where two copies would not fit, so the longest contexts need a chip with
-that much), on GPU 64-row tiles are read from HBM. The
+blocks); on TPU the head's keys and values stay in on-chip memory (VMEM) while the chip's
+budget holds them (tfm.kernels.flex_vmem: single-buffered where two copies would not fit),
+else they stream from HBM one key block at a time; on GPU 64-row tiles are read from HBM. The
 dk/dv pass works on transposed [block_k, block_q] tiles, so that its per-query rows (positions,
 segments, log-sum-exp) are lane-dense [1, q_len] arrays. GQA: query head h reads kv
 head h // (heads / kv_heads). Same values as the reference (tfm.nn.attention) at every real
@@ -39,13 +39,12 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
 from tfm.checks import ConfigError
-from tfm.kernels import masks, per_device, reference
+from tfm.kernels import flex_blocks, flex_vmem, masks, per_device, reference
 from tfm.kernels.call import AttentionCall
 
 TRITON_BLOCK = 64  # query and key blocks on GPU
 MASKED = reference.MASKED_LOGIT
 NO_KEY_LSE = 1e30  # log-sum-exp of a query that sees no key: every weight exp(s - it) is 0
-VMEM_LIMIT = 96 * 2**20  # the most on-chip memory a call asks for (v5e/v6e have 128 MiB)
 
 
 def serves(call: AttentionCall, q_len: int, kv_len: int) -> bool:
@@ -126,6 +125,7 @@ class _Spec:
     compiler: str  # one of per_device.COMPILERS
     offset: bool = False  # whether a per-row query offset ([batch] int32) is passed
     cost_offset: int = 0  # the query offset the cost estimate assumes (the real one is traced)
+    vmem_budget: int | None = None  # on-chip bytes a call may use (flex_vmem.budget)
 
     def first_query(self, offset_refs: list, q_block: Any) -> Any:
         """The index, among the keys, of query block `q_block`'s first query: its place in
@@ -204,7 +204,17 @@ def _dot(spec: _Spec, a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.dot(a, b, preferred_element_type=jnp.float32, precision=spec.precision)
 
 
-def _forward_kernel(spec: _Spec, *refs: Any) -> None:
+def _key_loop(spec: _Spec, refs: tuple, scratch: Any, first: Any, end: Any,
+              visit: Callable[..., Any], init: Any) -> Any:
+    """flex_vmem.block_loop over key blocks [first, end) of the grid step's kv head: refs
+    (keys, values, key positions, key segments), held whole or (scratch) streamed from HBM."""
+    leads = (pl.program_id(0), jax.lax.div(pl.program_id(1), spec.groups))
+    return flex_vmem.block_loop(refs, (0, 0, 1, 1), spec.block_k, first, end, visit, init,
+                                (leads, leads, leads[:1], leads[:1]), scratch)
+
+
+def _forward_kernel(spec: _Spec, streamed: int, *refs: Any) -> None:
+    refs, scratch = flex_vmem.split_scratch(refs, streamed)
     (query_ref, key_ref, value_ref, query_pos_ref, key_pos_ref, query_seg_ref, key_seg_ref,
      *param_refs, out_ref, lse_ref) = refs
     offset_refs, param_refs = param_refs[:spec.offset], param_refs[spec.offset:]
@@ -214,19 +224,18 @@ def _forward_kernel(spec: _Spec, *refs: Any) -> None:
     query_rows = (query_pos_ref[...], query_seg_ref[...])
     params = jax.tree.unflatten(spec.params_tree, [ref[...] for ref in param_refs])
 
-    def visit(k_block, carry):
+    def visit(k_block, views, carry):
+        key_view, value_view, key_pos_view, key_seg_view = views
         running_max, total, acc = carry
         start = pl.multiple_of(k_block * block_k, block_k)
-        keys = pl.ds(start, block_k)
-        rows = (query_rows[0], key_pos_ref[:, keys], query_rows[1], key_seg_ref[:, keys])
-        scores, mask = _scores(spec, query, key_ref[keys, :], rows, params, first_query,
-                               start)
+        rows = (query_rows[0], key_pos_view[...], query_rows[1], key_seg_view[...])
+        scores, mask = _scores(spec, query, key_view[...], rows, params, first_query, start)
         scores = jnp.where(mask, scores, MASKED)
         new_max = jnp.maximum(running_max, jnp.max(scores, axis=1, keepdims=True))
         weights = jnp.where(mask, jnp.exp(scores - new_max), 0.0)
         rescale = jnp.exp(running_max - new_max)
         total = rescale * total + jnp.sum(weights, axis=1, keepdims=True)
-        value = value_ref[keys, :]
+        value = value_view[...]
         acc = rescale * acc + _dot(spec, weights.astype(value.dtype), value)
         return new_max, total, acc
 
@@ -234,7 +243,8 @@ def _forward_kernel(spec: _Spec, *refs: Any) -> None:
     rows_shape = (spec.block_q, 1)
     init = (jnp.full(rows_shape, MASKED, jnp.float32), jnp.zeros(rows_shape, jnp.float32),
             jnp.zeros(query.shape, jnp.float32))
-    running_max, total, acc = jax.lax.fori_loop(first, end, visit, init)
+    running_max, total, acc = _key_loop(spec, (key_ref, value_ref, key_pos_ref, key_seg_ref),
+                                        scratch, first, end, visit, init)
     seen = total > 0
     total = jnp.where(seen, total, 1.0)
     out_ref[...] = jnp.where(seen, acc / total, 0.0).astype(out_ref.dtype)
@@ -256,7 +266,8 @@ def _weights_and_score_grads(spec: _Spec, query, key, value, out_grad, lse, delt
     return weights, weights * (weight_grads - delta)
 
 
-def _query_grad_kernel(spec: _Spec, num_params: int, *refs: Any) -> None:
+def _query_grad_kernel(spec: _Spec, num_params: int, streamed: int, *refs: Any) -> None:
+    refs, scratch = flex_vmem.split_scratch(refs, streamed)
     (query_ref, key_ref, value_ref, out_grad_ref, lse_ref, delta_ref, query_pos_ref,
      key_pos_ref, query_seg_ref, key_seg_ref, *rest) = refs
     offset_refs, rest = rest[:spec.offset], rest[spec.offset:]
@@ -268,15 +279,14 @@ def _query_grad_kernel(spec: _Spec, num_params: int, *refs: Any) -> None:
     lse, delta = lse_ref[...], delta_ref[...]
     params = jax.tree.unflatten(spec.params_tree, [ref[...] for ref in param_refs])
 
-    def visit(k_block, carry):
+    def visit(k_block, views, carry):
+        key_view, value_view, key_pos_view, key_seg_view = views
         query_grad, param_grads = carry
         start = pl.multiple_of(k_block * block_k, block_k)
-        keys = pl.ds(start, block_k)
-        key = key_ref[keys, :]
-        rows = (query_pos_ref[...], key_pos_ref[:, keys], query_seg_ref[...],
-                key_seg_ref[:, keys])
+        key = key_view[...]
+        rows = (query_pos_ref[...], key_pos_view[...], query_seg_ref[...], key_seg_view[...])
         _, score_grads = _weights_and_score_grads(
-            spec, query, key, value_ref[keys, :], out_grad, lse, delta, rows, params,
+            spec, query, key, value_view[...], out_grad, lse, delta, rows, params,
             first_query, start)
         query_grad = query_grad + _dot(spec, score_grads.astype(key.dtype), key)
         if param_grads:
@@ -288,8 +298,9 @@ def _query_grad_kernel(spec: _Spec, num_params: int, *refs: Any) -> None:
 
     first, end = spec.key_blocks(first_query)
     init_params = tuple(jnp.zeros(ref.shape, jnp.float32) for ref in param_grad_refs)
-    query_grad, param_grads = jax.lax.fori_loop(
-        first, end, visit, (jnp.zeros(query.shape, jnp.float32), init_params))
+    query_grad, param_grads = _key_loop(
+        spec, (key_ref, value_ref, key_pos_ref, key_seg_ref), scratch, first, end, visit,
+        (jnp.zeros(query.shape, jnp.float32), init_params))
     query_grad_ref[...] = (query_grad * jnp.float32(spec.scale)).astype(query_grad_ref.dtype)
     for ref, grad in zip(param_grad_refs, param_grads, strict=True):
         ref[...] = grad
@@ -331,60 +342,10 @@ def _key_value_grad_kernel(spec: _Spec, *refs: Any) -> None:
     value_grad_ref[...] = value_grad.astype(value_grad_ref.dtype)
 
 
-# Block specs over grid (batch, head, block): a query block of a head, a kv head's whole keys,
-# rows of positions/segments (queries as [len, 1] columns, keys as [1, len] rows), a head's
-# parameter rows.
-def _query_block(spec: _Spec, head_dim: int) -> pl.BlockSpec:
-    return pl.BlockSpec((None, None, spec.block_q, head_dim), lambda b, h, i: (b, h, i, 0))
-
-
-def _whole_head(length: int, head_dim: int, groups: int = 1,
-                mode: pl.Buffered | None = None) -> pl.BlockSpec:
-    return pl.BlockSpec((None, None, length, head_dim),
-                        lambda b, h, i: (b, jax.lax.div(h, groups), 0, 0), pipeline_mode=mode)
-
-
-def _key_block(spec: _Spec, head_dim: int, groups: int = 1) -> pl.BlockSpec:
-    return pl.BlockSpec((None, None, spec.block_k, head_dim),
-                        lambda b, h, j: (b, jax.lax.div(h, groups), j, 0))
-
-
-def _column(length: int, blocked: bool) -> pl.BlockSpec:  # [batch, len, 1] arrays
-    return pl.BlockSpec((None, length, 1), (lambda b, h, i: (b, i, 0)) if blocked
-                        else (lambda b, h, i: (b, 0, 0)))
-
-
-def _row(length: int, blocked: bool,
-         mode: pl.Buffered | None = None) -> pl.BlockSpec:  # [batch, 1, len] arrays
-    return pl.BlockSpec((None, 1, length), (lambda b, h, j: (b, 0, j)) if blocked
-                        else (lambda b, h, j: (b, 0, 0)), pipeline_mode=mode)
-
-
-def _per_head_row(leaf: jax.Array) -> pl.BlockSpec:  # [heads, 1, P] arrays
-    return pl.BlockSpec((None, 1, leaf.shape[-1]), lambda b, h, i: (h, 0, 0))
-
-
-def _offsets(spec: _Spec, rows: tuple) -> list[pl.BlockSpec]:
-    """The per-row query offset ([batch] int32, whole), if the call has one: scalars read
-    from scalar memory on TPU."""
-    if not spec.offset:
-        return []
-    batch = rows[-1].shape[0]
-    if spec.compiler == "triton":
-        return [pl.BlockSpec((batch,), lambda b, h, i: (0,))]
-    return [pl.BlockSpec(memory_space=pltpu.SMEM)]
-
-
-def _row_stats(spec: _Spec, length: int, blocked: bool) -> pl.BlockSpec:  # [b, heads, len, 1]
-    block = spec.block_q if blocked else length
-    return pl.BlockSpec((None, None, block, 1), (lambda b, h, i: (b, h, i, 0)) if blocked
-                        else (lambda b, h, i: (b, h, 0, 0)))
-
-
 def _pallas(spec: _Spec, kernel: Callable[..., None], grid: tuple[int, ...],
             in_specs: list, out_specs: Any, out_shape: Any, cost: pl.CostEstimate,
-            vmem_bytes: int, *args: Any) -> Any:
-    limit = int(min(max(2 * vmem_bytes + 8 * 2**20, 32 * 2**20), VMEM_LIMIT))
+            vmem_bytes: int, *args: Any, scratch: tuple = ()) -> Any:
+    limit = flex_vmem.call_limit(spec.vmem_budget, vmem_bytes)
 
     def call(*args: Any, compiler: str) -> Any:
         if compiler == "triton":
@@ -394,7 +355,8 @@ def _pallas(spec: _Spec, kernel: Callable[..., None], grid: tuple[int, ...],
                                           vmem_limit_bytes=limit)
         return pl.pallas_call(
             kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-            interpret=compiler == "interpret", cost_estimate=cost, name="tfm_flex_attention",
+            scratch_shapes=scratch, interpret=compiler == "interpret", cost_estimate=cost,
+            name="tfm_flex_attention",
             compiler_params=params,
         )(*args)
 
@@ -405,76 +367,74 @@ def _nbytes(*arrays: Any) -> int:
     return sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(arrays))
 
 
-def _residency(spec: _Spec, length: int, head_dim: int, dtype: Any) -> pl.Buffered | None:
-    """How the arrays a grid step keeps for a whole head (keys and values and their rows) are
-    buffered: double (None: the next head's copy loads while this one is used) unless two
-    copies would pass VMEM_LIMIT on TPU, then single (Buffered(1): each head waits for its
-    load). At 131,072 keys of 64 lanes in bf16 two copies need 168 MB, over the v5e's 128 MiB."""
-    two_copies = per_device.resident_bytes(length, head_dim, dtype, 2)
-    if spec.compiler != "mosaic" or two_copies <= VMEM_LIMIT:
-        return None
-    return pl.Buffered(1)
-
-
 def _forward(spec: _Spec, query, key, value, rows, params):
     batch, heads, q_padded, head_dim = query.shape
     kv_padded = key.shape[2]
     query_pos, key_pos, query_seg, key_seg, *offsets = rows
     param_leaves = jax.tree.leaves(params)
     pairs = batch * heads * spec.visible_pairs()
+    keys = flex_vmem.key_inputs(spec, batch * heads, kv_padded, head_dim, key.dtype)
     cost = pl.CostEstimate(flops=4 * pairs * head_dim, transcendentals=pairs,
-                           bytes_accessed=_nbytes(query, key, value, rows, query))
+                           bytes_accessed=_nbytes(query, key, value, rows, query)
+                           + keys.extra_bytes)
     grid = (batch, heads, q_padded // spec.block_q)
-    mode = _residency(spec, kv_padded, head_dim, key.dtype)
+    query_spec, query_rows = (flex_blocks.query_block(spec, head_dim),
+                              flex_blocks.column(spec.block_q, True))
     out, lse = _pallas(
-        spec, functools.partial(_forward_kernel, spec), grid,
-        [_query_block(spec, head_dim), _whole_head(kv_padded, head_dim, spec.groups, mode),
-         _whole_head(kv_padded, head_dim, spec.groups, mode), _column(spec.block_q, True),
-         _row(kv_padded, False, mode), _column(spec.block_q, True), _row(kv_padded, False, mode),
-         *_offsets(spec, rows), *(_per_head_row(leaf) for leaf in param_leaves)],
-        [_query_block(spec, head_dim), _row_stats(spec, q_padded, True)],
+        spec, functools.partial(_forward_kernel, spec, keys.streamed), grid,
+        [query_spec, keys.head, keys.head, query_rows, keys.row, query_rows, keys.row,
+         *flex_blocks.offsets(spec, rows), *map(flex_blocks.per_head_row, param_leaves)],
+        [query_spec, flex_blocks.row_stats(spec, q_padded, True)],
         [jax.ShapeDtypeStruct(query.shape, query.dtype),
          jax.ShapeDtypeStruct((batch, heads, q_padded, 1), jnp.float32)],
-        cost, per_device.resident_bytes(kv_padded, head_dim, key.dtype, 2, 1 if mode else 2),
+        cost, keys.on_chip,
         query, key, value, query_pos, key_pos, query_seg, key_seg, *offsets, *param_leaves,
+        scratch=keys.scratch,
     )
     return out, lse
 
 
-def _backward(spec: _Spec, query, key, value, rows, params, out, lse, out_grad):
+def _query_grads(spec: _Spec, inputs: tuple, num_params: int) -> list:
+    """dq and the per-query-block bias parameter gradients, over grid (batch, head, query
+    block), reading the kv head's key blocks held whole or streamed (`_key_inputs`)."""
+    query, key, *_ = inputs
     batch, heads, q_padded, head_dim = query.shape
-    kv_heads, kv_padded = key.shape[1], key.shape[2]
-    query_pos, key_pos, query_seg, key_seg, *offsets = rows
-    param_leaves = jax.tree.leaves(params)
-    delta = jnp.sum(out_grad.astype(jnp.float32) * out.astype(jnp.float32), axis=-1,
-                    keepdims=True)  # [batch, heads, q_padded, 1]
-    pairs = batch * heads * spec.visible_pairs()
-    inputs = (query, key, value, out_grad, lse, delta, query_pos, key_pos, query_seg, key_seg,
-              *offsets, *param_leaves)
-    learned = spec.learned and bool(param_leaves)
+    param_leaves = inputs[len(inputs) - num_params:]
     q_blocks = q_padded // spec.block_q
+    learned = spec.learned and bool(param_leaves)
     param_grad_shapes = [jax.ShapeDtypeStruct((batch, heads, q_blocks, 1, leaf.shape[-1]),
                                               jnp.float32) for leaf in param_leaves] * learned
     param_grad_specs = [pl.BlockSpec((None, None, None, 1, leaf.shape[-1]),
                                      lambda b, h, i: (b, h, i, 0, 0))
                         for leaf in param_leaves] * learned
-    mode = _residency(spec, kv_padded, head_dim, key.dtype)
-    query_grad, *param_grads = _pallas(
-        spec, functools.partial(_query_grad_kernel, spec, len(param_leaves)),
+    keys = flex_vmem.key_inputs(spec, batch * heads, key.shape[2], head_dim, key.dtype)
+    pairs = batch * heads * spec.visible_pairs()
+    query_spec, query_rows = (flex_blocks.query_block(spec, head_dim),
+                              flex_blocks.column(spec.block_q, True))
+    stats = flex_blocks.row_stats(spec, q_padded, True)
+    return _pallas(
+        spec, functools.partial(_query_grad_kernel, spec, num_params, keys.streamed),
         (batch, heads, q_blocks),
-        [_query_block(spec, head_dim), _whole_head(kv_padded, head_dim, spec.groups, mode),
-         _whole_head(kv_padded, head_dim, spec.groups, mode), _query_block(spec, head_dim),
-         _row_stats(spec, q_padded, True), _row_stats(spec, q_padded, True),
-         _column(spec.block_q, True), _row(kv_padded, False, mode), _column(spec.block_q, True),
-         _row(kv_padded, False, mode), *_offsets(spec, rows),
-         *(_per_head_row(leaf) for leaf in param_leaves)],
-        [_query_block(spec, head_dim), *param_grad_specs],
+        [query_spec, keys.head, keys.head, query_spec, stats, stats, query_rows, keys.row,
+         query_rows, keys.row, *flex_blocks.offsets(spec, inputs[6:10]),
+         *map(flex_blocks.per_head_row, param_leaves)],
+        [query_spec, *param_grad_specs],
         [jax.ShapeDtypeStruct(query.shape, query.dtype), *param_grad_shapes],
         pl.CostEstimate(flops=6 * pairs * head_dim, transcendentals=pairs,
-                        bytes_accessed=_nbytes(*inputs, query)),
-        per_device.resident_bytes(kv_padded, head_dim, key.dtype, 2, 1 if mode else 2),
-        *inputs,
+                        bytes_accessed=_nbytes(*inputs, query) + keys.extra_bytes),
+        keys.on_chip, *inputs, scratch=keys.scratch,
     )
+
+
+def _key_value_grads(spec: _Spec, inputs: tuple, num_params: int) -> list:
+    """dk and dv of every query head, over grid (batch, head, key block), in the transposed
+    orientation: per-query figures as rows [1, q_len]."""
+    (query, key, value, out_grad, lse, delta, query_pos, key_pos, query_seg, key_seg,
+     *rest) = inputs
+    offsets, param_leaves = rest[:len(rest) - num_params], rest[len(rest) - num_params:]
+    batch, heads, q_padded, head_dim = query.shape
+    kv_padded = key.shape[2]
+    pairs = batch * heads * spec.visible_pairs()
     per_query_head = jax.ShapeDtypeStruct((batch, heads, kv_padded, head_dim), key.dtype)
     as_row = lambda column: column.reshape(*column.shape[:-2], 1, column.shape[-2])
     as_column = lambda row: row.reshape(*row.shape[:-2], row.shape[-1], 1)
@@ -482,15 +442,17 @@ def _backward(spec: _Spec, query, key, value, rows, params, out, lse, out_grad):
     transposed_inputs = (query, key, value, out_grad, as_row(lse), as_row(delta),
                          as_row(query_pos), as_column(key_pos), as_row(query_seg),
                          as_column(key_seg), *offsets, *param_leaves)
-    key_grad, value_grad = _pallas(
+    queries, query_rows = (flex_blocks.whole_head(q_padded, head_dim),
+                           flex_blocks.row(q_padded, False))
+    key_spec = flex_blocks.key_block(spec, head_dim, spec.groups)
+    key_columns = flex_blocks.column(spec.block_k, True)
+    return _pallas(
         spec, functools.partial(_key_value_grad_kernel, spec),
         (batch, heads, kv_padded // spec.block_k),
-        [_whole_head(q_padded, head_dim), _key_block(spec, head_dim, spec.groups),
-         _key_block(spec, head_dim, spec.groups), _whole_head(q_padded, head_dim),
-         whole_rows, whole_rows, _row(q_padded, False), _column(spec.block_k, True),
-         _row(q_padded, False), _column(spec.block_k, True), *_offsets(spec, rows),
-         *(_per_head_row(leaf) for leaf in param_leaves)],
-        [_key_block(spec, head_dim), _key_block(spec, head_dim)],
+        [queries, key_spec, key_spec, queries, whole_rows, whole_rows, query_rows, key_columns,
+         query_rows, key_columns, *flex_blocks.offsets(spec, inputs[6:10]),
+         *map(flex_blocks.per_head_row, param_leaves)],
+        [flex_blocks.key_block(spec, head_dim)] * 2,
         [per_query_head, per_query_head],
         pl.CostEstimate(flops=8 * pairs * head_dim, transcendentals=pairs,
                         bytes_accessed=_nbytes(*inputs, key, value)),
@@ -498,12 +460,22 @@ def _backward(spec: _Spec, query, key, value, rows, params, out, lse, out_grad):
         *transposed_inputs,
     )
 
+
+def _backward(spec: _Spec, query, key, value, rows, params, out, lse, out_grad):
+    batch, kv_heads, kv_padded, head_dim = key.shape
+    param_leaves = jax.tree.leaves(params)
+    delta = jnp.sum(out_grad.astype(jnp.float32) * out.astype(jnp.float32), axis=-1,
+                    keepdims=True)  # [batch, heads, q_padded, 1]
+    inputs = (query, key, value, out_grad, lse, delta, *rows, *param_leaves)
+    query_grad, *param_grads = _query_grads(spec, inputs, len(param_leaves))
+    key_grad, value_grad = _key_value_grads(spec, inputs, len(param_leaves))
+
     def per_kv_head(grad: jax.Array) -> jax.Array:  # sum the query heads of each kv head
         grouped = grad.astype(jnp.float32).reshape(batch, kv_heads, spec.groups, kv_padded,
                                                    head_dim)
         return grouped.sum(axis=2).astype(key.dtype)
 
-    if learned:
+    if spec.learned and bool(param_leaves):
         grads = [grad.sum(axis=(0, 2)).astype(leaf.dtype)
                  for grad, leaf in zip(param_grads, param_leaves, strict=True)]
         params_grad = jax.tree.unflatten(spec.params_tree, grads)
@@ -544,6 +516,7 @@ def attend_local(
     function: Callable[..., jax.Array] | None, learned: bool, compiler: str | None,
     query_offset: jax.Array | None = None,  # [batch] int32
     cost_offset: int = 0,
+    vmem_budget: int | None = None,
 ) -> jax.Array:  # [batch, q_len, num_heads, head_dim]
     """The kernel over local arrays (one device's; call it inside shard_map with the mesh's
     compiler, or without a mesh with None): lengths padded to whole blocks, heads-major
@@ -551,7 +524,10 @@ def attend_local(
     the causal mask and the window, as AttentionStructure.query_offset says; context
     parallelism runs a device's contiguous queries against the whole row's keys with it.
     cost_offset: the offset the kernel's cost estimate (XLA's FLOP count) assumes, a static
-    int: context parallelism passes the mean of its devices' offsets."""
+    int: context parallelism passes the mean of its devices' offsets. vmem_budget: the on-chip
+    bytes a call may use (None: the compiled-for chip's, flex_vmem.budget); past it, keys and
+    values stream from HBM block by block (tests pass a small one to run that in interpret
+    mode)."""
     batch, q_len, num_heads, head_dim = query.shape
     kv_len, kv_heads = key.shape[1], key.shape[2]
     q_padded, kv_padded = per_device.round_up(q_len), per_device.round_up(kv_len)
@@ -589,6 +565,7 @@ def attend_local(
             function=function, learned=learned, params_tree=jax.tree.structure(params),
             precision=precision, compiler=compiler, offset=query_offset is not None,
             cost_offset=cost_offset,
+            vmem_budget=flex_vmem.budget(compiler) if vmem_budget is None else vmem_budget,
         )
         return _flex(spec, *arrays)
 

@@ -32,7 +32,36 @@ PEAK_FLOPS: dict[str, float] = {
     "TPU v6 lite": 918e12,  # v6e (Trillium)
     "TPU v6e": 918e12,
 }
+# On-chip vector memory (VMEM) of one TensorCore, bytes, matched like PEAK_FLOPS: what Mosaic
+# lets one kernel allocate, found by compiling a kernel with a scratch buffer for each target
+# (libtpu 0.0.42.1): a v5p refuses 65 MiB, "would exceed memory (size=67108864)", half a
+# v5e's or v6e's 128 MiB; a v4 refuses 31 MiB of 16 MiB.
+VMEM_BYTES: dict[str, int] = {
+    "TPU v4": 16 * 2**20,
+    "TPU v5 lite": 128 * 2**20,  # v5e
+    "TPU v5e": 128 * 2**20,
+    "TPU v5": 64 * 2**20,  # v5p
+    "TPU v5p": 64 * 2**20,
+    "TPU v6 lite": 128 * 2**20,  # v6e
+    "TPU v6e": 128 * 2**20,
+}
+DEFAULT_VMEM_BYTES = 16 * 2**20  # an unknown TPU: the smallest known
 CPU_BENCHMARK_SIZE = 2048
+
+
+def by_device_kind(table: dict[str, Any], device_kind: str) -> Any:
+    """The entry of `table` whose key is the longest case-insensitive substring of
+    `device_kind` (jax's `device.device_kind`), None if no key is."""
+    kind = device_kind.lower()
+    matches = [key for key in table if key.lower() in kind]
+    return table[max(matches, key=len)] if matches else None
+
+
+def vmem_bytes(device_kind: str) -> int:
+    """VMEM of one TensorCore of the chip `device_kind` (e.g. "TPU v5 lite"), bytes;
+    DEFAULT_VMEM_BYTES for a chip not in VMEM_BYTES."""
+    found = by_device_kind(VMEM_BYTES, device_kind)
+    return DEFAULT_VMEM_BYTES if found is None else found
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,9 +180,7 @@ def device_peak_flops(device: jax.Device | None = None, dtype: Any = jnp.bfloat1
     right)."""
     device = device or jax.devices()[0]
     if device.platform != "cpu":
-        kind = device.device_kind.lower()
-        matches = [key for key in PEAK_FLOPS if key.lower() in kind]
-        return PEAK_FLOPS[max(matches, key=len)] if matches else None
+        return by_device_kind(PEAK_FLOPS, device.device_kind)
     dtype_name = jnp.dtype(dtype).name
     # The CPU model is part of the key: a home directory can outlive the machine under it.
     key = f"{device.device_kind}/{cpu_features()['model']}/{os.cpu_count()}cpus/{dtype_name}"
