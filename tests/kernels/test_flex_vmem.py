@@ -71,6 +71,21 @@ CASES = {
 }
 
 
+def _pallas_calls(jaxpr) -> list:
+    """The pallas_call equations of a jaxpr and of the jaxprs inside it, in order."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            found.append(eqn)
+            continue
+        for value in eqn.params.values():
+            for inner in value if isinstance(value, tuple | list) else (value,):
+                inner = getattr(inner, "jaxpr", inner)
+                if hasattr(inner, "eqns"):
+                    found.extend(_pallas_calls(inner))
+    return found
+
+
 def _bias(kind: str, heads: int, causal: bool, rng: np.random.Generator):
     if kind == "t5":
         function = functools.partial(P.t5_block_bias, bidirectional=not causal, num_buckets=16,
@@ -118,11 +133,15 @@ def test_streamed_keys_give_the_references_values_and_gradients(case):
             out = flex(query, key, value, params, budget)
         return jnp.sum(out.astype(jnp.float32) * probe), out
 
-    # A zero budget streams every call; the program then copies blocks by DMA.
-    streamed = str(jax.make_jaxpr(functools.partial(flex, budget=0))(query, key, value, params))
-    held = str(jax.make_jaxpr(functools.partial(flex, budget=None))(query, key, value, params))
-    assert "dma_start" in streamed and "dma_start" not in held
     grad = jax.jit(jax.value_and_grad(loss, (1, 2, 3, 4), has_aux=True), static_argnums=0)
+
+    def kernels_of(budget):  # the jaxprs of the three kernels (forward, dq, dk/dv)
+        program = jax.make_jaxpr(functools.partial(grad, budget))(query, key, value, params)
+        return [str(eqn.params["jaxpr"]) for eqn in _pallas_calls(program.jaxpr)]
+
+    # A zero budget streams every pass: each kernel copies its blocks by DMA.
+    assert [("dma_start" in text) for text in kernels_of(0)] == [True] * 3
+    assert [("dma_start" in text) for text in kernels_of(1 << 40)] == [False] * 3
     (_, want), want_grads = grad(None, query, key, value, params)
     (_, got), got_grads = grad(0, query, key, value, params)
     tolerance = 2e-5 if dtype == "float32" else 3e-2

@@ -306,10 +306,12 @@ def _query_grad_kernel(spec: _Spec, num_params: int, streamed: int, *refs: Any) 
         ref[...] = grad
 
 
-def _key_value_grad_kernel(spec: _Spec, *refs: Any) -> None:
+def _key_value_grad_kernel(spec: _Spec, streamed: int, *refs: Any) -> None:
     """dk, dv of one key block of one query head, over the query blocks that can see it,
     in the transposed orientation ([block_k, block_q] tiles): the per-query figures (positions,
-    segments, log-sum-exp, delta) are then lane-dense rows [1, q_len] held whole on chip."""
+    segments, log-sum-exp, delta) are then lane-dense rows [1, q_len], held whole on chip with
+    the head's queries and output gradients, or (streamed) copied from HBM block by block."""
+    refs, scratch = flex_vmem.split_scratch(refs, streamed)
     (query_ref, key_ref, value_ref, out_grad_ref, lse_ref, delta_ref, query_pos_ref,
      key_pos_ref, query_seg_ref, key_seg_ref, *rest) = refs
     offset_refs, param_refs = rest[:spec.offset], rest[spec.offset:-2]
@@ -321,15 +323,14 @@ def _key_value_grad_kernel(spec: _Spec, *refs: Any) -> None:
     key_columns = (key_pos_ref[...], key_seg_ref[...])  # [block_k, 1]
     params = jax.tree.unflatten(spec.params_tree, [ref[...] for ref in param_refs])
 
-    def visit(q_block, carry):
+    def visit(q_block, views, carry):
+        query_view, out_grad_view, lse_view, delta_view, query_pos_view, query_seg_view = views
         key_grad, value_grad = carry
         start = pl.multiple_of(q_block * block_q, block_q)
-        queries = pl.ds(start, block_q)
-        query, out_grad = query_ref[queries, :], out_grad_ref[queries, :]
-        rows = (query_pos_ref[:, queries], key_columns[0], query_seg_ref[:, queries],
-                key_columns[1])
+        query, out_grad = query_view[...], out_grad_view[...]
+        rows = (query_pos_view[...], key_columns[0], query_seg_view[...], key_columns[1])
         weights, score_grads = _weights_and_score_grads(
-            spec, query, key, value, out_grad, lse_ref[:, queries], delta_ref[:, queries],
+            spec, query, key, value, out_grad, lse_view[...], delta_view[...],
             rows, params, start + offset, k_block * spec.block_k, transposed=True)
         value_grad = value_grad + _dot(spec, weights.astype(out_grad.dtype), out_grad)
         key_grad = key_grad + _dot(spec, score_grads.astype(query.dtype), query)
@@ -337,7 +338,11 @@ def _key_value_grad_kernel(spec: _Spec, *refs: Any) -> None:
 
     first, end = spec.query_blocks(k_block, offset)
     zeros = jnp.zeros(key.shape, jnp.float32)
-    key_grad, value_grad = jax.lax.fori_loop(first, end, visit, (zeros, zeros))
+    head = (pl.program_id(0), pl.program_id(1))
+    key_grad, value_grad = flex_vmem.block_loop(
+        (query_ref, out_grad_ref, lse_ref, delta_ref, query_pos_ref, query_seg_ref),
+        (0, 0, 1, 1, 1, 1), block_q, first, end, visit, (zeros, zeros),
+        (head, head, head, head, head[:1], head[:1]), scratch)
     key_grad_ref[...] = (key_grad * jnp.float32(spec.scale)).astype(key_grad_ref.dtype)
     value_grad_ref[...] = value_grad.astype(value_grad_ref.dtype)
 
@@ -438,16 +443,15 @@ def _key_value_grads(spec: _Spec, inputs: tuple, num_params: int) -> list:
     per_query_head = jax.ShapeDtypeStruct((batch, heads, kv_padded, head_dim), key.dtype)
     as_row = lambda column: column.reshape(*column.shape[:-2], 1, column.shape[-2])
     as_column = lambda row: row.reshape(*row.shape[:-2], row.shape[-1], 1)
-    whole_rows = pl.BlockSpec((None, None, 1, q_padded), lambda b, h, j: (b, h, 0, 0))
     transposed_inputs = (query, key, value, out_grad, as_row(lse), as_row(delta),
                          as_row(query_pos), as_column(key_pos), as_row(query_seg),
                          as_column(key_seg), *offsets, *param_leaves)
-    queries, query_rows = (flex_blocks.whole_head(q_padded, head_dim),
-                           flex_blocks.row(q_padded, False))
+    reads = flex_vmem.query_inputs(spec, batch * heads, q_padded, head_dim, query.dtype)
+    queries, query_rows, whole_rows = reads.head, reads.row, reads.head_row
     key_spec = flex_blocks.key_block(spec, head_dim, spec.groups)
     key_columns = flex_blocks.column(spec.block_k, True)
     return _pallas(
-        spec, functools.partial(_key_value_grad_kernel, spec),
+        spec, functools.partial(_key_value_grad_kernel, spec, reads.streamed),
         (batch, heads, kv_padded // spec.block_k),
         [queries, key_spec, key_spec, queries, whole_rows, whole_rows, query_rows, key_columns,
          query_rows, key_columns, *flex_blocks.offsets(spec, inputs[6:10]),
@@ -455,9 +459,8 @@ def _key_value_grads(spec: _Spec, inputs: tuple, num_params: int) -> list:
         [flex_blocks.key_block(spec, head_dim)] * 2,
         [per_query_head, per_query_head],
         pl.CostEstimate(flops=8 * pairs * head_dim, transcendentals=pairs,
-                        bytes_accessed=_nbytes(*inputs, key, value)),
-        per_device.resident_bytes(q_padded, head_dim, query.dtype, 2),
-        *transposed_inputs,
+                        bytes_accessed=_nbytes(*inputs, key, value) + reads.extra_bytes),
+        reads.on_chip, *transposed_inputs, scratch=reads.scratch,
     )
 
 

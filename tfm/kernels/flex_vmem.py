@@ -24,6 +24,7 @@ from tfm.kernels import flex_blocks, hardware, per_device
 HEADROOM = 8 * 2**20  # VMEM a grid step needs besides the whole-head arrays (its blocks, tiles)
 SMALLEST_LIMIT = 32 * 2**20  # the least a call asks for, where the chip has it
 RESIDENCIES = ("double", "single", "stream")
+_HBM = pl.BlockSpec(memory_space=pl.ANY)  # a whole array left in HBM, copied by the kernel
 
 
 def device_kind() -> str:
@@ -84,34 +85,55 @@ def split_scratch(refs: tuple, streamed: int) -> tuple[tuple, Any]:
     return refs[:-streamed - 1], refs[-streamed - 1:]
 
 
-class KeyInputs(NamedTuple):
-    """How the forward and dq passes read a kv head's keys, values and their rows."""
+class Reads(NamedTuple):
+    """How a pass reads the whole-head arrays it loops over in blocks (and their rows)."""
 
     streamed: int  # arrays streamed from HBM (0: held whole on chip)
-    head: pl.BlockSpec  # of the keys and of the values
-    row: pl.BlockSpec  # of the key positions and of the key segments
+    head: pl.BlockSpec  # of each [length, head_dim] array
+    row: pl.BlockSpec  # of each [batch, 1, length] row
+    head_row: pl.BlockSpec | None  # of each [batch, heads, 1, length] row (dk/dv's)
     scratch: tuple  # the streaming buffers and semaphores
     on_chip: int  # VMEM bytes of the held arrays or the buffers
     extra_bytes: int  # HBM bytes the streaming reads besides each array once
 
 
-def key_inputs(spec: Any, heads: int, length: int, head_dim: int, dtype: Any) -> KeyInputs:
-    """KeyInputs for `length` keys of `head_dim` lanes in `dtype` read by `heads` (batch x
-    query heads) grid rows, as `residency` decides on spec.vmem_budget: streamed, each query
-    block reads its visible key blocks' keys, values and rows (spec.visible_pairs)."""
+def key_inputs(spec: Any, heads: int, length: int, head_dim: int, dtype: Any) -> Reads:
+    """Reads of the forward and dq passes: a kv head's `length` keys and values of `head_dim`
+    lanes in `dtype` and their position and segment rows, by `heads` (batch x query heads)
+    grid rows, as `residency` decides on spec.vmem_budget; streamed, each query block reads its
+    visible key blocks (spec.visible_pairs)."""
     held = residency(spec.vmem_budget, length, head_dim, dtype)
     if held != "stream":
         mode = buffering(held)
-        return KeyInputs(0, flex_blocks.whole_head(length, head_dim, spec.groups, mode),
-                         flex_blocks.row(length, False, mode), (),
-                         per_device.resident_bytes(length, head_dim, dtype, 2,
-                                                   1 if mode else 2), 0)
-    hbm = pl.BlockSpec(memory_space=pl.ANY)
+        return Reads(0, flex_blocks.whole_head(length, head_dim, spec.groups, mode),
+                     flex_blocks.row(length, False, mode), None, (),
+                     per_device.resident_bytes(length, head_dim, dtype, 2, 1 if mode else 2), 0)
     blocks = [((spec.block_k, head_dim), dtype)] * 2 + [((1, spec.block_k), jnp.int32)] * 2
     key_rows = heads * spec.visible_pairs() // spec.block_q
-    return KeyInputs(4, hbm, hbm, tuple(streamed_scratch(blocks)),
-                     per_device.resident_bytes(spec.block_k, head_dim, dtype, 2),
-                     key_rows * (2 * head_dim * jnp.dtype(dtype).itemsize + 2 * 4))
+    return Reads(4, _HBM, _HBM, None, tuple(streamed_scratch(blocks)),
+                 per_device.resident_bytes(spec.block_k, head_dim, dtype, 2),
+                 key_rows * (2 * head_dim * jnp.dtype(dtype).itemsize + 2 * 4))
+
+
+def query_inputs(spec: Any, heads: int, length: int, head_dim: int, dtype: Any) -> Reads:
+    """Reads of the dk/dv pass: a query head's `length` queries and output gradients and their
+    log-sum-exp, delta, position and segment rows; streamed, each key block reads its visible
+    query blocks."""
+    held = residency(spec.vmem_budget, length, head_dim, dtype)
+    if held != "stream":
+        mode = buffering(held)
+        head_row = pl.BlockSpec((None, None, 1, length), lambda b, h, j: (b, h, 0, 0),
+                                pipeline_mode=mode)
+        return Reads(0, flex_blocks.whole_head(length, head_dim, 1, mode),
+                     flex_blocks.row(length, False, mode), head_row, (),
+                     per_device.resident_bytes(length, head_dim, dtype, 2, 1 if mode else 2), 0)
+    float32, int32 = jnp.float32, jnp.int32
+    blocks = [((spec.block_q, head_dim), dtype)] * 2 + [((1, spec.block_q), float32)] * 2 + [
+        ((1, spec.block_q), int32)] * 2
+    query_rows = heads * spec.visible_pairs() // spec.block_k
+    return Reads(6, _HBM, _HBM, _HBM, tuple(streamed_scratch(blocks)),
+                 per_device.resident_bytes(spec.block_q, head_dim, dtype, 2),
+                 query_rows * (2 * head_dim * jnp.dtype(dtype).itemsize + 4 * 4))
 
 
 def _window(axis: int, start: Any, size: int) -> tuple:
