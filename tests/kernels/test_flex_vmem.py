@@ -38,9 +38,9 @@ def test_the_budget_is_three_quarters_of_the_compiled_for_chips_vmem():
 def test_the_budget_follows_the_mesh_being_traced_for():
     mesh = jax.sharding.AbstractMesh((1,), ("data",), abstract_device=_abstract("TPU v5"))
     with jax.sharding.use_abstract_mesh(mesh):
-        assert flex_vmem.device_kind() == "TPU v5"
+        assert per_device.device_kind() == "TPU v5"
         assert flex_vmem.budget("mosaic") == 48 * MIB
-    assert flex_vmem.device_kind() == jax.devices()[0].device_kind
+    assert per_device.device_kind() == jax.devices()[0].device_kind
 
 
 def _abstract(kind: str):

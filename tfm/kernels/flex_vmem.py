@@ -27,20 +27,12 @@ RESIDENCIES = ("double", "single", "stream")
 _HBM = pl.BlockSpec(memory_space=pl.ANY)  # a whole array left in HBM, copied by the kernel
 
 
-def device_kind() -> str:
-    """The device kind (e.g. "TPU v5 lite") of the mesh set around tracing (inside shard_map
-    too; a deviceless compile's topology devices), else of jax's first device."""
-    mesh = jax.sharding.get_abstract_mesh()
-    device = None if mesh.empty else getattr(mesh, "abstract_device", None)
-    return (device or jax.devices()[0]).device_kind
-
-
 def budget(compiler: str, kind: str | None = None) -> int | None:
     """VMEM bytes a kernel call may use on the chip `kind` (None: the one traced for,
-    `device_kind`): 3/4 of the chip's VMEM under Mosaic; None (no limit) otherwise."""
+    per_device.device_kind): 3/4 of the chip's VMEM under Mosaic; None (no limit) otherwise."""
     if compiler != "mosaic":
         return None
-    return hardware.vmem_bytes(device_kind() if kind is None else kind) * 3 // 4
+    return hardware.vmem_bytes(per_device.device_kind() if kind is None else kind) * 3 // 4
 
 
 def residency(vmem_budget: int | None, length: int, head_dim: int, dtype: Any,

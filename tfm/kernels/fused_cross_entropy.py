@@ -109,8 +109,7 @@ def softmax_statistics(
     table = table.astype(hidden.dtype)
     mesh = per_device.context_mesh("loss_backend='fused'", hidden, table, targets)
     if blocks is None:
-        blocks = blocks_for(jax.devices()[0].device_kind if mesh.empty
-                            else mesh.abstract_device.device_kind)
+        blocks = blocks_for(per_device.device_kind())
     for name in ("tokens", "vocab", "grad_tokens", "grad_vocab"):
         size = getattr(blocks, name)
         if size <= 0 or size % LANES:

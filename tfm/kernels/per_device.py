@@ -47,6 +47,15 @@ def resident_bytes(length: int, head_dim: int, dtype: Any, count: int, buffers: 
     return buffers * count * length * (round_up(head_dim) * jnp.dtype(dtype).itemsize + 2 * 8 * 4)
 
 
+def device_kind() -> str:
+    """The device kind (e.g. "TPU v5 lite") of the mesh set around tracing (inside shard_map
+    too; a deviceless compile's topology devices), else of jax's first device: the chip a
+    kernel is compiled for."""
+    mesh = jax.sharding.get_abstract_mesh()
+    device = None if mesh.empty else getattr(mesh, "abstract_device", None)
+    return (device or jax.devices()[0]).device_kind
+
+
 def block_size(padded: int, largest: int | None = None) -> int:
     """The largest of BLOCK_CHOICES (at most `largest`) that divides a padded length."""
     return next(size for size in BLOCK_CHOICES
