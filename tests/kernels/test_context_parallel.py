@@ -210,5 +210,33 @@ def test_the_ring_skips_half_of_every_other_block_under_load_balancing():
                 bool(jnp.any(context.block_mask(
                     context._query_part(jnp.zeros((1, 8)), mask, None, query_half)[1],
                     block["index"][:, key_half], None)))
-                for query_half in context._halves(8) for key_half in context._halves(8))
+                for query_half in context.halves(8) for key_half in context.halves(8))
             assert reached == (3 if device == visiting else 2), (device, visiting, reached)
+
+
+# The ring on the flex kernel (tfm.kernels.ring_flex; Pallas interpret mode here): each pair of
+# a device's query halves and a visiting block's key halves one kernel call, forward and
+# backward, combined by the online-softmax rule; every mask part, each bias kind (T5's table
+# gradient summed over the ring), packed rows crossing chunk boundaries, 2, 4 and 8 devices.
+@pytest.mark.parametrize("case, size", [
+    ("causal-balanced-t5", 2), ("causal-balanced-t5", 4), ("causal-balanced-t5", 8),
+    ("causal-window-alibi", 2), ("causal-window-balanced-alibi", 8), ("bidirectional-t5", 4),
+    ("bidirectional-window-balanced", 8)])
+def test_the_ring_on_the_flex_kernel_equals_naive_attention(case, size):
+    causal, window, balanced, kind, _ = CASES[case]
+    run = _context_run(size, "ring", balanced, kind, causal, window, kernel="flex")
+    _assert_equals_naive(run, case)
+
+
+def test_the_ring_on_the_flex_kernel_equals_the_reference_ring():
+    """Both rings' outputs and gradients on the load-balanced T5 case over 4 devices agree to
+    float32 rounding: the same blocks, combined in the same order."""
+    causal, window, balanced, kind, _ = CASES["causal-balanced-t5"]
+    results = [jax.jit(functools.partial(_values_and_grads, _context_run(
+        4, "ring", balanced, kind, causal, window, kernel=kernel)))(*_inputs())
+        for kernel in context.KERNELS]
+    (fused, fused_grads), (ring, ring_grads) = results
+    np.testing.assert_allclose(fused, ring, rtol=1e-5, atol=1e-6)
+    for name, got, want in zip(("query", "key", "value", "table"), fused_grads, ring_grads,
+                               strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=name)

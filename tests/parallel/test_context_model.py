@@ -152,9 +152,11 @@ def test_context_parallel_loss_and_gradients_equal_one_device(scheme, strategy, 
     ("alibi", "ring", 2, True, "reference", 3),
     ("t5_bias", "all_gather", 2, True, "flex", 5),
     ("relative", "all_gather", 4, True, "reference", None),
+    ("t5_bias", "ring", 2, True, "flex", 5),
 ], ids=["t5-all_gather-context2-packed", "rope-ring-context4-padded",
         "learned-all_gather-context4-padded", "alibi-ring-context2-packed-window",
-        "t5-flex-context2-packed-window", "shaw-values-all_gather-context4-packed"])
+        "t5-flex-context2-packed-window", "shaw-values-all_gather-context4-packed",
+        "t5-ring-flex-context2-packed-window"])
 def test_encoder_decoder_under_context_parallelism_equals_one_device(scheme, strategy, context,
                                                                       packed, backend, window):
     config = ModelConfig(**{**TINY, "num_encoder_layers": 1, "num_decoder_layers": 1},
@@ -195,6 +197,23 @@ def test_the_flex_kernel_per_chunk_equals_the_reference_on_one_device(scheme, co
     _assert_close(*got, *want)
 
 
+# The ring on the flex kernel (tfm.kernels.ring_flex; interpret mode on CPU) against the
+# reference on one device: RoPE, ALiBi with a window, T5 (its table's gradient summed over the
+# ring), the packed row's documents crossing the chunk boundaries.
+@pytest.mark.parametrize("scheme, context, window", [
+    ("rope", 4, None), ("alibi", 2, 3), ("t5_bias", 4, 5), ("t5_bias", 2, None)])
+def test_the_ring_on_the_flex_kernel_equals_the_reference_on_one_device(scheme, context, window):
+    config = ModelConfig(**{**TINY_LM, "num_decoder_layers": 1}, position_scheme=scheme,
+                         local_window=window, attention_backend="reference",
+                         context_parallel="ring")
+    batch = {key: jnp.asarray(value) for key, value in _batch().items()}
+    params = nn.meta.unbox(DecoderLM(config).init(jax.random.key(0), batch["inputs"])["params"])
+    want = _loss_and_grads(config, None, batch, params)
+    got = _loss_and_grads(config.replace(attention_backend="flex"), {"context": context}, batch,
+                          params)
+    _assert_close(*got, *want)
+
+
 # (platform lowered for, device kind and platform of the abstract mesh, the kernel's call)
 ACCELERATORS = {"tpu": ("tpu", "TPU v5 lite", "tpu", "tpu_custom_call"),
                 "gpu": ("cuda", "NVIDIA H100", "gpu", "__gpu$xla.gpu.triton")}
@@ -224,6 +243,34 @@ def test_the_accelerator_program_runs_the_kernel_per_chunk_and_holds_no_chunk_by
     assert flex_text.count(kernel_call) == 6
     assert not chunk_by_row.search(flex_text)
     assert chunk_by_row.search(lowered("reference"))
+
+
+@pytest.mark.parametrize("accelerator", ACCELERATORS)
+def test_the_ring_on_accelerators_runs_the_kernel_per_pair_and_holds_no_block_scores(
+        accelerator):
+    """The ring's train gradient lowered for TPU (Mosaic) or GPU (Triton) over an abstract
+    context=4 mesh with flex: each of a step's 4 pairs of query and key halves is one kernel
+    call forward and two backward (dq, dk/dv), in the ring loop's body and once more for the
+    last block after it: 8 + 16 calls; no [.., half, half] (nor [.., chunk, chunk]) score
+    array is left, where the reference ring's blocks write theirs out."""
+    platform, kind, mesh_platform, kernel_call = ACCELERATORS[accelerator]
+    length, context = 512, 4
+    chunk = length // context
+    block_scores = re.compile(rf"x{chunk // 2}x{chunk // 2}x|x{chunk}x{chunk}x")
+    mesh = jax.sharding.AbstractMesh((1, 1, context, 1), sharding.MESH_AXES,
+                                     abstract_device=AbstractDevice(kind, None, mesh_platform))
+
+    def lowered(backend):
+        config = ModelConfig(**{**TINY_LM, "num_decoder_layers": 1}, context_parallel="ring",
+                             position_scheme="t5_bias", attention_backend=backend)
+        with jax.sharding.use_abstract_mesh(mesh), nn.logical_axis_rules(
+                sharding.DEFAULT_LOGICAL_RULES):
+            return lowered_lm_grad(config, length, platform)
+
+    flex_text = lowered("flex")
+    assert flex_text.count(kernel_call) == 8 + 16
+    assert not block_scores.search(flex_text)
+    assert block_scores.search(lowered("reference"))
 
 
 def test_the_tpu_program_of_an_encoder_decoder_runs_the_kernel_per_chunk():
@@ -311,11 +358,12 @@ def test_setup_refuses_context_parallelism_it_cannot_run(tmp_path):
         setup(config, tmp_path / "workdir")
 
 
-def test_auto_means_flex_per_chunk_on_tpu_under_all_gather_else_the_reference():
+def test_auto_means_flex_per_chunk_on_tpu_else_the_reference():
     config = lambda **fields: ModelConfig(**{**TINY_LM, "num_decoder_layers": 1},  # noqa: E731
                                           position_scheme="t5_bias", **fields)
     assert context_attention_backend(config(), "tpu") == "flex"
-    assert context_attention_backend(config(context_parallel="ring"), "tpu") == "reference"
+    assert context_attention_backend(config(context_parallel="ring"), "tpu") == "flex"
+    assert context_attention_backend(config(context_parallel="ring"), "cpu") == "reference"
     assert context_attention_backend(config(), "cpu") == "reference"
     assert context_attention_backend(config(), "gpu") == "reference"
     # flex has no attention dropout (setup then refuses it under context parallelism)

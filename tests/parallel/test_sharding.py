@@ -403,9 +403,6 @@ def _decoder(**fields):
         ({"attention_backend": "cpu"}, 16,
          r"model.attention_backend='cpu' with mesh.context=4: .* use 'auto', 'reference' or "
          r"'flex'"),
-        ({"attention_backend": "flex", "context_parallel": "ring"}, 16,
-         r"model.attention_backend='flex' with model.context_parallel='ring' with "
-         r"mesh.context=4: .* use context_parallel='all_gather'"),
         ({"attention_dropout_rate": 0.1}, 16,
          r"model.attention_dropout_rate=0.1 with mesh.context=4: .* set it to 0"),
         ({}, 12, r"data.seq_len=12 with mesh.context=4: .* use a multiple of 8"),
@@ -422,8 +419,9 @@ def test_context_parallelism_accepts_every_position_bias_and_encoder_decoders():
     sizes = {"data": 1, "fsdp": 1, "context": 8, "tensor": 1}
     for scheme in ("rope", "alibi", "t5_bias", "learned", "kerple_log", "fire"):
         sharding.check_context(_decoder(position_scheme=scheme, local_window=4), sizes, 64)
-        sharding.check_context(_decoder(position_scheme=scheme, attention_backend="flex"),
-                               sizes, 64)
+        for strategy in ("all_gather", "ring"):  # flex per chunk or per ring pair
+            sharding.check_context(_decoder(position_scheme=scheme, attention_backend="flex",
+                                            context_parallel=strategy), sizes, 64)
     sharding.check_context(_decoder(position_scheme="relative"), sizes, 64)  # Shaw: all_gather
     seq2seq = ModelConfig(vocab_size=32, num_encoder_layers=1, num_decoder_layers=1, d_model=16,
                           num_heads=2, d_ff=32, attention_backend="reference")

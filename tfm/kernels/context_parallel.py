@@ -20,7 +20,9 @@ inside `jax.shard_map` (`attention_shard`; `context_attention` wraps the shard_m
               arXiv 2310.01889; Dao et al. 2022 for the online softmax). Each visiting
               block is taken by halves of queries and keys, and a pair of halves that the
               causal mask, the window or the segments hide entirely is skipped (under load
-              balancing, half of every block but the device's own).
+              balancing, half of every block but the device's own). Each pair by `kernel`:
+              the reference maths (dense scores), or on rows in a known order the flex kernel
+              (tfm.kernels.ring_flex: one call per pair, placed by its query offset).
 
 Causal load balancing (`load_balance` / `restore_order`): the row is cut into 2N chunks and
 device i holds chunks i and 2N-1-i, so every device has the same share of the causal work.
@@ -45,6 +47,7 @@ from jax.sharding import PartitionSpec as P
 from tfm.kernels import per_device, reference
 from tfm.kernels.call import BlockBias
 from tfm.kernels.load_balance import (  # noqa: F401  (public here too: the model's side uses them)
+    halves,
     load_balance,
     load_balanced_index,
     restore_order,
@@ -52,7 +55,7 @@ from tfm.kernels.load_balance import (  # noqa: F401  (public here too: the mode
 
 AXIS = "context"  # the mesh axis the sequence is split over
 STRATEGIES = ("all_gather", "ring")
-KERNELS = ("reference", "flex")  # what computes a device's queries against gathered keys
+KERNELS = ("reference", "flex")  # what computes a device's queries against (gathered) keys
 LAYOUTS = ("original", "balanced")  # orders of the rows a fused kernel can run on
 MeshAxes = str | tuple[str, ...] | None
 
@@ -164,10 +167,7 @@ def fused_gathered_attention(
     or a load-balanced chunk's two halves), with the run's first original index as the causal
     mask's and the window's query offset. No [chunk, T] array: the mask and the bias are made
     per block. compiler: one of per_device.COMPILERS, None: chosen at lowering."""
-    if mask.layout not in LAYOUTS:
-        raise ValueError(f"the flex kernel under context parallelism needs rows in a known "
-                         f"order: SequenceMask.layout={mask.layout!r}; choose one of: "
-                         f"{', '.join(LAYOUTS)}")
+    _check_layout(mask)
     flex = importlib.import_module("tfm.kernels.flex_attention")  # Pallas: on first use
     size = jax.lax.axis_size(axis_name)
     balanced = mask.layout == "balanced"
@@ -190,13 +190,44 @@ def fused_gathered_attention(
         learned=bias is not None and bias.learned, compiler=compiler)
     keys, values = gather(key), gather(value)
     outs = []
-    for run in _halves(chunk) if balanced else [slice(0, chunk)]:
+    for run in halves(chunk) if balanced else [slice(0, chunk)]:
         rows = (query_positions[:, run], key_positions, query_segments[:, run], key_segments)
         outs.append(local(query[:, run], keys, values, rows,
                           None if bias is None else bias.params,
                           query_offset=mask.query_index[:, run.start],
                           cost_offset=_mean_first_index(size, chunk, balanced, run)))
     return jnp.concatenate(outs, axis=1)
+
+
+def _check_layout(mask: SequenceMask) -> None:
+    if mask.layout not in LAYOUTS:
+        raise ValueError(f"the flex kernel under context parallelism needs rows in a known "
+                         f"order: SequenceMask.layout={mask.layout!r}; choose one of: "
+                         f"{', '.join(LAYOUTS)}")
+
+
+def fused_ring_attention(
+    query: jax.Array,  # [batch, chunk, num_heads, head_dim], this device's queries
+    key: jax.Array,  # [batch, chunk, num_kv_heads, head_dim], this device's keys
+    value: jax.Array,  # like key
+    mask: SequenceMask,  # this device's chunks; layout "original" or "balanced"
+    bias: BlockBias | None = None,  # positions: this device's chunks
+    *,
+    scale: float | None = None,
+    axis_name: str = AXIS,
+    compiler: str | None = None,
+) -> jax.Array:  # [batch, chunk, num_heads, head_dim]
+    """The ring strategy on the flex kernel (tfm.kernels.ring_flex): each pair of a device's
+    query halves and a visiting block's key halves is one kernel call (forward and backward),
+    contiguous in the original order, so the causal mask and the window come from the query
+    offset; no block's scores reach memory. compiler: one of per_device.COMPILERS, None:
+    chosen at lowering."""
+    _check_layout(mask)
+    reference.check_inputs(query, key, value, None, None, 0.0, None)
+    ring_flex = importlib.import_module("tfm.kernels.ring_flex")  # Pallas: on first use
+    scale = reference.default_scale(query.shape[-1]) if scale is None else float(scale)
+    return ring_flex.ring_attention(query, key, value, mask, bias, scale=scale,
+                                    axis_name=axis_name, compiler=compiler)
 
 
 def _mean_first_index(size: int, chunk: int, balanced: bool, run: slice) -> int:
@@ -211,13 +242,6 @@ def _mean_first_index(size: int, chunk: int, balanced: bool, run: slice) -> int:
 
 
 # ------------------------------------------------------------------------------ ring
-
-
-def _rotate(tree, axis_name: str):
-    """Every array of `tree` sent to the next device around `axis_name` (i -> i + 1)."""
-    size = jax.lax.psum(1, axis_name)
-    pairs = [(i, (i + 1) % size) for i in range(size)]
-    return jax.tree.map(lambda x: jax.lax.ppermute(x, axis_name, pairs), tree)
 
 
 def _block_scores(
@@ -296,14 +320,6 @@ def _backward_block(carry: tuple, *, block: dict, query: jax.Array, mask: Sequen
     return (dquery, dparams), (dkey, dvalue)
 
 
-def _halves(length: int) -> list[slice]:
-    """A chunk's two halves (one whole chunk if its length is odd). Under causal load
-    balancing each half is one of the row's 2N chunks, and a pair of halves is often hidden
-    entirely (a later chunk's keys from an earlier chunk's queries), so it is skipped."""
-    half = length // 2
-    return [slice(None)] if length % 2 else [slice(0, half), slice(half, length)]
-
-
 def _query_part(query: jax.Array, mask: SequenceMask, bias: BlockBias | None, part: slice):
     """The local queries [b, part, kv_heads, groups, head_dim] of `part`, with their mask rows
     and bias positions."""
@@ -320,10 +336,10 @@ def _visit_forward(state: tuple, block: dict, query: jax.Array, mask: SequenceMa
     """The online softmax state (`_forward_block`'s) after one visiting block, by pairs of
     query and key halves, each skipped where the mask hides it."""
     parts = []
-    for query_half in _halves(query.shape[1]):
+    for query_half in halves(query.shape[1]):
         part_query, part_mask, part_bias = _query_part(query, mask, bias, query_half)
         part = tuple(x[:, :, :, query_half] for x in state)  # their q_len axis
-        for key_half in _halves(block["key"].shape[1]):
+        for key_half in halves(block["key"].shape[1]):
             keys = {name: x[:, key_half] for name, x in block.items()}
             update = functools.partial(_forward_block, block=keys, query=part_query,
                                        mask=part_mask, bias=part_bias, scale=scale)
@@ -338,12 +354,12 @@ def _visit_backward(carry: tuple, block: dict, query: jax.Array, mask: SequenceM
     pairs of query and key halves, each skipped where the mask hides it. saved: (grad_out,
     log_sum_exp, delta), per query as in `_backward_block`."""
     dquery, dparams = carry
-    key_halves = _halves(block["key"].shape[1])
+    key_halves = halves(block["key"].shape[1])
     zeros = lambda half: tuple(jnp.zeros(block[name][:, half].shape, jnp.float32)
                                for name in ("key", "value"))
     key_grads = [zeros(half) for half in key_halves]
     dquery_parts = []
-    for query_half in _halves(query.shape[1]):
+    for query_half in halves(query.shape[1]):
         part_query, part_mask, part_bias = _query_part(query, mask, bias, query_half)
         grad_out, log_sum_exp, delta = saved
         part_saved = dict(grad_out=grad_out[:, query_half],
@@ -377,7 +393,7 @@ def _ring_forward(query, block, mask, bias, scale, axis_name):
 
     def step(carry, _):
         state, block = carry
-        return (visit(state, block), _rotate(block, axis_name)), None
+        return (visit(state, block), per_device.rotate(block, axis_name)), None
 
     size = jax.lax.psum(1, axis_name)
     (state, block), _ = jax.lax.scan(step, (state, block), None, length=size - 1)
@@ -405,12 +421,12 @@ def _ring_backward(query, block, mask, bias, scale, axis_name, grad_out, log_sum
         carry, block, grads = state
         carry, block_grads = backward(carry, block)
         grads = jax.tree.map(jnp.add, grads, block_grads)
-        return (carry, _rotate(block, axis_name), _rotate(grads, axis_name)), None
+        return (carry, *per_device.rotate((block, grads), axis_name)), None
 
     size = jax.lax.psum(1, axis_name)
     (carry, block, grads), _ = jax.lax.scan(step, (carry, block, grads), None, length=size - 1)
     (dquery, dparams), block_grads = backward(carry, block)
-    grads = _rotate(jax.tree.map(jnp.add, grads, block_grads), axis_name)
+    grads = per_device.rotate(jax.tree.map(jnp.add, grads, block_grads), axis_name)
     return dquery, dparams, grads
 
 
@@ -489,18 +505,19 @@ def attention_shard(
     kernel: str = "reference",
     compiler: str | None = None,
 ) -> jax.Array:  # [batch, chunk, num_heads, head_dim]
-    """Context-parallel attention on one device's chunk, by `strategy` (STRATEGIES) and, for
-    all_gather, `kernel` (KERNELS; the ring runs its own blocks); call it inside
-    jax.shard_map over `axis_name`. Same values as the reference on the whole row."""
+    """Context-parallel attention on one device's chunk, by `strategy` (STRATEGIES) and
+    `kernel` (KERNELS: each block by the reference maths, or by the flex kernel compiled by
+    `compiler`); call it inside jax.shard_map over `axis_name`. Same values as the reference
+    on the whole row."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r} is unknown; choose one of: {', '.join(KERNELS)}")
     if strategy == "all_gather":
         return gathered_attention(query, key, value, mask, bias, scale=scale,
                                   axis_name=axis_name, kernel=kernel, compiler=compiler)
     if strategy == "ring":
-        if kernel != "reference":
-            raise ValueError(f"context_parallel='ring' runs its own blocks, not kernel="
-                             f"{kernel!r}; use all_gather")
+        if kernel == "flex":
+            return fused_ring_attention(query, key, value, mask, bias, scale=scale,
+                                        axis_name=axis_name, compiler=compiler)
         return ring_attention(query, key, value, mask, bias, scale=scale, axis_name=axis_name)
     raise ValueError(f"context_parallel={strategy!r} is unknown; choose one of: "
                      f"{', '.join(STRATEGIES)}")

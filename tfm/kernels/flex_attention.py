@@ -26,7 +26,6 @@ query, including zero output for a query that sees no key. Calls that read a KV 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -41,10 +40,12 @@ from jax.experimental.pallas import triton as plgpu
 from tfm.checks import ConfigError
 from tfm.kernels import flex_blocks, flex_vmem, masks, per_device, reference
 from tfm.kernels.call import AttentionCall
+from tfm.kernels.flex_spec import KernelSpec
 
 TRITON_BLOCK = 64  # query and key blocks on GPU
 MASKED = reference.MASKED_LOGIT
 NO_KEY_LSE = 1e30  # log-sum-exp of a query that sees no key: every weight exp(s - it) is 0
+_Spec = KernelSpec  # the name the kernels below (and tests) use
 
 
 def serves(call: AttentionCall, q_len: int, kv_len: int) -> bool:
@@ -94,81 +95,6 @@ def attention(
                           backend="attention_backend='flex'")
 
 
-def _maximum(a: Any, b: int) -> Any:  # on Python ints (cost estimates) or traced block ids
-    return max(a, b) if isinstance(a, int) else jnp.maximum(a, b)
-
-
-def _minimum(a: Any, b: int) -> Any:
-    return min(a, b) if isinstance(a, int) else jnp.minimum(a, b)
-
-
-def _divide(a: Any, b: int) -> Any:  # a >= 0: truncating division is floor division (and
-    return a // b if isinstance(a, int) else jax.lax.div(a, jnp.int32(b))  # lowers on any TPU)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Spec:
-    """The static description of one kernel call."""
-
-    block_q: int
-    block_k: int
-    q_len: int  # real lengths; the arrays are padded to whole blocks
-    kv_len: int
-    causal: bool
-    window: int | None
-    scale: float
-    groups: int  # query heads per kv head
-    function: Callable[..., jax.Array] | None  # the block bias, None: no bias
-    learned: bool  # whether the bias parameters take a gradient
-    params_tree: Any  # treedef of the bias parameters
-    precision: jax.lax.Precision
-    compiler: str  # one of per_device.COMPILERS
-    offset: bool = False  # whether a per-row query offset ([batch] int32) is passed
-    cost_offset: int = 0  # the query offset the cost estimate assumes (the real one is traced)
-    vmem_budget: int | None = None  # on-chip bytes a call may use (flex_vmem.budget)
-
-    def first_query(self, offset_refs: list, q_block: Any) -> Any:
-        """The index, among the keys, of query block `q_block`'s first query: its place in
-        the queries, shifted by the row's query offset when there is one."""
-        first = q_block * self.block_q
-        return first + offset_refs[0][pl.program_id(0)] if offset_refs else first
-
-    @property
-    def reach(self) -> tuple[int | None, int | None]:
-        """How far back and ahead of its own index a query may see (None: unbounded)."""
-        ahead = 0 if self.causal else self.window
-        return self.window, ahead
-
-    def key_blocks(self, first_row: Any) -> tuple[Any, Any]:
-        """[first, end) key blocks a query block whose first query has index `first_row`
-        among the keys (`first_query`) can see."""
-        back, ahead = self.reach
-        real_blocks = -(-self.kv_len // self.block_k)
-        first = 0 if back is None else _divide(_maximum(first_row - back, 0), self.block_k)
-        if ahead is None:
-            return first, real_blocks
-        last_key = first_row + self.block_q - 1 + ahead
-        return first, _minimum(_divide(last_key, self.block_k) + 1, real_blocks)
-
-    def query_blocks(self, k_block: Any, offset: Any = 0) -> tuple[Any, Any]:
-        """[first, end) query blocks that can see key block `k_block`, the queries' indices
-        among the keys shifted by `offset`."""
-        back, ahead = self.reach
-        real_blocks = -(-self.q_len // self.block_q)
-        first_key = k_block * self.block_k - offset
-        first = 0 if ahead is None else _divide(_maximum(first_key - ahead, 0), self.block_q)
-        if back is None:
-            return first, real_blocks
-        last_query = first_key + self.block_k - 1 + back
-        return first, _minimum(_divide(last_query, self.block_q) + 1, real_blocks)
-
-    def visible_pairs(self) -> int:
-        """Query-key pairs the kernel computes (whole blocks): for its cost estimate."""
-        pairs = 0
-        for q_block in range(-(-self.q_len // self.block_q)):
-            first, end = self.key_blocks(q_block * self.block_q + self.cost_offset)
-            pairs += max(end - first, 0) * self.block_q * self.block_k
-        return pairs
 
 
 def _scores(spec: _Spec, query: jax.Array, key: jax.Array, rows: tuple, params: Any,
@@ -531,9 +457,79 @@ def attend_local(
     bytes a call may use (None: the compiled-for chip's, flex_vmem.budget); past it, keys and
     values stream from HBM block by block (tests pass a small one to run that in interpret
     mode)."""
-    batch, q_len, num_heads, head_dim = query.shape
-    kv_len, kv_heads = key.shape[1], key.shape[2]
-    q_padded, kv_padded = per_device.round_up(q_len), per_device.round_up(kv_len)
+    spec_of = _spec_of(query, key, params, causal=causal, window=window, scale=scale,
+                       function=function, learned=learned, offset=query_offset is not None,
+                       cost_offset=cost_offset, vmem_budget=vmem_budget)
+    inputs = _local_inputs(query, key, value, rows, params, query_offset)
+    out = per_device.by_platform(lambda *arrays, compiler: _flex(spec_of(compiler), *arrays),
+                                 compiler, *inputs)
+    return _from_heads_major(out, query.shape[1])
+
+
+def block_forward(
+    query: jax.Array,  # [batch, q_len, num_heads, head_dim]
+    key: jax.Array,  # [batch, kv_len, num_kv_heads, head_dim]
+    value: jax.Array,  # like key
+    rows: tuple[jax.Array, ...],  # as attend_local's
+    params: Any,  # pytree of [num_heads, P]
+    **options: Any,  # attend_local's keyword arguments
+) -> tuple[jax.Array, jax.Array]:  # out [batch, q_len, num_heads, head_dim], lse [batch,
+    # num_heads, q_len] float32
+    """attend_local's forward pass with the log-sum-exp of each query's weights (NO_KEY_LSE
+    for a query that sees no key, whose output is zero), no gradient: for callers that combine
+    blocks of keys themselves (the fused ring, tfm.kernels.ring_flex)."""
+    compiler, query_offset = options.pop("compiler"), options.pop("query_offset", None)
+    spec_of = _spec_of(query, key, params, offset=query_offset is not None, **options)
+    inputs = _local_inputs(query, key, value, rows, params, query_offset)
+    out, lse = per_device.by_platform(
+        lambda *arrays, compiler: _forward(spec_of(compiler), *arrays), compiler, *inputs)
+    q_len = query.shape[1]
+    return _from_heads_major(out, q_len), lse[:, :, :q_len, 0]
+
+
+def block_backward(
+    query: jax.Array,  # [batch, q_len, num_heads, head_dim]
+    key: jax.Array,  # [batch, kv_len, num_kv_heads, head_dim]
+    value: jax.Array,  # like key
+    rows: tuple[jax.Array, ...],  # as attend_local's
+    params: Any,  # pytree of [num_heads, P]
+    out: jax.Array,  # [batch, q_len, num_heads, head_dim], the final output of these queries
+    lse: jax.Array,  # [batch, num_heads, q_len] float32, their final log-sum-exp (NO_KEY_LSE:
+    # no key seen)
+    out_grad: jax.Array,  # like out
+    **options: Any,  # attend_local's keyword arguments
+) -> tuple:  # dquery, dkey, dvalue (like their inputs), dparams (like params, float32)
+    """The gradients of this block of keys' share of the loss, from the final output and
+    log-sum-exp of queries that may have attended other blocks too (FlashAttention-2's
+    backward: each block's weights are exp(score - lse)): the fused ring's backward pass."""
+    compiler, query_offset = options.pop("compiler"), options.pop("query_offset", None)
+    spec_of = _spec_of(query, key, params, offset=query_offset is not None, **options)
+    q_len, kv_len = query.shape[1], key.shape[1]
+    q_padded = per_device.round_up(q_len)
+    lse = jnp.pad(lse, ((0, 0), (0, 0), (0, q_padded - q_len)), constant_values=NO_KEY_LSE)
+    inputs = (*_local_inputs(query, key, value, rows, params, query_offset),
+              _heads_major(out, q_padded), lse[..., None], _heads_major(out_grad, q_padded))
+    query_grad, key_grad, value_grad, params_grad = per_device.by_platform(
+        lambda *arrays, compiler: _backward(spec_of(compiler), *arrays), compiler, *inputs)
+    params_grad = None if params is None else jax.tree.map(lambda grad: grad[:, 0], params_grad)
+    return (_from_heads_major(query_grad, q_len), _from_heads_major(key_grad, kv_len),
+            _from_heads_major(value_grad, kv_len), params_grad)
+
+
+def _heads_major(x: jax.Array, padded: int) -> jax.Array:  # [b, len, heads, hd] -> [b, heads,
+    x = jnp.pad(x, ((0, 0), (0, padded - x.shape[1]), (0, 0), (0, 0)))  # padded, hd]
+    return x.transpose(0, 2, 1, 3)
+
+
+def _from_heads_major(x: jax.Array, length: int) -> jax.Array:  # the inverse of _heads_major
+    return x.transpose(0, 2, 1, 3)[:, :length]
+
+
+def _local_inputs(query, key, value, rows, params, query_offset) -> tuple:
+    """The kernel's operands from local arrays: query, key, value heads-major with lengths
+    padded to whole blocks, the rows as columns (queries) and rows (keys), padded keys in a
+    segment no query has, the query offset after them, the parameters [heads, 1, P] float32."""
+    q_padded, kv_padded = per_device.round_up(query.shape[1]), per_device.round_up(key.shape[1])
     query_pos, key_pos, query_seg, key_seg = rows
 
     def pad(ids: jax.Array, padded: int, fill: int = 0) -> jax.Array:
@@ -544,36 +540,39 @@ def attend_local(
                    pad(key_seg, kv_padded, per_device.PADDING_KEY_SEGMENT)[:, None, :])
     if query_offset is not None:
         padded_rows = (*padded_rows, query_offset.astype(jnp.int32))
-
-    def heads_major(x: jax.Array, padded: int) -> jax.Array:  # -> [batch, heads, padded, hd]
-        x = jnp.pad(x, ((0, 0), (0, padded - x.shape[1]), (0, 0), (0, 0)))
-        return x.transpose(0, 2, 1, 3)
-
     params = None if params is None else jax.tree.map(
         lambda leaf: leaf.astype(jnp.float32)[:, None, :], params)  # [heads, 1, P]
+    return (_heads_major(query, q_padded), _heads_major(key, kv_padded),
+            _heads_major(value, kv_padded), padded_rows, params)
+
+
+def _spec_of(query, key, params, *, causal: bool, window: int | None, scale: float,
+             function: Callable[..., jax.Array] | None, learned: bool, offset: bool,
+             cost_offset: int = 0, vmem_budget: int | None = None,
+             ) -> Callable[[str], KernelSpec]:
+    """compiler -> the KernelSpec of a call on local query [b, q_len, heads, hd], key
+    [b, kv_len, kv_heads, hd] and bias parameters (the compiler may be known only at
+    lowering)."""
+    q_len, num_heads = query.shape[1:3]
+    kv_len, kv_heads = key.shape[1], key.shape[2]
+    q_padded, kv_padded = per_device.round_up(q_len), per_device.round_up(kv_len)
     precision = (jax.lax.Precision.HIGHEST if jnp.dtype(query.dtype) == jnp.float32
                  else jax.lax.Precision.DEFAULT)
-
     # A block function whose gradient keeps many tiles live (FIRE's MLP: one per hidden unit)
     # names the largest tile side that fits on chip (`largest_block`); Mosaic refuses 512 there.
     largest = getattr(function, "largest_block", None)
+    params_tree = jax.tree.structure(params)
 
-    def run(*arrays: Any, compiler: str) -> jax.Array:
+    def spec(compiler: str) -> KernelSpec:
         triton = compiler == "triton"  # a GPU block's tiles live in 228 kB of shared memory
-        spec = _Spec(
+        return KernelSpec(
             block_q=TRITON_BLOCK if triton else per_device.block_size(q_padded, largest),
             block_k=TRITON_BLOCK if triton else per_device.block_size(kv_padded, largest),
             q_len=q_len, kv_len=kv_len,
             causal=causal, window=window, scale=scale, groups=num_heads // kv_heads,
-            function=function, learned=learned, params_tree=jax.tree.structure(params),
-            precision=precision, compiler=compiler, offset=query_offset is not None,
-            cost_offset=cost_offset,
+            function=function, learned=learned, params_tree=params_tree,
+            precision=precision, compiler=compiler, offset=offset, cost_offset=cost_offset,
             vmem_budget=flex_vmem.budget(compiler) if vmem_budget is None else vmem_budget,
         )
-        return _flex(spec, *arrays)
 
-    out = per_device.by_platform(
-        run, compiler, heads_major(query, q_padded), heads_major(key, kv_padded),
-        heads_major(value, kv_padded), padded_rows, params)
-    return out.transpose(0, 2, 1, 3)[:, :q_len]
-
+    return spec

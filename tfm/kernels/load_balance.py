@@ -1,6 +1,7 @@
 """Causal load balancing for context parallelism (tfm.kernels.context_parallel): a row cut into
 2N equal chunks, device i holding chunks i and 2N-1-i, so every device has as many early
-(cheap) as late (costly) causal queries. A pure permutation of the sequence axis."""
+(cheap) as late (costly) causal queries. A pure permutation of the sequence axis; the ring
+takes each device's chunk by its two halves (`halves`), each one of the row's 2N chunks."""
 
 from __future__ import annotations
 
@@ -40,3 +41,12 @@ def restore_order(x: jax.Array, num_shards: int, axis: int = 1) -> jax.Array:
 def load_balanced_index(length: int, num_shards: int) -> np.ndarray:
     """[length] int32: the original index of each token of a load-balanced row."""
     return np.asarray(load_balance(np.arange(length, dtype=np.int32), num_shards, axis=0))
+
+
+def halves(length: int) -> list[slice]:
+    """A chunk's two halves (one whole chunk if its length is odd). Under causal load
+    balancing each half is one of the row's 2N chunks, contiguous in the original order, and
+    a pair of halves is often hidden entirely (a later chunk's keys from an earlier chunk's
+    queries), so the ring skips it."""
+    half = length // 2
+    return [slice(None)] if length % 2 else [slice(0, half), slice(half, length)]

@@ -163,3 +163,11 @@ def by_platform(call: Callable[..., Any], compiler: str | None, *args: Any) -> A
         cuda=lambda *a: call(*a, compiler="triton"),
         default=lambda *a: call(*a, compiler="interpret"),
     )
+
+
+def rotate(tree: Any, axis_name: str) -> Any:
+    """Every array of `tree` sent to the next device around `axis_name` (i -> i + 1), inside
+    jax.shard_map: one step of a ring."""
+    size = jax.lax.axis_size(axis_name)
+    pairs = [(i, (i + 1) % size) for i in range(size)]
+    return jax.tree.map(lambda x: jax.lax.ppermute(x, axis_name, pairs), tree)

@@ -411,8 +411,8 @@ def context_refusal(model_config: Any, context: int, seq_len: int,
     """Why context parallelism over `context` devices cannot run this model yet (one line
     naming the fields), or None. `model_config`: a tfm ModelConfig, its attention backend
     resolved (tfm.training.experiment.context_attention_backend). Each chunk runs the
-    reference maths, or the flex kernel under all_gather. source_seq_len: an encoder-decoder's
-    source row length (None: seq_len)."""
+    reference maths or the flex kernel, under either strategy. source_seq_len: an
+    encoder-decoder's source row length (None: seq_len)."""
     given = f"with mesh.context={context}"
     if model_config.num_encoder_layers and not model_config.num_decoder_layers:
         return (f"model.num_decoder_layers=0 {given}: context parallelism runs decoder-only "
@@ -427,10 +427,6 @@ def context_refusal(model_config: Any, context: int, seq_len: int,
                 f"model.context_parallel={strategy!r} {given}: the ring's blocks take no bias "
                 "from the queries, and Shaw's value term needs each key block's attention "
                 "weights, which its online softmax never holds; use context_parallel='all_gather'")
-    if backend == "flex" and strategy != "all_gather":
-        return (f"model.attention_backend='flex' with model.context_parallel={strategy!r} "
-                f"{given}: the ring runs its own blocks; use context_parallel='all_gather' or "
-                "attention_backend='reference'")
     if backend not in ("reference", "flex"):
         return (f"model.attention_backend={backend!r} {given}: each chunk's attention is the "
                 "reference maths or the flex kernel so far; use 'auto', 'reference' or 'flex'")

@@ -263,10 +263,11 @@ def model_config_for(
 
 def context_attention_backend(model_config: ModelConfig, platform: str) -> str:
     """What attention_backend "auto" means under context parallelism (each chunk's attention,
-    tfm.kernels.context_parallel) on `platform`: the flex kernel on TPU under all_gather when
-    it serves the model (its lowered program is checked there), else the reference maths."""
+    tfm.kernels.context_parallel) on `platform`: the flex kernel on TPU, under either strategy
+    (all_gather: per device against the gathered row; ring: per pair of chunk halves), when it
+    serves the model (its lowered program is checked there), else the reference maths."""
     flex = kernels.BACKENDS["flex"]
-    if (platform == "tpu" and model_config.context_parallel == "all_gather"
+    if (platform == "tpu"
             and kernels.Needs(**model_config.attention_needs).unmet(flex) is None):
         return "flex"
     return "reference"
