@@ -20,8 +20,8 @@ that much), on GPU 64-row tiles are read from HBM. The
 dk/dv pass works on transposed [block_k, block_q] tiles, so that its per-query rows (positions,
 segments, log-sum-exp) are lane-dense [1, q_len] arrays. GQA: query head h reads kv
 head h // (heads / kv_heads). Same values as the reference (tfm.nn.attention) at every real
-query, including zero output for a query that sees no key. Calls that read a KV cache
-(decoding steps: a few queries) use the reference maths.
+query, including zero output for a query that sees no key. A prefill chunk that reads a KV
+cache runs here with its rows' query offset; decoding steps (a query or a few) the reference.
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ VMEM_LIMIT = 96 * 2**20  # the most on-chip memory a call asks for (v5e/v6e have
 
 def serves(call: AttentionCall, q_len: int, kv_len: int) -> bool:
     """Whether this kernel computes the call (else the reference does): calls that describe
-    their mask, and their bias if any, by parts, and read no KV cache."""
-    if not per_device.described_by_parts(call, q_len, kv_len):
+    their mask, and their bias if any, by parts (a KV cache read: prefill chunks only)."""
+    if not per_device.blocked(call, q_len, kv_len):
         return False
     return call.bias is None or call.structure.bias is not None
 
@@ -79,12 +79,10 @@ def attention(
     if segments is None:
         segments = (jnp.zeros((batch, q_len), jnp.int32), jnp.zeros((batch, kv_len), jnp.int32))
     query_segments, key_segments = segments
-    if bias is None:
-        positions = (jnp.zeros((batch, q_len), jnp.int32), jnp.zeros((batch, kv_len), jnp.int32))
-    else:
-        positions = (bias.query_positions, bias.key_positions)
-    rows = (*(ids.astype(jnp.int32) for ids in positions),
-            query_segments.astype(jnp.int32), key_segments.astype(jnp.int32))
+    positions = segments if bias is None else (bias.query_positions, bias.key_positions)
+    offset = () if structure.query_offset is None else (structure.query_offset,)  # [batch]
+    rows = (*(ids.astype(jnp.int32) for ids in positions),  # (positions unread without bias)
+            query_segments.astype(jnp.int32), key_segments.astype(jnp.int32), *offset)
     local = functools.partial(
         attend_local, causal=structure.causal, window=structure.window, scale=scale,
         function=None if bias is None else bias.function,
@@ -538,7 +536,8 @@ def attend_local(
     key: jax.Array,  # [batch, kv_len, num_kv_heads, head_dim]
     value: jax.Array,  # like key
     rows: tuple[jax.Array, ...],  # query positions [batch, q_len], key positions [batch,
-    # kv_len], query segments [batch, q_len], key segments [batch, kv_len]; int32
+    # kv_len], query segments [batch, q_len], key segments [batch, kv_len]; int32 (a 5th:
+    # the query offset [batch], as query_offset)
     params: Any,  # pytree of [num_heads, P]
     *, causal: bool, window: int | None, scale: float,
     function: Callable[..., jax.Array] | None, learned: bool, compiler: str | None,
@@ -555,7 +554,8 @@ def attend_local(
     batch, q_len, num_heads, head_dim = query.shape
     kv_len, kv_heads = key.shape[1], key.shape[2]
     q_padded, kv_padded = per_device.round_up(q_len), per_device.round_up(kv_len)
-    query_pos, key_pos, query_seg, key_seg = rows
+    query_pos, key_pos, query_seg, key_seg, *offset = rows
+    query_offset = offset[0] if offset else query_offset
 
     def pad(ids: jax.Array, padded: int, fill: int = 0) -> jax.Array:
         return jnp.pad(ids, ((0, 0), (0, padded - ids.shape[1])), constant_values=fill)
