@@ -205,15 +205,20 @@ def test_cached_decoding_with_flex_equals_the_full_pass(window):
 def test_a_prefill_that_fills_its_cache_holds_no_square_array_on_tpu():
     """Lowered for TPU: a 256-token prefill into a cache of 256 slots calls the Pallas kernel
     and holds no [.., T, T] array (bias, mask or scores); into a cache with room to spare it
-    reads the cache on the reference path, which does (so the check can fail)."""
+    reads the cache through the kernel too, with the rows' query offset (a chunk of at least
+    one block: tests/decode/test_prefill.py), where the reference writes [T, slots] arrays (so
+    the check can fail)."""
     length = 256
     square = re.compile(rf"x{length}x{length}x")
-    config = _model_config("flex", num_encoder_layers=0, position_scheme="t5_bias",
-                           dtype="bfloat16", max_len=2 * length)
+    changes = dict(num_encoder_layers=0, position_scheme="t5_bias", dtype="bfloat16",
+                   max_len=2 * length)
+    config = _model_config("flex", **changes)
     filled = lowered_prefill(config, length, length, "tpu")
     assert "tpu_custom_call" in filled and not square.search(filled)
-    spare = lowered_prefill(config, length, length + 8, "tpu")
-    assert re.search(rf"x{length}x{length + 8}x", spare)
+    spare = re.compile(rf"x{length}x{length + 8}x")
+    assert not spare.search(lowered_prefill(config, length, length + 8, "tpu"))
+    reference = lowered_prefill(_model_config("reference", **changes), length, length + 8, "tpu")
+    assert spare.search(reference)
 
 
 def _log_distance_block_bias(head_params, query_positions, key_positions):
@@ -312,6 +317,36 @@ def test_under_a_mesh_each_device_runs_its_rows_and_heads_with_their_bias_rows()
     for name, g, w in zip(["q", "k", "v", "table"], jax.tree.leaves(got_grads),
                           jax.tree.leaves(want_grads), strict=True):
         np.testing.assert_allclose(g, w, atol=2e-5, err_msg=name)
+
+
+def test_a_prefill_chunk_reading_the_cache_runs_the_kernel_with_its_offset_under_a_mesh():
+    """A chunk of 128 queries against a 320-slot KV cache (AttentionStructure.query_offset:
+    rows at slots 192 and 64, the slots past each row's chunk unfilled, T5 bias from global
+    positions) is flex's (per_device.chunk_of_cache), alone and under a data x tensor mesh (the
+    offset split with the rows), with the reference's values; a decoding step's one query
+    stays on the reference."""
+    from tfm.kernels import flex_attention
+    from tfm.parallel import sharding
+
+    rng = np.random.default_rng(8)
+    q_len, slots = 128, 320
+    query, key, value = random_inputs(rng, q_len, slots, 4, 2, "float32", batch=4)
+    offsets = jnp.asarray([192, 64, 192, 64], jnp.int32)
+    key_positions = jnp.broadcast_to(jnp.arange(slots, dtype=jnp.int32), (4, slots))
+    function, params = _bias("t5", 4, True, rng)
+    structure = AttentionStructure(
+        True, key_valid=key_positions < (offsets + q_len)[:, None], query_offset=offsets,
+        bias=BlockBias(function, params, offsets[:, None] + jnp.arange(q_len), key_positions))
+    attend = lambda backend, query: kernels.attention(
+        query, key, value, backend=backend, structure=structure, cache_layout=True)
+    call = kernels.AttentionCall(structure=structure, cache_layout=True)
+    assert flex_attention.serves(call, q_len, slots) and not flex_attention.serves(call, 1, slots)
+    want = attend("reference", query)
+    np.testing.assert_allclose(attend("flex", query), want, atol=2e-5)
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 1, "tensor": 2}, jax.devices()[:4])
+    with sharding.sharding_context(mesh):
+        np.testing.assert_allclose(jax.jit(attend, static_argnums=0)("flex", query), want,
+                                   atol=2e-5)
 
 
 def test_sharded_inputs_without_the_mesh_set_are_one_clear_error():

@@ -7,7 +7,8 @@ packed rows (documents crossing the chunk boundaries) with
 padding, and a local window; a tiny encoder-decoder's (padded and packed sources and targets,
 all_gather and ring, reference and flex per chunk); the train step's loss and gradients on the
 data pipeline's packed rows under fsdp=2 x context=4 (LM and encoder-decoder); setup's refusal
-of what context parallelism cannot run; greedy translation under a context mesh."""
+of what context parallelism cannot run; greedy translation and LM generation under a context
+mesh (the LM's prefill split over it, or in chunks run whole)."""
 
 import functools
 import math
@@ -435,15 +436,28 @@ def _assert_decodes_alike_under_context_4(run):
     np.testing.assert_allclose(got.scores, want.scores, rtol=1e-5)
 
 
-@pytest.mark.parametrize("backend", ["reference", "flex"])
-def test_lm_generation_under_a_context_mesh_equals_one_device(backend):
-    """Greedy continuation of 16-token prompts (one right-padded) under context=4: the
-    prefill fills its cache, so it runs as a full pass through the kernel, whole on every
-    device; the cached steps run whole too. Tokens and scores are the one-device run's."""
-    config = ModelConfig(**{**TINY_LM, "num_decoder_layers": 1}, position_scheme="t5_bias",
+@pytest.mark.parametrize("backend, scheme, chunk", [
+    ("reference", "t5_bias", 0), ("flex", "t5_bias", 0), ("reference", "rope", 0),
+    ("reference", "alibi", 8)])
+def test_lm_generation_under_a_context_mesh_equals_one_device(backend, scheme, chunk,
+                                                               monkeypatch):
+    """Greedy continuation of 16-token prompts (one right-padded) under context=4: a prefill
+    that fills its cache splits over the context axis as a full pass does (all_gather: each
+    device's queries against the gathered keys, written into the cache in token order);
+    prefill chunks (decode.prefill_chunk, here 2 of 8) and the cached steps run whole on every
+    device. Tokens and scores are the one-device run's."""
+    from tfm.nn import context_split
+
+    config = ModelConfig(**{**TINY_LM, "num_decoder_layers": 1}, position_scheme=scheme,
                          attention_backend=backend)
     prompts = _batch()["inputs"]
     params = _init(config, dict(inputs=jnp.asarray(prompts)))
+    splits = []
+    split_rows = context_split.split_rows
+    monkeypatch.setattr(context_split, "split_rows",
+                        lambda *args, **kwargs: splits.append(args[-1]) or split_rows(*args,
+                                                                                      **kwargs))
     _assert_decodes_alike_under_context_4(functools.partial(
         lm_generate, params, config, prompts, np.array([LENGTH, 11]), method="greedy",
-        max_new_tokens=6, eos_id=None))
+        max_new_tokens=6, eos_id=None, prefill_chunk=chunk))
+    assert splits == ([] if chunk else [4])  # traced once, under the mesh

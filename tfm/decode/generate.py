@@ -17,7 +17,7 @@ import numpy as np
 
 from tfm.checks import check_choice
 from tfm.data.tokenizers import BOS_ID, EOS_ID, content_ids
-from tfm.decode import search
+from tfm.decode import prefill, search
 from tfm.decode.search import DecodeConfig
 from tfm.kernels import cpu_compile
 from tfm.nn.cache import grow, init_cache, reorder_beams
@@ -63,14 +63,18 @@ def _lm_kernels(arguments: dict[str, Any]) -> str:
 def _lm_generate_jit(params, prompts, prompt_lengths, rng, config, decode, eos_id):
     model = DecoderLM(config)
     batch, prompt_len = prompts.shape
-    cache = init_cache(config, batch, prompt_len)  # the loop grows it (decode.cache_segments)
+    # Room for the prompt (in whole chunks); the loop grows it (decode.cache_segments).
+    cache = init_cache(config, batch, prefill.padded_length(prompt_len, decode.prefill_chunk))
     kernel = output_kernel(params, config)  # one copy of a tied output, not one per step
-    # Only each prompt's last logits: no [batch, prompt_len, vocab] array.
-    logits, cache = model.apply({"params": params}, prompts, cache=cache, output_kernel=kernel,
-                                logits_at=prompt_lengths - 1)
+
+    def apply_at(tokens, cache, logits_at, positions):  # only each prompt's last logits:
+        return model.apply({"params": params}, tokens, cache=cache, positions=positions,
+                           output_kernel=kernel, logits_at=logits_at)  # no [.., vocab] array
+
+    last, cache = prefill.prefill(apply_at, prompts, prompt_lengths - 1, cache,
+                                  decode.prefill_chunk)
     # Rows continue from their own prompt end; slots past it are overwritten as they decode.
     cache = cache.replace(lengths=prompt_lengths.astype(jnp.int32))
-    last = logits[:, 0]
 
     def tokens_to_logits(tokens, cache):
         return model.apply({"params": params}, tokens, cache=cache, output_kernel=kernel)

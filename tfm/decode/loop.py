@@ -81,7 +81,10 @@ class DecodeConfig:
     extra_len tokens (Vaswani et al. 2017 sec. 6.1); temperature, top_k, top_p: sampling;
     beam_size, alpha: beam search (GNMT length penalty). cache_segments: how many while loops
     decoding runs, growing the KV cache before each (`segment_ends`; 1 = one loop over a cache
-    of the final size, the fastest to compile).
+    of the final size, the fastest to compile). prefill_chunk: how many prompt tokens each
+    prefill call runs (tfm.decode.prefill; 0 = the whole prompt in one call), so activations
+    scale with the chunk, not the prompt; a chunk of a block (128) or more reads the cache
+    through the fused kernels on TPU.
     """
 
     method: str = "greedy"
@@ -93,6 +96,7 @@ class DecodeConfig:
     alpha: float = 0.6
     extra_len: int = 50
     cache_segments: int = 4
+    prefill_chunk: int = 0
 
     def __post_init__(self) -> None:
         check_choice("method", self.method, METHODS)
@@ -109,6 +113,7 @@ class DecodeConfig:
         )
         check_int("extra_len", self.extra_len, 0)
         check_int("cache_segments", self.cache_segments, 1, " (1 = one loop over a full cache)")
+        check_int("prefill_chunk", self.prefill_chunk, 0, " (0 = the whole prompt in one call)")
 
 
 def segment_ends(max_new_tokens: int, cache_segments: int) -> tuple[int, ...]:

@@ -20,8 +20,8 @@ else they stream from HBM one key block at a time; on GPU 64-row tiles are read 
 dk/dv pass works on transposed [block_k, block_q] tiles, so that its per-query rows (positions,
 segments, log-sum-exp) are lane-dense [1, q_len] arrays. GQA: query head h reads kv
 head h // (heads / kv_heads). Same values as the reference (tfm.nn.attention) at every real
-query, including zero output for a query that sees no key. Calls that read a KV cache
-(decoding steps: a few queries) use the reference maths.
+query, including zero output for a query that sees no key. A prefill chunk that reads a KV
+cache runs here with its rows' query offset; decoding steps (a query or a few) the reference.
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ _Spec = KernelSpec  # the name the kernels below (and tests) use
 
 def serves(call: AttentionCall, q_len: int, kv_len: int) -> bool:
     """Whether this kernel computes the call (else the reference does): calls that describe
-    their mask, and their bias if any, by parts, and read no KV cache."""
-    if not per_device.described_by_parts(call, q_len, kv_len):
+    their mask, and their bias if any, by parts (a KV cache read: prefill chunks only)."""
+    if not per_device.blocked(call, q_len, kv_len):
         return False
     return call.bias is None or call.structure.bias is not None
 
@@ -79,12 +79,10 @@ def attention(
     if segments is None:
         segments = (jnp.zeros((batch, q_len), jnp.int32), jnp.zeros((batch, kv_len), jnp.int32))
     query_segments, key_segments = segments
-    if bias is None:
-        positions = (jnp.zeros((batch, q_len), jnp.int32), jnp.zeros((batch, kv_len), jnp.int32))
-    else:
-        positions = (bias.query_positions, bias.key_positions)
-    rows = (*(ids.astype(jnp.int32) for ids in positions),
-            query_segments.astype(jnp.int32), key_segments.astype(jnp.int32))
+    positions = segments if bias is None else (bias.query_positions, bias.key_positions)
+    offset = () if structure.query_offset is None else (structure.query_offset,)  # [batch]
+    rows = (*(ids.astype(jnp.int32) for ids in positions),  # (positions unread without bias)
+            query_segments.astype(jnp.int32), key_segments.astype(jnp.int32), *offset)
     local = functools.partial(
         attend_local, causal=structure.causal, window=structure.window, scale=scale,
         function=None if bias is None else bias.function,
@@ -439,7 +437,8 @@ def attend_local(
     key: jax.Array,  # [batch, kv_len, num_kv_heads, head_dim]
     value: jax.Array,  # like key
     rows: tuple[jax.Array, ...],  # query positions [batch, q_len], key positions [batch,
-    # kv_len], query segments [batch, q_len], key segments [batch, kv_len]; int32
+    # kv_len], query segments [batch, q_len], key segments [batch, kv_len]; int32 (a 5th:
+    # the query offset [batch], as query_offset)
     params: Any,  # pytree of [num_heads, P]
     *, causal: bool, window: int | None, scale: float,
     function: Callable[..., jax.Array] | None, learned: bool, compiler: str | None,
@@ -457,6 +456,8 @@ def attend_local(
     bytes a call may use (None: the compiled-for chip's, flex_vmem.budget); past it, keys and
     values stream from HBM block by block (tests pass a small one to run that in interpret
     mode)."""
+    if len(rows) > 4:  # the query offset travelling with the rows (a prefill chunk's)
+        rows, query_offset = rows[:4], rows[4]
     spec_of = _spec_of(query, key, params, causal=causal, window=window, scale=scale,
                        function=function, learned=learned, offset=query_offset is not None,
                        cost_offset=cost_offset, vmem_budget=vmem_budget)

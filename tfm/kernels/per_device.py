@@ -36,6 +36,24 @@ def described_by_parts(call: Any, q_len: int, kv_len: int) -> bool:
     return q_len == kv_len or not (structure.causal or structure.window is not None)
 
 
+def chunk_of_cache(call: Any, q_len: int, kv_len: int) -> bool:
+    """Whether an AttentionCall is a prefill chunk reading a KV cache in a form a blocked kernel
+    with a per-row query offset builds (tfm.kernels.flex_attention): causal from
+    structure.query_offset by index (no window by positions, no relative bias), keys in the
+    model's layout (the reference cache layout), and at least one block (LANES) of queries;
+    fewer (a decoding step's one) cost less on the reference than a block padded from them."""
+    structure = call.structure
+    return (structure is not None and structure.causal and structure.query_offset is not None
+            and structure.query_positions is None and structure.relative is None
+            and q_len >= LANES and kv_len >= q_len)
+
+
+def blocked(call: Any, q_len: int, kv_len: int) -> bool:
+    """Whether a blocked kernel that takes a query offset can build the call's mask:
+    `described_by_parts`, or `chunk_of_cache`."""
+    return described_by_parts(call, q_len, kv_len) or chunk_of_cache(call, q_len, kv_len)
+
+
 def round_up(length: int) -> int:
     """`length` padded to whole 128-lane blocks."""
     return -(-length // LANES) * LANES

@@ -4,8 +4,9 @@ padding), so no [batch, heads, q_len, kv_len] score or mask reaches HBM, and blo
 removes are skipped. Same values as the reference (tfm.nn.attention) at every real query.
 
 It serves calls that describe their mask (`AttentionCall.structure`) and read no KV cache;
-cached decoding steps (a few queries against the cache) use the reference maths, whose score
-rows are small. No logit bias (ALiBi, T5, Shaw), no dropout, no returned weights.
+a prefill chunk against the cache goes to flex (its causal mask starts at a traced per-row
+offset), cached decoding steps (a few queries) to the reference maths, whose score rows are
+small. No logit bias (ALiBi, T5, Shaw), no dropout, no returned weights.
 Off TPU it runs in Pallas interpret mode (slow; for tests). Mosaic refuses float32 contract
 precision on 16-bit operands, so a process that sets jax_default_matmul_precision="highest"
 cannot compile it for TPU with bfloat16 activations.
@@ -21,7 +22,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ke
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 
 from tfm.checks import ConfigError
-from tfm.kernels import masks, per_device, reference
+from tfm.kernels import flex_attention, masks, per_device, reference
 from tfm.kernels.call import AttentionCall
 
 
@@ -46,6 +47,10 @@ def attention(
     if call.dropout_rate > 0 or call.return_weights:
         raise ConfigError("attention_backend='splash' has no attention dropout and returns no "
                           "weights; use 'reference'")
+    if per_device.chunk_of_cache(call, query.shape[1], key.shape[1]):
+        # A prefill chunk's causal mask starts at each row's traced cache offset, and splash's
+        # masks are static: flex (with no bias) takes the offset.
+        return flex_attention.attention(query, key, value, call)
     if not serves(call, query.shape[1], key.shape[1]):
         return masks.reference_attention(query, key, value, call)
     query, key, value, _, _ = reference.check_inputs(query, key, value, None, None, 0.0, None)

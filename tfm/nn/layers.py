@@ -303,7 +303,8 @@ class MultiHeadAttention(nn.Module):
         if cache is not None and inputs_kv is not None:  # new keys/values into this layer's slots
             start = (jnp.zeros_like(inputs.query_positions[:, 0]) if self.is_cross
                      else slot.write_index)
-            cache = _write_cache(cache, self.is_cross, key, value, slot.layer, start)
+            new = (key, value) if self.is_cross else _in_token_order(inputs, key, value)
+            cache = _write_cache(cache, self.is_cross, *new, slot.layer, start)
         if reads_cache:
             key, value = _read_cache(cache, self.is_cross, slot.layer)
         # keys and values in a kernel's own layout (the reference one reads as computed)
@@ -392,6 +393,17 @@ def _context_parallel_attend(
     return context_parallel.attention_by_rules(
         query, key, value, sequence, structure.bias, strategy=config.context_parallel,
         scale=scale, kernel=kernel)
+
+
+def _in_token_order(inputs: AttentionInputs, key: Array, value: Array) -> tuple[Array, Array]:
+    """Self-attention's key and value [batch, len, kv_heads, head_dim] in token order, as the
+    cache holds them: a prefill split over the context axis (tfm.nn.context_split) computed
+    them load balanced."""
+    if inputs.sequence is None or inputs.sequence.layout != "balanced":
+        return key, value
+    shards = context_parallel.mesh_context_size()
+    return (context_parallel.restore_order(key, shards),
+            context_parallel.restore_order(value, shards))
 
 
 def _write_cache(

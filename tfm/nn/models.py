@@ -252,27 +252,27 @@ class Decoder(nn.Module):
         from_segments = valid is None and segment_ids is not None
         valid = resolve_valid(tokens, valid, segment_ids)
         sequence = None
-        shards = context_split.shards_for(tokens, cache is not None)
+        whole = cache is not None and not cache.filled_by(tokens.shape[1])  # a fresh prefill
+        shards = context_split.shards_for(tokens, whole)  # splits as a full pass does
         if self.has_cross and encoded is not None:  # the source splits too, or both run whole
             shards = min(shards, context_split.shards_for(encoded, False, balanced=False))
+        follows_index = segment_ids is not None or (positions is None and valid is None)
         if cache is None:
-            follows_index = segment_ids is not None or (positions is None and valid is None)
-            positions, structure = full_pass_inputs(config, tokens, positions, valid,
-                                                    segment_ids, causal=True,
-                                                    valid_from_segments=from_segments)
-            if shards > 1:  # context parallelism: rows load balanced until the last block
-                tokens, positions, sequence, structure = context_split.split_rows(
-                    config, tokens, positions, valid, segment_ids, follows_index, shards,
-                    causal=True)
-            key_positions = positions
+            positions, structure = full_pass_inputs(config, tokens, positions, valid, segment_ids,
+                                                    True, valid_from_segments=from_segments)
         else:
             check_cache(cache, config, self.has_cross, tokens.shape[0])
             if segment_ids is not None:
                 raise ValueError("segment_ids (packing) cannot be combined with a KV cache")
             write_index = cache.lengths
             positions, key_positions, structure, new_valid = cached_inputs(
-                config, cache, tokens, positions, valid
-            )
+                config, cache, tokens, positions, valid)
+        if shards > 1:  # context parallelism: rows load balanced until the last block
+            tokens, positions, sequence, structure = context_split.split_rows(
+                config, tokens, positions, valid, segment_ids, follows_index, shards,
+                causal=True)
+        if cache is None or shards > 1:
+            key_positions = positions
 
         x = _embed(config, self, self.embedding, tokens, positions, None)
         x = self.perturb("embedded", x)

@@ -171,6 +171,7 @@ class EvalConfig:
     alpha: float = 0.6
     extra_len: int = 50  # seq2seq: at most source length + 50 tokens
     cache_segments: int = 4  # decode loops, the KV cache grown before each (tfm.decode.search)
+    prefill_chunk: int = 0  # prompt tokens per prefill call (tfm.decode.prefill); 0 = whole
     # Long-context probes (tfm/training/long_context.py), off by default.
     passkey_lengths: tuple[int, ...] = ()  # passkey prompt lengths in tokens; () = off
     passkey_depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)  # where the key sits
@@ -209,13 +210,14 @@ class EvalConfig:
             return DecodeConfig(
                 method, None, beam_size=self.beam_size, alpha=self.alpha,
                 extra_len=self.extra_len, cache_segments=self.cache_segments,
+                prefill_chunk=self.prefill_chunk,
             )
 
 
 # The decoding fields of the `generate` section (flat in the config, one DecodeConfig here).
 GENERATE_DECODE_FIELDS = (
     "method", "max_new_tokens", "temperature", "top_k", "top_p", "beam_size", "alpha",
-    "cache_segments",
+    "cache_segments", "prefill_chunk",
 )
 
 

@@ -72,7 +72,8 @@ def passkey_scores(experiment: Any, params: Any, decode_texts: Callable[..., lis
         return {}
     task = options.passkey_task
     decode = DecodeConfig("greedy", options.passkey_key_length + 2,
-                          cache_segments=options.cache_segments)
+                          cache_segments=options.cache_segments,
+                          prefill_chunk=options.prefill_chunk)
     results: dict[str, float] = {}
     for length in options.passkey_lengths:  # one width per decode: no padding to the longest
         examples = passkey.make_cells(
