@@ -84,6 +84,21 @@ def test_cpu_target_compiles_and_counts_like_the_formula(tmp_path):
         assert 0.5 < ratio < 2.0, ratio
 
 
+def test_flops_are_counted_under_the_targets_mesh(tmp_path, monkeypatch):
+    """The FLOP count traces the model (jax.eval_shape); outside the target's mesh its
+    attention backend saw this host's platform, and cuDNN refused h100-8 on a CPU host."""
+    count, platforms = compile_report.flops.flops_per_token, []
+
+    def recording(*args, **kwargs):
+        mesh = jax.sharding.get_abstract_mesh()
+        platforms.append(None if mesh.empty else mesh.abstract_device.platform)
+        return count(*args, **kwargs)
+
+    monkeypatch.setattr(compile_report.flops, "flops_per_token", recording)
+    compile_report.train_report(_config(tmp_path / "data"), tmp_path / "run", "cpu")
+    assert platforms == ["cpu"]
+
+
 def test_remat_policy_override_reaches_the_report(tmp_path):
     """`./launch.sh compile CONFIG --target T --config.model.remat=NAME` (README "Memory")."""
     result = subprocess.run(

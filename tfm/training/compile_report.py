@@ -167,7 +167,10 @@ def compile_report(experiment: Experiment, target: Target, breakdown: bool = Fal
     seq_len = batch["inputs"].shape[1]
     source_len = batch["source"].shape[1] if "source" in batch else None
     tokens = batch["inputs"].shape[0] * seq_len
-    analytic = flops.flops_per_token(model_config, seq_len, data.mode, source_len) * tokens
+    # The count traces the model (jax.eval_shape) under the target's abstract mesh, so its
+    # attention backend sees the target's platform, not this host's (cuDNN refuses the CPU).
+    with jax.sharding.use_abstract_mesh(experiment.mesh.abstract_mesh):
+        analytic = flops.flops_per_token(model_config, seq_len, data.mode, source_len) * tokens
     # Pallas kernels that declare no cost (splash) are invisible to XLA's FLOP count: add
     # the attention core's analytic FLOPs for them.
     # The decoder's self-attention is causal: half its [T, T] matrix is never needed (a causal
