@@ -359,14 +359,14 @@ def test_setup_refuses_context_parallelism_it_cannot_run(tmp_path):
         setup(config, tmp_path / "workdir")
 
 
-def test_auto_means_flex_per_chunk_on_tpu_else_the_reference():
+def test_auto_means_flex_per_chunk_on_tpu_and_gpu_else_the_reference():
     config = lambda **fields: ModelConfig(**{**TINY_LM, "num_decoder_layers": 1},  # noqa: E731
                                           position_scheme="t5_bias", **fields)
     assert context_attention_backend(config(), "tpu") == "flex"
     assert context_attention_backend(config(context_parallel="ring"), "tpu") == "flex"
     assert context_attention_backend(config(context_parallel="ring"), "cpu") == "reference"
     assert context_attention_backend(config(), "cpu") == "reference"
-    assert context_attention_backend(config(), "gpu") == "reference"
+    assert context_attention_backend(config(), "gpu") == "flex"
     # flex has no attention dropout (setup then refuses it under context parallelism)
     assert context_attention_backend(config(attention_dropout_rate=0.1), "tpu") == "reference"
 
