@@ -114,6 +114,9 @@ def _loss_sum(model, params, batch):
     ("t5_bias", "ring", {"context": 2, "tensor": 2}, 5, {}),
     ("learned", "all_gather", {"context": 4, "tensor": 2}, None, {}),
     ("fire", "all_gather", {"context": 2}, None, {}),  # a learned bias per layer
+    # context 8: chunks of 2 tokens, halves of 1, every packed document crossing boundaries
+    ("t5_bias", "all_gather", {"context": 8}, 3, {}),
+    ("alibi", "ring", {"context": 8}, None, {}),
     ("rope", "ring", {"context": 2}, None,
      {"num_decoder_layers": 2, "scan_layers": True, "remat": "full"}),
     # Shaw: the relative logit term from each device's queries, the value term from the same
@@ -126,7 +129,8 @@ def _loss_sum(model, params, batch):
      {"num_decoder_layers": 2, "scan_layers": True, "remat": "full"}),
 ], ids=["rope-ring-context4", "alibi-all_gather-data2-context2-window",
         "t5-ring-context2-tensor2-window", "learned-all_gather-context4-tensor2",
-        "fire-all_gather-context2", "rope-ring-context2-scan-remat", "shaw-keys-context2",
+        "fire-all_gather-context2", "t5-all_gather-context8-window", "alibi-ring-context8",
+        "rope-ring-context2-scan-remat", "shaw-keys-context2",
         "shaw-values-context4", "shaw-values-data2-context2",
         "shaw-values-context2-tensor2-scan-remat"])
 def test_context_parallel_loss_and_gradients_equal_one_device(scheme, strategy, mesh_sizes,
