@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import re
 import sys
@@ -112,6 +113,16 @@ def _ignore_reads_finishing_after_a_failure() -> None:
 
     hook.tfm_ignores_closed_loop = True
     sys.unraisablehook = hook
+    # The same abandoned reads' futures, collected with their error unretrieved, reach asyncio's
+    # exception handler instead ("_GatheringFuture exception was never retrieved", the whole
+    # spec again), logged through the "asyncio" logger: drop those records too.
+    logging.getLogger("asyncio").addFilter(_drop_abandoned_orbax_futures)
+
+
+def _drop_abandoned_orbax_futures(record: logging.LogRecord) -> bool:
+    """False (drop) for asyncio's report of a failed orbax read's future nobody awaited."""
+    message = record.getMessage()
+    return not ("exception was never retrieved" in message and "TensorStore" in message)
 
 
 def _flatten(tree: Any, prefix: str) -> dict[str, Any]:
