@@ -15,6 +15,7 @@ import pytest
 from jax.sharding import AxisType
 
 from tfm.kernels import context_parallel as context
+from tfm.kernels import ring_flex
 from tfm.kernels.call import BlockBias
 from tfm.nn import positions
 
@@ -226,6 +227,15 @@ def test_the_ring_on_the_flex_kernel_equals_naive_attention(case, size):
     causal, window, balanced, kind, _ = CASES[case]
     run = _context_run(size, "ring", balanced, kind, causal, window, kernel="flex")
     _assert_equals_naive(run, case)
+
+
+def test_the_unrolled_ring_equals_naive_attention(monkeypatch):
+    """The ring's steps unrolled, as on TPU and GPU (ring_flex.unrolled; rolled on CPU): the
+    same values and gradients, over 4 devices (3 rotations)."""
+    monkeypatch.setattr(ring_flex, "unrolled", lambda rotations: True)
+    causal, window, balanced, kind, _ = CASES["causal-balanced-t5"]
+    run = _context_run(4, "ring", balanced, kind, causal, window, kernel="flex")
+    _assert_equals_naive(run, "causal-balanced-t5")
 
 
 def test_the_ring_on_the_flex_kernel_equals_the_reference_ring():

@@ -1,0 +1,246 @@
+"""Recompiles the rows of the docs' compiled tables at the code as it is and prints each beside
+the figures committed for it (`benchmarks/results/compile_targets/NAME.json`): memory per
+chip, bytes accessed, roofline MFU and the decode loop's memory, with what changed per row.
+
+    python benchmarks/wide_vocab_text.py /tmp/wide_vocab.txt --vocab 50304   # the vocab50k rows
+    PYTHONPATH=/path/to/libtpu-site ALLOW_MULTIPLE_LIBTPU_LOAD=1 \\
+        python benchmarks/recheck_compiled.py --targets v5e-8,v5p-8 --jobs 2
+    python benchmarks/recheck_compiled.py --targets h100-8        # with the [gpu] extra
+    python benchmarks/recheck_compiled.py --rows gpt2s_t5_8k_flex,gpt2m_rope_1k_splash
+
+Each row is one `./launch.sh compile ... --json` (printed before it runs; 1-10 minutes on a
+2-core host, longer for the long-context rows, which run only when named or with --long).
+The new reports go to --out (default benchmarks/results/recheck/), never over the committed
+ones; a table of old against new goes to --out/recheck.md and .json. A row's verdict is
+`same` within 0.5% on every figure, else `better` or `worse` by the figure that moved most
+(memory and bytes lower is better, MFU higher).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import shlex
+import subprocess
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+COMMITTED = REPO / "benchmarks" / "results" / "compile_targets"
+CHIPS = {"v5e-8": 8, "v5p-8": 4, "h100-8": 8}
+SHAPES = {"s": (768, 12, 3072, 12), "m": (1024, 16, 4096, 24), "l": (1280, 20, 5120, 36)}
+SCHEME = {"rope": "rope", "alibi": "alibi", "t5": "t5_bias", "fire": "fire",
+          "kerple_log": "kerple_log", "learned": "learned"}
+
+
+def gpt2(size: str, scheme: str, length: int, rows_per_chip: int, target: str,
+         *extra: str, vocab_text: bool = False, context: int = 1) -> list[str]:
+    """`./launch.sh compile` arguments of a GPT-2 body row (the docs' commands)."""
+    d_model, heads, d_ff, layers = SHAPES[size]
+    chips = CHIPS[target]
+    batch = rows_per_chip * chips // context
+    flags = [f"--config.model.d_model={d_model}", f"--config.model.num_heads={heads}",
+             f"--config.model.d_ff={d_ff}", f"--config.model.num_decoder_layers={layers}",
+             f"--config.data.seq_len={length}", f"--config.data.batch_size={batch}",
+             "--config.model.dtype=bfloat16", "--config.model.dropout_rate=0.0",
+             f"--config.model.position_scheme={SCHEME[scheme]}"]
+    if length != 1024 or scheme == "learned":
+        flags += [f"--config.model.max_len={length}"]
+    if length != 1024:
+        flags += [f"--config.data.eval_seq_len={length}"]
+    if context > 1:
+        flags += [f"--config.mesh.context={context}", "--config.mesh.data=1"]
+    if vocab_text:
+        flags += ["--config.data.path={vocab_text}"]
+    return ["configs/char_lm.py", "--target", target, *flags, *extra]
+
+
+def paper(big: bool, target: str) -> list[str]:
+    """The paper's base / big translation models, 1,024 rows of 64 tokens per step."""
+    flags = ["--config.model.dtype=bfloat16", "--config.data.batch_size=1024",
+             "--config.data.source_path={multi30k}/train.de.gz",
+             "--config.data.target_path={multi30k}/train.en.gz",
+             "--config.data.eval_source_path={multi30k}/val.de.gz",
+             "--config.data.eval_target_path={multi30k}/val.en.gz"]
+    if big:
+        flags += ["--config.model.d_model=1024", "--config.model.num_heads=16",
+                  "--config.model.d_ff=4096", "--config.model.dropout_rate=0.3"]
+    return ["configs/translate.py", "--target", target, *flags]
+
+
+REFERENCE = "--config.model.attention_backend=reference"
+FLEX = "--config.model.attention_backend=flex"
+ROWS = {  # committed JSON name -> launch.sh compile arguments
+    # docs/gpu-tpu.md, "Compile for a target you do not have"
+    "gpt2s_alibi_1k_reference": gpt2("s", "alibi", 1024, 8, "v5e-8", REFERENCE),
+    "gpt2s_rope_1k_splash": gpt2("s", "rope", 1024, 8, "v5e-8"),
+    "gpt2s_alibi_1k_flex": gpt2("s", "alibi", 1024, 8, "v5e-8"),
+    "gpt2s_t5_1k_flex": gpt2("s", "t5", 1024, 8, "v5e-8"),
+    "gpt2s_rope_8k_splash": gpt2("s", "rope", 8192, 1, "v5e-8"),
+    "gpt2s_t5_8k_flex": gpt2("s", "t5", 8192, 1, "v5e-8"),
+    "gpt2s_fire_8k_flex": gpt2("s", "fire", 8192, 1, "v5e-8"),
+    "gpt2s_kerple_log_8k_flex": gpt2("s", "kerple_log", 8192, 1, "v5e-8"),
+    "gpt2s_alibi_32k_flex": gpt2("s", "alibi", 32768, 1, "v5e-8"),
+    "gpt2s_t5_32k_flex": gpt2("s", "t5", 32768, 1, "v5e-8"),
+    "s1k_splash_v5p": gpt2("s", "rope", 1024, 16, "v5p-8"),
+    "s1k_cudnn_h100": gpt2("s", "rope", 1024, 8, "h100-8"),
+    # "With GPT-2's vocabulary"
+    "gpt2s_vocab50k_1k_reference_loss": gpt2(
+        "s", "rope", 1024, 8, "v5e-8", "--config.model.loss_backend=reference",
+        vocab_text=True),
+    "gpt2s_vocab50k_1k_fused_loss": gpt2("s", "rope", 1024, 8, "v5e-8", vocab_text=True),
+    "gpt2s_vocab50k_8k_fused_loss": gpt2("s", "rope", 8192, 1, "v5e-8", vocab_text=True),
+    "gpt2s_vocab50k_1k_fused_loss_v5p": gpt2("s", "rope", 1024, 16, "v5p-8", vocab_text=True),
+    # "Batch and model size"
+    "gpt2s_rope_16x1k_splash": gpt2("s", "rope", 1024, 16, "v5e-8"),
+    "gpt2s_rope_32x1k_splash": gpt2("s", "rope", 1024, 32, "v5e-8"),
+    "gpt2m_rope_1k_splash": gpt2("m", "rope", 1024, 8, "v5e-8"),
+    "gpt2m_rope_8k_splash": gpt2("m", "rope", 8192, 1, "v5e-8"),
+    "gpt2m_rope_1k_splash_v5p": gpt2("m", "rope", 1024, 16, "v5p-8"),
+    "gpt2m_rope_1k_cudnn_h100": gpt2("m", "rope", 1024, 8, "h100-8"),
+    "gpt2l_rope_1k_splash": gpt2("l", "rope", 1024, 8, "v5e-8"),
+    "gpt2l_rope_8k_splash": gpt2("l", "rope", 8192, 1, "v5e-8"),
+    "gpt2l_rope_1k_splash_v5p": gpt2("l", "rope", 1024, 16, "v5p-8"),
+    "gpt2l_rope_1k_cudnn_h100": gpt2("l", "rope", 1024, 8, "h100-8"),
+    "paper_base_8k_splash": paper(False, "v5e-8"),
+    "paper_base_8k_splash_v5p": paper(False, "v5p-8"),
+    "paper_base_8k_h100": paper(False, "h100-8"),
+    "paper_big_8k_splash": paper(True, "v5e-8"),
+    "paper_big_8k_splash_v5p": paper(True, "v5p-8"),
+    "paper_big_8k_h100": paper(True, "h100-8"),
+}
+LONG_ROWS = {  # docs/scaling.md: one long row per step, 10-30 minutes each here
+    f"gpt2s_{name}_131k_cp8_flex": gpt2("s", name, 131072, 1, "v5e-8", context=8)
+    for name in ("t5", "alibi", "rope")
+} | {
+    f"gpt2s_{name}_131k_cp4_flex_v5p": gpt2("s", name, 131072, 1, "v5p-8", context=4)
+    for name in ("t5", "alibi", "rope")
+} | {
+    "gpt2s_t5_131k_cp8_ring": gpt2("s", "t5", 131072, 1, "v5e-8",
+                                   "--config.model.context_parallel=ring", context=8),
+    "gpt2m_rope_131k_cp4_flex_v5p": gpt2("m", "rope", 131072, 1, "v5p-8", context=4),
+    "gpt2s_t5_131k_h100": gpt2("s", "t5", 131072, 8, "h100-8"),
+    "gpt2s_rope_131k_flex_h100": gpt2("s", "rope", 131072, 8, "h100-8", FLEX),
+}
+ALL_ROWS = ROWS | LONG_ROWS
+FIGURES = (("needed_bytes", "memory", 1e9, "GB", -1), ("bytes_per_chip", "bytes", 1e9, "GB", -1),
+           ("roofline_mfu", "MFU", 0.01, "%", +1), ("decode", "decode loop", 1e9, "GB", -1))
+
+
+def figures(report: dict) -> dict:
+    """The figures a row is judged by (None where the report has none: GPU cost, no decode)."""
+    decode = report.get("decode")
+    return {"needed_bytes": report.get("needed_bytes"),
+            "bytes_per_chip": report.get("bytes_per_chip") or None,
+            "roofline_mfu": report.get("roofline_mfu") or None,
+            "decode": decode.get("needed_bytes") if isinstance(decode, dict) else None,
+            "fits": report.get("fits")}
+
+
+def verdict(old: dict, new: dict, tolerance: float = 0.005) -> str:
+    """`same`, `better` or `worse`: by the figure that moved most past the tolerance."""
+    moves = []
+    for key, _, _, _, sign in FIGURES:
+        if old.get(key) and new.get(key):
+            change = sign * (new[key] - old[key]) / old[key]
+            if abs(change) > tolerance:
+                moves.append(change)
+    if old.get("fits") and new.get("fits") is False:
+        return "worse"
+    if not moves:
+        return "same"
+    return "better" if max(moves, key=abs) > 0 else "worse"
+
+
+def compile_row(name: str, arguments: list[str], out: Path, substitutions: dict) -> dict:
+    """One `./launch.sh compile` of a row; its report's figures beside the committed ones."""
+    arguments = [argument.format(**substitutions) for argument in arguments]
+    report_path = out / f"{name}.json"
+    command = ["./launch.sh", "compile", *arguments, "--json", str(report_path),
+               "--workdir", str(out / "workdirs" / name)]
+    print("$", shlex.join(command), flush=True)
+    start = time.time()
+    env = {**os.environ, "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env)
+    seconds = round(time.time() - start, 1)
+    committed = COMMITTED / f"{name}.json"
+    old = figures(json.loads(committed.read_text())) if committed.exists() else {}
+    if not report_path.exists():
+        error = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["no output"]
+        print(f"{name}: compile failed after {seconds} s: {error[0]}", flush=True)
+        return {"row": name, "old": old, "new": None, "verdict": "failed",
+                "error": error[0], "command": shlex.join(command), "seconds": seconds}
+    new = figures(json.loads(report_path.read_text()))
+    row = {"row": name, "old": old, "new": new, "verdict": verdict(old, new),
+           "command": shlex.join(command), "seconds": seconds}
+    print(f"{name}: {row['verdict']} ({seconds} s) {line(row)}", flush=True)
+    return row
+
+
+def _figure(value, scale: float, unit: str) -> str:
+    if value is None:
+        return "-"
+    return f"{value / scale:.1f}%" if unit == "%" else f"{value / scale:.2f} {unit}"
+
+
+def line(row: dict) -> str:
+    """One markdown table line: each figure as committed -> now."""
+    cells = []
+    for key, _, scale, unit, _ in FIGURES:
+        old = _figure(row["old"].get(key), scale, unit)
+        new = _figure((row["new"] or {}).get(key), scale, unit)
+        cells.append(old if old == new else f"{old} -> {new}")
+    return f"| {row['row']} | " + " | ".join(cells) + f" | {row['verdict']} |"
+
+
+def markdown(rows: list[dict], commit: str) -> str:
+    header = " | ".join(label for _, label, _, _, _ in FIGURES)
+    lines = [f"Compiled at {commit} against the committed reports (committed -> now):", "",
+             f"| row | {header} | verdict |", "|---|" + "---:|" * len(FIGURES) + "---|"]
+    lines += [line(row) for row in rows]
+    failed = [row for row in rows if row["verdict"] == "failed"]
+    lines += ["", *(f"- {row['row']}: {row['error']}" for row in failed)]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="", help="comma-separated names (default: all)")
+    parser.add_argument("--targets", default="v5e-8,v5p-8,h100-8")
+    parser.add_argument("--long", action="store_true", help="the long-context rows too")
+    parser.add_argument("--jobs", type=int, default=1, help="compiles at once")
+    parser.add_argument("--vocab_text", default="/tmp/wide_vocab.txt")
+    parser.add_argument("--multi30k", default=str(REPO.parent / "shared" / "data" / "multi30k"))
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "recheck"))
+    args = parser.parse_args()
+    pool = ALL_ROWS if (args.long or args.rows) else ROWS
+    names = args.rows.split(",") if args.rows else list(pool)
+    unknown = sorted(set(names) - set(ALL_ROWS))
+    if unknown:
+        parser.error(f"--rows: unknown {unknown}; known: {sorted(ALL_ROWS)}")
+    targets = set(args.targets.split(","))
+    names = [name for name in names if ALL_ROWS[name][2] in targets]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    substitutions = {"vocab_text": args.vocab_text, "multi30k": args.multi30k}
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool_:
+        rows = list(pool_.map(
+            lambda name: compile_row(name, ALL_ROWS[name], out, substitutions), names))
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
+                            capture_output=True, text=True).stdout.strip()
+    earlier = out / "recheck.json"  # rows of other runs (other targets) are kept
+    if earlier.exists():
+        ran = {row["row"] for row in rows}
+        rows = [row for row in json.loads(earlier.read_text())["rows"]
+                if row["row"] not in ran and row["row"] in ALL_ROWS] + rows
+        rows.sort(key=lambda row: list(ALL_ROWS).index(row["row"]))
+    table = markdown(rows, commit)
+    print(table)
+    (out / "recheck.md").write_text(table)
+    (out / "recheck.json").write_text(json.dumps({"commit": commit, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
