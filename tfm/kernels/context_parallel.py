@@ -47,6 +47,7 @@ from jax.sharding import PartitionSpec as P
 from tfm.kernels import per_device, reference
 from tfm.kernels.call import BlockBias
 from tfm.kernels.load_balance import (  # noqa: F401  (public here too: the model's side uses them)
+    backward_by_pairs,
     halves,
     load_balance,
     load_balanced_index,
@@ -353,31 +354,21 @@ def _visit_backward(carry: tuple, block: dict, query: jax.Array, mask: SequenceM
     """((dquery, dparams), (dkey, dvalue)) of one visiting block (`_backward_block`'s), by
     pairs of query and key halves, each skipped where the mask hides it. saved: (grad_out,
     log_sum_exp, delta), per query as in `_backward_block`."""
-    dquery, dparams = carry
-    key_halves = halves(block["key"].shape[1])
-    zeros = lambda half: tuple(jnp.zeros(block[name][:, half].shape, jnp.float32)
+    zeros = lambda half: tuple(jnp.zeros(block[name][:, half].shape, jnp.float32)  # noqa: E731
                                for name in ("key", "value"))
-    key_grads = [zeros(half) for half in key_halves]
-    dquery_parts = []
-    for query_half in halves(query.shape[1]):
+    grad_out, log_sum_exp, delta = saved
+
+    def pair(part, query_half, key_half):
         part_query, part_mask, part_bias = _query_part(query, mask, bias, query_half)
-        grad_out, log_sum_exp, delta = saved
-        part_saved = dict(grad_out=grad_out[:, query_half],
-                          log_sum_exp=log_sum_exp[..., query_half], delta=delta[..., query_half])
-        part = (dquery[:, query_half], dparams)
-        for index, key_half in enumerate(key_halves):
-            keys = {name: x[:, key_half] for name, x in block.items()}
-            compute = functools.partial(_backward_block, block=keys, query=part_query,
-                                        mask=part_mask, bias=part_bias, scale=scale,
-                                        **part_saved)
-            nothing = zeros(key_half)
-            part, grads = _if_reached(part_mask, keys, compute,
-                                      lambda part, nothing=nothing: (part, nothing), part)
-            key_grads[index] = jax.tree.map(jnp.add, key_grads[index], grads)
-        dquery_parts.append(part[0])
-        dparams = part[1]
-    dkey, dvalue = (jnp.concatenate(xs, axis=1) for xs in zip(*key_grads, strict=True))
-    return (jnp.concatenate(dquery_parts, axis=1), dparams), (dkey, dvalue)
+        keys = {name: x[:, key_half] for name, x in block.items()}
+        compute = functools.partial(
+            _backward_block, block=keys, query=part_query, mask=part_mask, bias=part_bias,
+            scale=scale, grad_out=grad_out[:, query_half],
+            log_sum_exp=log_sum_exp[..., query_half], delta=delta[..., query_half])
+        nothing = zeros(key_half)
+        return _if_reached(part_mask, keys, compute, lambda part: (part, nothing), part)
+
+    return backward_by_pairs(carry, query.shape[1], block["key"].shape[1], zeros, pair)
 
 
 def _ring_forward(query, block, mask, bias, scale, axis_name):

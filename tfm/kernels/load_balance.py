@@ -50,3 +50,26 @@ def halves(length: int) -> list[slice]:
     queries), so the ring skips it."""
     half = length // 2
     return [slice(None)] if length % 2 else [slice(0, half), slice(half, length)]
+
+
+def backward_by_pairs(carry: tuple, query_length: int, key_length: int, key_zeros, pair
+                      ) -> tuple:
+    """A ring's backward pass over one visiting block, pair by pair of query and key halves:
+    ((dquery, dparams), (dkey, dvalue)) with the block's key gradients summed over the query
+    halves. carry: (dquery [batch, query_length, ...] f32, dparams pytree); key_zeros(half):
+    the zero (dkey, dvalue) of a key half; pair(part, query_half, key_half) -> (part, (dkey,
+    dvalue) of the key half), part = (dquery of the query half, dparams) with the pair's
+    contribution added (nothing where the pair is hidden)."""
+    dquery, dparams = carry
+    key_halves = halves(key_length)
+    key_grads = [key_zeros(half) for half in key_halves]
+    dquery_parts = []
+    for query_half in halves(query_length):
+        part = (dquery[:, query_half], dparams)
+        for index, key_half in enumerate(key_halves):
+            part, grads = pair(part, query_half, key_half)
+            key_grads[index] = jax.tree.map(jnp.add, key_grads[index], grads)
+        dquery_parts.append(part[0])
+        dparams = part[1]
+    dkey, dvalue = (jnp.concatenate(xs, axis=1) for xs in zip(*key_grads, strict=True))
+    return (jnp.concatenate(dquery_parts, axis=1), dparams), (dkey, dvalue)

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from tfm.kernels import flex_attention, per_device
 from tfm.kernels.call import BlockBias
-from tfm.kernels.load_balance import halves
+from tfm.kernels.load_balance import backward_by_pairs, halves
 
 if TYPE_CHECKING:
     from tfm.kernels.context_parallel import SequenceMask
@@ -202,40 +202,29 @@ def _visit_backward(carry: tuple, block: dict, query: jax.Array, query_rows: tup
                     params: Any, saved: tuple, options: dict) -> tuple:
     """((dquery f32, dparams f32), (dkey, dvalue) f32 of the visiting block) after one block,
     by pairs of halves. saved: the final (out, lse) and the output's gradient."""
-    dquery, dparams = carry
-    key_halves = halves(block["key"].shape[1])
     zeros = lambda half: tuple(jnp.zeros(block[name][:, half].shape, jnp.float32)  # noqa: E731
                                for name in ("key", "value"))
-    key_grads = [zeros(half) for half in key_halves]
-    dquery_parts = []
-    for query_half in halves(query.shape[1]):
+
+    def pair(part, query_half, key_half):
+        reached, rows, offset = _pair(query_rows, block, query_half, key_half, options)
         out, lse, out_grad = (x[:, query_half] if x.ndim == 4 else x[:, :, query_half]
                               for x in saved)
-        part = (dquery[:, query_half], dparams)
-        for index, key_half in enumerate(key_halves):
-            reached, rows, offset = _pair(query_rows, block, query_half, key_half, options)
 
-            def compute(part, key_half=key_half, rows=rows, offset=offset, query_half=query_half,
-                        out=out, lse=lse, out_grad=out_grad):
-                dq, dk, dv, dp = flex_attention.block_backward(
-                    query[:, query_half], block["key"][:, key_half],
-                    block["value"][:, key_half], rows, params, out, lse, out_grad,
-                    query_offset=offset,
-                    **_kernel_options(options))
-                dquery, dparams = part
-                dparams = jax.tree.map(lambda total, grad: total + grad.astype(jnp.float32),
-                                       dparams, dp)
-                grads = (dk.astype(jnp.float32), dv.astype(jnp.float32))
-                return (dquery + dq.astype(jnp.float32), dparams), grads
+        def compute(part):
+            dq, dk, dv, dp = flex_attention.block_backward(
+                query[:, query_half], block["key"][:, key_half], block["value"][:, key_half],
+                rows, params, out, lse, out_grad, query_offset=offset,
+                **_kernel_options(options))
+            dquery, dparams = part
+            dparams = jax.tree.map(lambda total, grad: total + grad.astype(jnp.float32),
+                                   dparams, dp)
+            grads = (dk.astype(jnp.float32), dv.astype(jnp.float32))
+            return (dquery + dq.astype(jnp.float32), dparams), grads
 
-            nothing = zeros(key_half)
-            part, grads = _if_reached(reached, compute,
-                                      lambda part, nothing=nothing: (part, nothing), part)
-            key_grads[index] = jax.tree.map(jnp.add, key_grads[index], grads)
-        dquery_parts.append(part[0])
-        dparams = part[1]
-    dkey, dvalue = (jnp.concatenate(xs, axis=1) for xs in zip(*key_grads, strict=True))
-    return (jnp.concatenate(dquery_parts, axis=1), dparams), (dkey, dvalue)
+        nothing = zeros(key_half)
+        return _if_reached(reached, compute, lambda part: (part, nothing), part)
+
+    return backward_by_pairs(carry, query.shape[1], block["key"].shape[1], zeros, pair)
 
 
 def _ring_backward(query, key, value, params, rows, out, lse, out_grad, options, axis_name):
