@@ -3,12 +3,15 @@ rows, and a structure's mask written out with tfm.nn.attention's functions."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from tfm.kernels.call import AttentionStructure
 from tfm.nn import attention as reference
+from tfm.nn import positions
 
 
 def segments(kind: str, batch: int, length: int) -> np.ndarray | None:
@@ -175,3 +178,13 @@ def _lowered_grad(model, num_inputs: int, length: int, platform: str) -> str:
     loss = lambda params, tokens: jnp.sum(model.apply(params, *tokens))
     traced = jax.jit(jax.grad(loss)).trace(params, tokens)
     return traced.lower(lowering_platforms=(platform,)).as_text()
+
+
+def block_bias(kind: str, heads: int, causal: bool, rng: np.random.Generator):
+    """(block bias function, parameters [heads, P]) of a T5 table or learned ALiBi slopes."""
+    if kind == "t5":
+        function = functools.partial(positions.t5_block_bias, bidirectional=not causal,
+                                     num_buckets=16, max_distance=64)
+        return function, (jnp.asarray(rng.normal(size=(heads, 16)), jnp.float32),)
+    slopes = positions.alibi_slopes(heads) * rng.uniform(0.5, 2.0, heads)
+    return positions.alibi_block_bias, (jnp.asarray(slopes, jnp.float32)[:, None],)

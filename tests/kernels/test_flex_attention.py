@@ -18,6 +18,7 @@ import pytest
 from attention_cases import (
     assert_cached_decoding_matches_full_pass,
     assert_model_matches_reference,
+    block_bias,
     case_segments,
     dense_mask,
     lowered_lm_grad,
@@ -43,15 +44,6 @@ def _positions(ids: np.ndarray | None, batch: int, length: int) -> jax.Array:
     return jnp.asarray(index - np.maximum.accumulate(np.where(starts, index, 0), axis=1))
 
 
-def _bias(kind: str, heads: int, causal: bool, rng: np.random.Generator):
-    """(block bias function, parameters [heads, P]) of a T5 table or learned ALiBi slopes."""
-    if kind == "t5":
-        function = functools.partial(P.t5_block_bias, bidirectional=not causal, num_buckets=16,
-                                     max_distance=64)
-        return function, (jnp.asarray(rng.normal(size=(heads, 16)), jnp.float32),)
-    slopes = P.alibi_slopes(heads) * rng.uniform(0.5, 2.0, heads)
-    return P.alibi_block_bias, (jnp.asarray(slopes, jnp.float32)[:, None],)
-
 
 CASES = {
     # name: (q_len, kv_len, heads, kv_heads, causal, window, segments, bias, dtype)
@@ -75,7 +67,7 @@ def test_flex_equals_the_reference_forward_and_backward(case):
     packed = None if segment_kind != "packed" else np.asarray(query_segments)
     query_positions = _positions(packed, batch, q_len)
     key_positions = _positions(packed, batch, kv_len)
-    function, params = _bias(bias_kind, heads, causal, rng)
+    function, params = block_bias(bias_kind, heads, causal, rng)
     mask = dense_mask(AttentionStructure(causal, window, query_segments, key_segments),
                       q_len, kv_len)
     real = np.ones((batch, q_len), bool) if query_segments is None or segment_kind == "cross" \
@@ -146,7 +138,7 @@ def test_a_query_offset_places_each_rows_queries_among_the_keys():
     query, key, value = random_inputs(rng, q_len, kv_len, heads, 1, "float32", batch)
     query_positions = offsets[:, None] + jnp.arange(q_len, dtype=jnp.int32)
     key_positions = jnp.broadcast_to(jnp.arange(kv_len, dtype=jnp.int32), (batch, kv_len))
-    function, params = _bias("alibi", heads, True, rng)
+    function, params = block_bias("alibi", heads, True, rng)
     mask = attention.combine_masks(  # from the indices, with the reference's mask functions
         attention.causal_mask(query_positions, key_positions),
         attention.local_window_mask(query_positions, key_positions, window))
@@ -292,7 +284,7 @@ def test_under_a_mesh_each_device_runs_its_rows_and_heads_with_their_bias_rows()
     key, value = (jnp.asarray(rng.normal(size=(4, 128, 2, 16)), jnp.float32) for _ in "kv")
     ids = np.concatenate([segments("packed", 2, 128)] * 2)
     positions = _positions(ids, 4, 128)
-    function, params = _bias("t5", 4, True, rng)
+    function, params = block_bias("t5", 4, True, rng)
     ids = jnp.asarray(ids)
     mask = dense_mask(AttentionStructure(True, None, ids, ids), 128, 128)
     real = np.asarray(ids) > 0
@@ -333,7 +325,7 @@ def test_a_prefill_chunk_reading_the_cache_runs_the_kernel_with_its_offset_under
     query, key, value = random_inputs(rng, q_len, slots, 4, 2, "float32", batch=4)
     offsets = jnp.asarray([192, 64, 192, 64], jnp.int32)
     key_positions = jnp.broadcast_to(jnp.arange(slots, dtype=jnp.int32), (4, slots))
-    function, params = _bias("t5", 4, True, rng)
+    function, params = block_bias("t5", 4, True, rng)
     structure = AttentionStructure(
         True, key_valid=key_positions < (offsets + q_len)[:, None], query_offset=offsets,
         bias=BlockBias(function, params, offsets[:, None] + jnp.arange(q_len), key_positions))

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from attention_cases import random_inputs
+from attention_cases import block_bias, random_inputs
 
 from tfm import kernels
 from tfm.kernels import flex_attention, flex_vmem, hardware, per_device
@@ -86,14 +86,6 @@ def _pallas_calls(jaxpr) -> list:
     return found
 
 
-def _bias(kind: str, heads: int, causal: bool, rng: np.random.Generator):
-    if kind == "t5":
-        function = functools.partial(P.t5_block_bias, bidirectional=not causal, num_buckets=16,
-                                     max_distance=64)
-        return function, (jnp.asarray(rng.normal(size=(heads, 16)), jnp.float32),)
-    slopes = P.alibi_slopes(heads) * rng.uniform(0.5, 2.0, heads)
-    return P.alibi_block_bias, (jnp.asarray(slopes, jnp.float32)[:, None],)
-
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_streamed_keys_give_the_references_values_and_gradients(case):
@@ -108,7 +100,7 @@ def test_streamed_keys_give_the_references_values_and_gradients(case):
     key_real = np.arange(kv_len) < kv_len - 37  # padded keys: a segment no query has
     key_segments = jnp.asarray(np.where(key_real, 1, 0)[None].repeat(batch, 0), jnp.int32)
     query_segments = jnp.ones((batch, q_len), jnp.int32)
-    function, params = _bias(bias, heads, causal, rng)
+    function, params = block_bias(bias, heads, causal, rng)
     masks = [attention.segment_mask(query_segments, key_segments)]
     if causal:
         masks.append(attention.causal_mask(query_positions, key_positions))

@@ -479,9 +479,7 @@ def block_forward(
     """attend_local's forward pass with the log-sum-exp of each query's weights (NO_KEY_LSE
     for a query that sees no key, whose output is zero), no gradient: for callers that combine
     blocks of keys themselves (the fused ring, tfm.kernels.ring_flex)."""
-    compiler, query_offset = options.pop("compiler"), options.pop("query_offset", None)
-    spec_of = _spec_of(query, key, params, offset=query_offset is not None, **options)
-    inputs = _local_inputs(query, key, value, rows, params, query_offset)
+    compiler, spec_of, inputs = _block_call(query, key, value, rows, params, options)
     out, lse = per_device.by_platform(
         lambda *arrays, compiler: _forward(spec_of(compiler), *arrays), compiler, *inputs)
     q_len = query.shape[1]
@@ -503,18 +501,26 @@ def block_backward(
     """The gradients of this block of keys' share of the loss, from the final output and
     log-sum-exp of queries that may have attended other blocks too (FlashAttention-2's
     backward: each block's weights are exp(score - lse)): the fused ring's backward pass."""
-    compiler, query_offset = options.pop("compiler"), options.pop("query_offset", None)
-    spec_of = _spec_of(query, key, params, offset=query_offset is not None, **options)
+    compiler, spec_of, inputs = _block_call(query, key, value, rows, params, options)
     q_len, kv_len = query.shape[1], key.shape[1]
     q_padded = per_device.round_up(q_len)
     lse = jnp.pad(lse, ((0, 0), (0, 0), (0, q_padded - q_len)), constant_values=NO_KEY_LSE)
-    inputs = (*_local_inputs(query, key, value, rows, params, query_offset),
-              _heads_major(out, q_padded), lse[..., None], _heads_major(out_grad, q_padded))
+    inputs = (*inputs, _heads_major(out, q_padded), lse[..., None],
+              _heads_major(out_grad, q_padded))
     query_grad, key_grad, value_grad, params_grad = per_device.by_platform(
         lambda *arrays, compiler: _backward(spec_of(compiler), *arrays), compiler, *inputs)
     params_grad = None if params is None else jax.tree.map(lambda grad: grad[:, 0], params_grad)
     return (_from_heads_major(query_grad, q_len), _from_heads_major(key_grad, kv_len),
             _from_heads_major(value_grad, kv_len), params_grad)
+
+
+def _block_call(query, key, value, rows, params, options: dict) -> tuple:
+    """(compiler, spec_of(compiler) -> KernelSpec, the kernel's operands) of a block call
+    given attend_local's keyword arguments (compiler and query_offset among them)."""
+    options = dict(options)
+    compiler, query_offset = options.pop("compiler"), options.pop("query_offset", None)
+    spec_of = _spec_of(query, key, params, offset=query_offset is not None, **options)
+    return compiler, spec_of, _local_inputs(query, key, value, rows, params, query_offset)
 
 
 def _heads_major(x: jax.Array, padded: int) -> jax.Array:  # [b, len, heads, hd] -> [b, heads,
