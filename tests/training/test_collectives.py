@@ -33,8 +33,11 @@ def test_result_bytes_per_kind_with_loops_counted_per_iteration():
                               "all-reduce": 4 * 8 * 8}
     assert found["attention"] == {"collective-permute": 3 * 4 * 4 * 8}
     assert found["count"] == {"all-gather": 1, "collective-permute": 3, "all-reduce": 1}
-    assert "collective-permute 0.000 GB (attention 0.000 GB)" in collectives.format_collectives(
-        found)
+    assert found["largest"] == [["collective-permute", "layer_*/self_attention/ppermute", 384],
+                                ["all-gather", "mlp", 256], ["all-reduce", "all-reduce", 256]]
+    text = collectives.format_collectives(found)
+    assert "collective-permute 0.000 GB (attention 0.000 GB)" in text
+    assert "collective-permute layer_*/self_attention/ppermute" in text
 
 
 def _config(data_dir, strategy: str):

@@ -15,7 +15,7 @@ import re
 from collections import defaultdict
 from typing import Any
 
-from tfm.training.hlo_breakdown import Instruction, array_bytes, name_group, parse
+from tfm.training.hlo_breakdown import Instruction, array_bytes, name_group, parse, short_label
 
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute", "all-to-all",
          "collective-broadcast", "ragged-all-to-all")
@@ -47,13 +47,15 @@ def result_bytes(instruction: Instruction) -> int:
     return array_bytes(instruction.shape)
 
 
-def collective_bytes(program: str) -> dict[str, Any]:
+def collective_bytes(program: str, top: int = 6) -> dict[str, Any]:
     """{"bytes": {kind: bytes per device per step}, "attention": {kind: the part whose name
     stack is attention's (context parallelism)}, "count": {kind: instructions},
+    "largest": [[kind, name stack, bytes], ...] (the `top` largest, the layers' together),
     "loops_without_trip_count": n} of compiled HLO text (`compiled.as_text()`)."""
     computations, entry = parse(program)
     totals: dict[str, dict[str, int]] = {key: defaultdict(int)
                                          for key in ("bytes", "attention", "count")}
+    by_name: dict[tuple[str, str], int] = defaultdict(int)
     unknown = 0
 
     def walk(name: str, times: int, seen: frozenset[str]) -> None:
@@ -66,6 +68,7 @@ def collective_bytes(program: str) -> dict[str, Any]:
                 totals["count"][kind] += times
                 if name_group(instruction.op_name) == "attention":
                     totals["attention"][kind] += size
+                by_name[kind, short_label(instruction.op_name, kind)] += size
             repeat = 1
             if instruction.opcode == "while":
                 trip = _TRIP_COUNT.search(instruction.attributes)
@@ -76,12 +79,15 @@ def collective_bytes(program: str) -> dict[str, Any]:
                     walk(called, times * repeat, seen | {called})
 
     walk(entry, 1, frozenset({entry}))
+    largest = sorted(by_name.items(), key=lambda item: -item[1])[:top]
     return {**{key: dict(value) for key, value in totals.items()},
+            "largest": [[kind, name, size] for (kind, name), size in largest],
             "loops_without_trip_count": unknown}
 
 
 def format_collectives(result: dict[str, Any]) -> str:
-    """One line: 'collectives per step: all-gather X GB (attention Y GB), ...'."""
+    """'collectives per step: all-gather X GB (attention Y GB), ...', then the largest by
+    name stack (where each comes from), a line each."""
     if not result["bytes"]:
         return "collectives per step: none"
     parts = [f"{kind} {size / 1e9:.3f} GB" + (
@@ -89,8 +95,12 @@ def format_collectives(result: dict[str, Any]) -> str:
         if result["attention"].get(kind) else "")
         for kind, size in sorted(result["bytes"].items(), key=lambda item: -item[1])]
     unknown = result["loops_without_trip_count"]
-    return ("collectives per step (result bytes per chip): " + ", ".join(parts)
-            + (f"; {unknown} loops of unknown trip count counted once" if unknown else ""))
+    largest = [f"  {size / 1e9:7.3f} GB {kind:<18} {name}"
+               for kind, name, size in result.get("largest", [])]
+    return "\n".join(
+        ["collectives per step (result bytes per chip): " + ", ".join(parts)
+         + (f"; {unknown} loops of unknown trip count counted once" if unknown else ""),
+         *(["  largest by name stack:"] + largest if largest else [])])
 
 
 if __name__ == "__main__":  # python -m tfm.training.collectives DUMPED_HLO.txt

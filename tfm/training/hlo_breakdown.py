@@ -361,7 +361,7 @@ def instruction_costs(program: str) -> list[Cost]:
     return costs
 
 
-def _short(op_name: str, opcode: str) -> str:
+def short_label(op_name: str, opcode: str) -> str:
     """A readable label: the name stack without jit(...) and transformation wrappers, marked
     `(backward)` where it came from a transpose (the gradient), up to 90 characters."""
     parts = []
@@ -388,7 +388,7 @@ def breakdown(program: str, top: int = 12) -> dict[str, Any]:
         groups[cost.group]["bytes"] += cost.bytes
         groups[cost.group]["flops"] += cost.flops
         groups[cost.group]["count"] += 1
-        key = (_short(cost.op_name, cost.opcode), cost.opcode, cost.group)
+        key = (short_label(cost.op_name, cost.opcode), cost.opcode, cost.group)
         by_label[key][0] += cost.bytes
         by_label[key][1] += cost.flops
     largest = sorted(((label, opcode, group, size, flop)
