@@ -140,7 +140,8 @@ def figures(report: dict) -> dict:
 
 
 def verdict(old: dict, new: dict, tolerance: float = 0.005) -> str:
-    """`same`, `better` or `worse`: by the figure that moved most past the tolerance."""
+    """`same` (every figure within the tolerance), `better` or `worse` (the figures that moved
+    past it all one way), else `mixed`; a row that fitted and no longer does is `worse`."""
     moves = []
     for key, _, _, _, sign in FIGURES:
         if old.get(key) and new.get(key):
@@ -151,7 +152,9 @@ def verdict(old: dict, new: dict, tolerance: float = 0.005) -> str:
         return "worse"
     if not moves:
         return "same"
-    return "better" if max(moves, key=abs) > 0 else "worse"
+    if all(move > 0 for move in moves):
+        return "better"
+    return "worse" if all(move < 0 for move in moves) else "mixed"
 
 
 def compile_row(name: str, arguments: list[str], out: Path, substitutions: dict) -> dict:
@@ -192,7 +195,8 @@ def line(row: dict) -> str:
         old = _figure(row["old"].get(key), scale, unit)
         new = _figure((row["new"] or {}).get(key), scale, unit)
         cells.append(old if old == new else f"{old} -> {new}")
-    return f"| {row['row']} | " + " | ".join(cells) + f" | {row['verdict']} |"
+    judged = verdict(row["old"], row["new"]) if row["new"] else row["verdict"]
+    return f"| {row['row']} | " + " | ".join(cells) + f" | {judged} |"
 
 
 def markdown(rows: list[dict], commit: str) -> str:
@@ -214,7 +218,16 @@ def main() -> None:
     parser.add_argument("--vocab_text", default="/tmp/wide_vocab.txt")
     parser.add_argument("--multi30k", default=str(REPO.parent / "shared" / "data" / "multi30k"))
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "recheck"))
+    parser.add_argument("--render", action="store_true",
+                        help="only write --out/recheck.md again from its recheck.json")
     args = parser.parse_args()
+    if args.render:
+        found = json.loads((Path(args.out) / "recheck.json").read_text())
+        for row in found["rows"]:
+            row["verdict"] = verdict(row["old"], row["new"]) if row["new"] else "failed"
+        (Path(args.out) / "recheck.json").write_text(json.dumps(found, indent=1))
+        (Path(args.out) / "recheck.md").write_text(markdown(found["rows"], found["commit"]))
+        return
     pool = ALL_ROWS if (args.long or args.rows) else ROWS
     names = args.rows.split(",") if args.rows else list(pool)
     unknown = sorted(set(names) - set(ALL_ROWS))
