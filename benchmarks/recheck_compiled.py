@@ -224,7 +224,8 @@ def main() -> None:
     if args.render:
         found = json.loads((Path(args.out) / "recheck.json").read_text())
         for row in found["rows"]:
-            row["verdict"] = verdict(row["old"], row["new"]) if row["new"] else "failed"
+            if row["new"]:
+                row["verdict"] = verdict(row["old"], row["new"])
         (Path(args.out) / "recheck.json").write_text(json.dumps(found, indent=1))
         (Path(args.out) / "recheck.md").write_text(markdown(found["rows"], found["commit"]))
         return
