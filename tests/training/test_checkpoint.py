@@ -228,6 +228,26 @@ def test_a_failed_restore_silences_only_the_closed_event_loop_reports(tmp_path):
         "other"]
 
 
+def test_asyncio_reports_of_abandoned_orbax_reads_are_dropped_and_no_others():
+    """asyncio's "Future exception was never retrieved" for a failed orbax read is dropped in
+    both forms seen (tensorstore's spec; a truncated file's OCDBT read error), other records of
+    the asyncio logger are kept."""
+    import logging
+
+    from tfm.training.checkpoint import _drop_abandoned_orbax_futures
+
+    def record(message: str) -> logging.LogRecord:
+        return logging.LogRecord("asyncio", logging.ERROR, __file__, 1, message, None, None)
+
+    never = "Future exception was never retrieved\nfuture: <Future finished exception="
+    dropped = [never + "ValueError('... TensorStore spec ...')>",
+               never + "ValueError('OUT_OF_RANGE: Error reading \"params.x/0.0.0\" in OCDBT "
+                       "database at local file \"/run/checkpoints/4/state/\"')>"]
+    kept = [never + "ValueError('a bug of the user')>", "Task was destroyed but it is pending!"]
+    assert [_drop_abandoned_orbax_futures(record(m)) for m in dropped + kept] == [
+        False, False, True, True]
+
+
 def test_abandoned_orbax_reads_are_not_reported(tmp_path, monkeypatch):
     """A failed restore leaves orbax's other reads suspended; when collected, each one's
     `except BaseException` turned close()'s GeneratorExit into an Exception carrying

@@ -120,9 +120,12 @@ def _ignore_reads_finishing_after_a_failure() -> None:
 
 
 def _drop_abandoned_orbax_futures(record: logging.LogRecord) -> bool:
-    """False (drop) for asyncio's report of a failed orbax read's future nobody awaited."""
+    """False (drop) for asyncio's report of a failed orbax read's future nobody awaited: its
+    message names tensorstore's spec, or (a read past a truncated file's end) the OCDBT
+    database it read."""
     message = record.getMessage()
-    return not ("exception was never retrieved" in message and "TensorStore" in message)
+    return not ("exception was never retrieved" in message
+                and any(mark in message for mark in ("TensorStore", "OCDBT database")))
 
 
 def _flatten(tree: Any, prefix: str) -> dict[str, Any]:
