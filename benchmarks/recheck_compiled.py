@@ -9,7 +9,8 @@ chip, bytes accessed, roofline MFU and the decode loop's memory, with what chang
     python benchmarks/recheck_compiled.py --rows gpt2s_t5_8k_flex,gpt2m_rope_1k_splash
 
 Each row is one `./launch.sh compile ... --json` (printed before it runs; 1-10 minutes on a
-2-core host, longer for the long-context rows, which run only when named or with --long).
+2-core host, longer for the long-context rows, which run only when named or with --long;
+TABLE_ROWS are the cells of docs/scaling.md's longest-row table that had no row).
 The new reports go to --out (default benchmarks/results/recheck/), never over the committed
 ones; a table of old against new goes to --out/recheck.md and .json. A row's verdict is
 `same` within 0.5% on every figure, else `better` or `worse` by the figure that moved most
@@ -124,6 +125,24 @@ LONG_ROWS = {  # docs/scaling.md: one long row per step, 10-30 minutes each here
     "gpt2s_t5_131k_h100": gpt2("s", "t5", 131072, 8, "h100-8"),
     "gpt2s_rope_131k_flex_h100": gpt2("s", "rope", 131072, 8, "h100-8", FLEX),
 }
+REMAT = "--config.model.remat=full"
+TABLE_ROWS = {  # docs/scaling.md, "the longest row per scheme": its cells for every scheme
+    **{f"gpt2m_{name}_131k_cp4_flex_v5p": gpt2("m", name, 131072, 1, "v5p-8", context=4)
+       for name in ("t5", "alibi")},
+    **{f"gpt2m_{name}_131k_cp8_remat_flex": gpt2("m", name, 131072, 1, "v5e-8", REMAT,
+                                                  context=8) for name in ("alibi", "rope")},
+    **{f"gpt2m_{name}_64k_h100": gpt2("m", name, 65536, 1, "h100-8") for name in ("t5", "alibi")},
+    **{f"gpt2m_{name}_262k_cp8_h100": gpt2("m", name, 262144, 1, "h100-8", context=8)
+       for name in ("t5", "alibi")},
+    "gpt2s_alibi_131k_flex_v5p": gpt2("s", "alibi", 131072, 1, "v5p-8"),
+    "gpt2s_rope_131k_splash_v5p": gpt2("s", "rope", 131072, 1, "v5p-8"),
+    "gpt2s_rope_32k_splash": gpt2("s", "rope", 32768, 1, "v5e-8"),
+    **{f"gpt2m_{name}_16k_{kernel}": gpt2("m", name, 16384, 1, "v5e-8")
+       for name, kernel in (("t5", "flex"), ("alibi", "flex"), ("rope", "splash"))},
+    **{f"gpt2m_{name}_65k_{kernel}_v5p": gpt2("m", name, 65536, 1, "v5p-8")
+       for name, kernel in (("t5", "flex"), ("alibi", "flex"), ("rope", "splash"))},
+}
+LONG_ROWS |= TABLE_ROWS
 ALL_ROWS = ROWS | LONG_ROWS
 FIGURES = (("needed_bytes", "memory", 1e9, "GB", -1), ("bytes_per_chip", "bytes", 1e9, "GB", -1),
            ("roofline_mfu", "MFU", 0.01, "%", +1), ("decode", "decode loop", 1e9, "GB", -1))
