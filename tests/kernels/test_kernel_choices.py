@@ -4,6 +4,8 @@ projections, the tied output kernel of decoding, the FFN activation dtype and th
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,8 +39,9 @@ def test_row_lookup_is_a_gather_and_its_gradient_a_scatter():
     np.testing.assert_allclose(grad[0], expected, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("matmul", ["cpu", "fused"])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_projections_fused_on_cpu_equal_one_linear_each(with_bias):
+def test_fused_projections_equal_one_linear_each(with_bias, matmul):
     x = jnp.asarray(RNG.standard_normal((2, 5, 8)), jnp.float32)
     shapes = [(8, 2, 4), (8, 1, 4), (8, 1, 4)]
     weights = [jnp.asarray(RNG.standard_normal(shape), jnp.float32) for shape in shapes]
@@ -46,7 +49,16 @@ def test_projections_fused_on_cpu_equal_one_linear_each(with_bias):
     biases = biases if with_bias else None
     assert kernels.matmul("cpu").fuses_projections and kernels.matmul("auto").fuses_projections
     assert not kernels.matmul("splash").fuses_projections  # splash's profile: the reference
-    fused = kernels.projections(x, weights, biases, backend="cpu")
+    fused = kernels.projections(x, weights, biases, backend=matmul)
+    for backend, matmuls in ((matmul, 1), ("reference", 3)):  # one wide matmul, or three
+        jaxpr = str(jax.make_jaxpr(functools.partial(
+            kernels.projections, kernels=weights, biases=biases, backend=backend))(x))
+        assert jaxpr.count("dot_general") == matmuls, backend
+    # Fewer rows than input features (a decoding step): "fused" keeps three matmuls, since
+    # joining would copy the kernels for a few rows; "cpu" joins them still.
+    step = str(jax.make_jaxpr(functools.partial(
+        kernels.projections, kernels=weights, biases=biases, backend=matmul))(x[:, :1]))
+    assert step.count("dot_general") == (1 if matmul == "cpu" else 3)
     separate = kernels.projections(x, weights, biases, backend="reference")
     for i, (a, b) in enumerate(zip(fused, separate, strict=True)):
         expected = np.einsum("btd,dnh->btnh", x, weights[i])
@@ -106,12 +118,15 @@ def test_the_three_choices_are_separate_and_auto_follows_the_profile(monkeypatch
     monkeypatch.setattr(kernels, "platform", lambda: "tpu")
     assert kernels.matmul("auto") is kernels.MATMULS["reference"]  # splash's profile
     assert kernels.cache_layout("auto") is REFERENCE
+    monkeypatch.setattr(kernels, "platform", lambda: "gpu")  # the GPU profile fuses q, k, v
+    assert kernels.matmul("auto") is kernels.matmul("flex") is kernels.MATMULS["fused"]
+    assert kernels.matmul("reference") is kernels.MATMULS["reference"]  # a name stays
     tiny = dict(vocab_size=11, num_layers=1, d_model=16, num_heads=2, d_ff=32)
     config = ModelConfig.decoder_only(**tiny, attention_backend="cpu", matmul="reference")
     assert config.matmul_choice == "reference" and config.cache_layout == "auto"
     assert ModelConfig.decoder_only(**tiny).matmul_choice == "auto"
     with pytest.raises(Exception, match="matmul='fast' is unknown; choose one of: auto, "
-                                        "reference, cpu"):
+                                        "reference, cpu, fused"):
         ModelConfig.decoder_only(**tiny, matmul="fast")
     with pytest.raises(Exception, match="cache_layout='cpu' is read only"):
         ModelConfig.decoder_only(**tiny, attention_backend="reference", cache_layout="cpu")

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -80,8 +81,8 @@ class Backend:
     attention(query, key, value, call: AttentionCall) -> out (| (out, weights)), the
       reference's values; None = the reference.
     matmul: the matmul implementation (a MATMULS name) of its platform profile, which
-      model.matmul="auto" takes. cache: the KV cache layout its attention reads with
-      cache_layout=True (model.cache_layout="auto" takes it).
+      model.matmul="auto" takes (None: its platform's, PLATFORM_MATMUL). cache: the KV cache
+      layout its attention reads with cache_layout=True (model.cache_layout="auto" takes it).
     platforms: where it runs (None: everywhere). weights / dropout: whether its attention can
     return the weights / drop them. biases: the logit-bias kinds (BIAS_KINDS) it takes
     (written out whole, unless bias_by_blocks).
@@ -93,7 +94,7 @@ class Backend:
     name: str
     description: str
     attention: Callable[..., Any] | None = None
-    matmul: str = "reference"
+    matmul: str | None = None
     cache: CacheLayout = REFERENCE
     platforms: tuple[str, ...] | None = None
     weights: bool = False
@@ -161,12 +162,16 @@ CHOICES = ("auto", *BACKENDS)
 class Matmul:
     """One implementation of `linear` (every dense projection), like reference.linear.
     fuses_projections: several projections of one input (query, key, value) run as one matmul
-    over their concatenated kernels (`projections`), measured faster on CPU only."""
+    over their concatenated kernels (`projections`): faster on CPU, less memory on GPU.
+    min_fused_rows: with fuses_projections, only inputs of at least this many rows (tokens) per
+    input feature are joined (0: all). The join copies the kernels: a decoding step's few rows
+    do not pay for it, and XLA hoists the copy out of the decoding loop, where it stays live."""
 
     name: str
     description: str
     linear: Callable[..., jax.Array]
     fuses_projections: bool = False
+    min_fused_rows: float = 0
 
 
 MATMULS: dict[str, Matmul] = {
@@ -176,9 +181,16 @@ MATMULS: dict[str, Matmul] = {
                reference.linear),
         Matmul("cpu", "2-D matmuls with 16-bit backward passes (tfm.kernels.cpu_dense)",
                cpu_dense.linear, fuses_projections=True),
+        Matmul("fused", "the reference's matmul, one per input: the query, key and value "
+               "projections of one input as one matmul over their concatenated kernels",
+               reference.linear, fuses_projections=True, min_fused_rows=1),
     )
 }
-# model.matmul: "auto" = the attention backend's platform profile's (Backend.matmul).
+# model.matmul: "auto" = the attention backend's platform profile's (Backend.matmul), or for a
+# backend that names none, its platform's: on GPU one matmul per input's projections (GPT-2
+# medium's compiled h100-8 step: 11.79 GB per GPU against 12.65 GB with three; XLA:TPU
+# compiles the two to the same memory and traffic), elsewhere the reference.
+PLATFORM_MATMUL = {"gpu": "fused"}
 MATMUL_CHOICES = ("auto", *MATMULS)
 # model.cache_layout: "auto" = the layout the attention backend reads (Backend.cache); the
 # reference layout is read by every backend, the others only by their own.
@@ -334,7 +346,7 @@ def matmul(name: str) -> Matmul:
     CHOICES, "auto" resolved for the platform compiled for), its platform profile's."""
     if name in MATMULS:
         return MATMULS[name]
-    return MATMULS[resolve(name).matmul]
+    return MATMULS[resolve(name).matmul or PLATFORM_MATMUL.get(platform(), "reference")]
 
 
 def linear(
@@ -384,12 +396,15 @@ def projections(
     accumulated in float32, the bias added in float32, by the matmul `backend` names. The
     reference runs one `linear` per kernel; a Matmul with `fuses_projections` runs one matmul
     over the concatenated kernels and splits it (one wide matmul beats three narrow ones on
-    CPU), with the same values."""
+    CPU; on GPU XLA keeps less for the backward pass), with the same values."""
     shapes = [kernel.shape[num_contracted:] for kernel in kernels]  # each out_dims_i
     out_dtype = jax.numpy.dtype(out_dtype or compute_dtype or x.dtype)
     options = dict(backend=backend, num_contracted=num_contracted, compute_dtype=compute_dtype,
                    out_dtype=out_dtype if biases is None else jax.numpy.float32)
-    fused = matmul(backend).fuses_projections  # as one [*in_dims, sum of widths] kernel
+    chosen = matmul(backend)
+    rows, features = math.prod(x.shape[:-num_contracted]), math.prod(x.shape[-num_contracted:])
+    # as one [*in_dims, sum of widths] kernel
+    fused = chosen.fuses_projections and rows >= chosen.min_fused_rows * features
     if fused:
         kernels = [cpu_dense.concatenate_kernels(kernels, num_contracted)]
         biases = None if biases is None else [jax.numpy.concatenate(
