@@ -366,6 +366,26 @@ def test_setup_refuses_context_parallelism_it_cannot_run(tmp_path):
         setup(config, tmp_path / "workdir")
 
 
+def test_setup_warns_that_prefill_chunks_run_whole_under_a_context_mesh(tmp_path, caplog):
+    config = synthetic_lm.get_config("runlocal")
+    config.data.update(seq_len=16, data_dir=str(tmp_path), num_train_examples=100,
+                       num_eval_examples=8, batch_size=8)
+    config.generate.prefill_chunk = 4
+    config.mesh.update({"data": 1, "context": 8})
+    with caplog.at_level("WARNING"):
+        setup(config, tmp_path / "split")
+    said = [record.getMessage() for record in caplog.records if "prefill_chunk" in record.msg]
+    assert said == ["generate.prefill_chunk=4 with mesh.context=8: each prefill chunk reads the "
+                    "KV cache, so it runs whole on every device, [chunk, cache] scores "
+                    "included; generate.prefill_chunk=0 prefills the whole prompt split over "
+                    "the context axis"]
+    caplog.clear()
+    config.mesh.update({"data": 8, "context": 1})
+    with caplog.at_level("WARNING"):
+        setup(config, tmp_path / "whole")
+    assert not [record for record in caplog.records if "prefill_chunk" in record.msg]
+
+
 def test_auto_means_flex_per_chunk_on_tpu_and_gpu_else_the_reference():
     config = lambda **fields: ModelConfig(**{**TINY_LM, "num_decoder_layers": 1},  # noqa: E731
                                           position_scheme="t5_bias", **fields)

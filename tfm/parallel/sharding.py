@@ -449,6 +449,19 @@ def check_context(model_config: Any, mesh: Mesh | Mapping[str, int], seq_len: in
         raise ConfigError(reason)
 
 
+def chunked_prefill_warning(field: str, chunk: int, mesh: Mesh | Mapping[str, int]
+                            ) -> str | None:
+    """What a prefill in chunks of `chunk` tokens (the config `field`) costs under
+    mesh.context > 1, or None: a whole-prompt prefill splits over the context axis as a
+    training row does, but a chunk reads the KV cache, so it runs whole on every device."""
+    context = context_size(mesh)
+    if context == 1 or not chunk:
+        return None
+    return (f"{field}={chunk} with mesh.context={context}: each prefill chunk reads the KV "
+            "cache, so it runs whole on every device, [chunk, cache] scores included; "
+            f"{field}=0 prefills the whole prompt split over the context axis")
+
+
 # ----------------------------------------------------------------------------- data
 
 

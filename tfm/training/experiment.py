@@ -201,6 +201,11 @@ def setup(
         model_config, mesh, data.config.batch_size, sections.rules, sections.train.microbatches
     )
     sharding.check_context(model_config, mesh, data.config.seq_len, data.config.source_seq_len)
+    for field, chunk in (("generate.prefill_chunk", sections.generate.decode.prefill_chunk),
+                         ("eval.prefill_chunk", sections.eval.prefill_chunk)):
+        warning = sharding.chunked_prefill_warning(field, chunk, mesh)
+        if warning and jax.process_index() == 0:
+            logger.warning(warning)
     optimizer, schedule = optim.make_optimizer(sections.optimizer, d_model=model_config.d_model)
     experiment = Experiment(
         config=sections.source,
