@@ -188,8 +188,9 @@ MATMULS: dict[str, Matmul] = {
 }
 # model.matmul: "auto" = the attention backend's platform profile's (Backend.matmul), or for a
 # backend that names none, its platform's: on GPU one matmul per input's projections (GPT-2
-# medium's compiled h100-8 step: 11.79 GB per GPU against 12.65 GB with three; XLA:TPU
-# compiles the two to the same memory and traffic), elsewhere the reference.
+# medium's compiled h100-8 step: 11.79 GB per GPU against 12.65 GB with three), elsewhere the
+# reference (on TPU three move fewer bytes for GPT-2: medium's v5e-8 step 112.96 GB against
+# 118.92 GB joined; the paper's base model is the other way: docs/gpu-tpu.md, "Rechecked").
 PLATFORM_MATMUL = {"gpu": "fused"}
 MATMUL_CHOICES = ("auto", *MATMULS)
 # model.cache_layout: "auto" = the layout the attention backend reads (Backend.cache); the
