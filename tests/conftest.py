@@ -16,3 +16,31 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # Start the backend now, with the flags above: tests that edit XLA_FLAGS (test_compile_options)
 # must not be the first to start it, or their worker would run every later test on 1 device.
 jax.devices()
+
+# One persistent compilation cache for the whole test run, shared by the pytest-xdist workers:
+# tests build the same small programs over and over, each in a new jit (a tiny model's
+# one-device reference, model init's ops, the checks' eager ops), and a hit loads the compiled
+# program instead of compiling it again. The cache key holds the program, the compile options
+# and XLA_FLAGS, so a hit is the program that would have been compiled. A new folder per run
+# (never a stale one), removed when the run ends. Subprocesses do not inherit it.
+CACHE_ENV = "TESTS_JAX_CACHE_DIR"
+
+
+def pytest_configure(config):
+    import tempfile
+
+    if not hasattr(config, "workerinput"):  # the controller (or the only process): make it
+        os.environ[CACHE_ENV] = tempfile.mkdtemp(prefix="tfm-test-jax-cache-")
+    jax.config.update("jax_compilation_cache_dir", os.environ[CACHE_ENV])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    # A program XLA cannot serialise (a oneDNN fusion) is compiled each time, as without a cache.
+    config.addinivalue_line(
+        "filterwarnings", "ignore:Error writing persistent compilation cache entry:UserWarning")
+
+
+def pytest_unconfigure(config):
+    import shutil
+
+    if not hasattr(config, "workerinput"):
+        shutil.rmtree(os.environ.pop(CACHE_ENV, ""), ignore_errors=True)
