@@ -58,7 +58,8 @@ def python_wrapper(directory):
     """launch.sh runs $PYTHON and sets XLA_FLAGS itself for several processes: a wrapper adds the
     fast-compile flag in every process it starts."""
     path = directory / "python"
-    path.write_text(f'#!/bin/sh\nexport XLA_FLAGS="$XLA_FLAGS --xla_backend_optimization_level=0"'
+    path.write_text(f'#!/bin/sh\nexport XLA_FLAGS="$XLA_FLAGS --xla_backend_optimization_level=0'
+                    f' --xla_cpu_use_fusion_emitters=false"'
                     f'\nexec {sys.executable} "$@"\n')
     path.chmod(0o755)
     return path

@@ -20,9 +20,9 @@ from tfm.training import checkpoint, metrics
 REPO = Path(__file__).resolve().parents[2]
 NUM_STEPS = 16
 RUN_TIMEOUT_S = 240
-# The children's XLA_FLAGS (one CPU device, not the tests' 8): LLVM at -O0 compiles 2-4x
-# faster and changes code generation only, alike in the uninterrupted and the killed runs.
-FAST_COMPILE = "--xla_backend_optimization_level=0"
+# The children's XLA_FLAGS (one CPU device, not the tests' 8): conftest.py's faster compiles,
+# code generation only, alike in the uninterrupted and the killed runs.
+FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 
 # A child training process: kills itself with SIGKILL when it is about to train global step
 # KILL_STEP ("step"), or KILL_DELAY seconds after the save of step KILL_STEP started ("save";
