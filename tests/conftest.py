@@ -1,6 +1,8 @@
 """Test setup: 8 simulated CPU devices (so sharding tests run anywhere) and float32 matmuls."""
 
 import os
+import shutil
+import tempfile
 
 # Must happen before jax is imported anywhere in the test process. LLVM optimisation level 0
 # compiles CPU programs 2-4x faster; XLA's older fusion emitters compile a small program in
@@ -25,13 +27,12 @@ jax.devices()
 # one-device reference, model init's ops, the checks' eager ops), and a hit loads the compiled
 # program instead of compiling it again. The cache key holds the program, the compile options
 # and XLA_FLAGS, so a hit is the program that would have been compiled. A new folder per run
-# (never a stale one), removed when the run ends. Subprocesses do not inherit it.
+# (never a stale one), removed when the run ends. Set in jax.config, not
+# JAX_COMPILATION_CACHE_DIR: the tests' subprocesses choose their own.
 CACHE_ENV = "TESTS_JAX_CACHE_DIR"
 
 
 def pytest_configure(config):
-    import tempfile
-
     if not hasattr(config, "workerinput"):  # the controller (or the only process): make it
         os.environ[CACHE_ENV] = tempfile.mkdtemp(prefix="tfm-test-jax-cache-")
     jax.config.update("jax_compilation_cache_dir", os.environ[CACHE_ENV])
@@ -43,7 +44,5 @@ def pytest_configure(config):
 
 
 def pytest_unconfigure(config):
-    import shutil
-
     if not hasattr(config, "workerinput"):
         shutil.rmtree(os.environ.pop(CACHE_ENV, ""), ignore_errors=True)
