@@ -2,16 +2,32 @@
 
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 
-# Must happen before jax is imported anywhere in the test process. LLVM optimisation level 0
-# compiles CPU programs 2-4x faster; XLA's older fusion emitters compile a small program in
-# half the time (a one-op jit: 15 -> 8 ms; the tests compile thousands, tests/nn's summed time
-# 379 -> 252 s). Both change code generation only, not XLA's passes.
-os.environ.setdefault(
-    "XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
-    " --xla_cpu_use_fusion_emitters=false"
-)
+OLDER_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+
+
+def _xla_takes(flag: str) -> bool:
+    """Whether this jaxlib's XLA knows `flag`: it aborts a process whose XLA_FLAGS name one it
+    does not, so a child process is asked, before this one starts its backend."""
+    child = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"],
+                           env={**os.environ, "XLA_FLAGS": flag, "JAX_PLATFORMS": "cpu"},
+                           capture_output=True, check=False)
+    return child.returncode == 0
+
+
+# Must happen before jax is imported anywhere in the test process (pytest-xdist's workers
+# inherit it from the first process). LLVM optimisation level 0 compiles CPU programs 2-4x
+# faster; XLA's older fusion emitters, where this jaxlib still has them, compile a small program
+# in half the time (a one-op jit: 15 -> 8 ms; the tests compile thousands, tests/nn's summed
+# time 379 -> 252 s). Both change code generation only, not XLA's passes.
+if "XLA_FLAGS" not in os.environ:
+    fast = "--xla_backend_optimization_level=0"
+    if _xla_takes(OLDER_EMITTERS):
+        fast += " " + OLDER_EMITTERS
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count=8 {fast}"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402

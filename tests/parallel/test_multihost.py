@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import pytest
+from child_flags import child_xla_flags
 
 from configs import synthetic_seq2seq
 from tfm.parallel import sharding
@@ -56,10 +57,9 @@ FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 def python_wrapper(directory):
     """launch.sh runs $PYTHON and sets XLA_FLAGS itself for several processes: a wrapper adds the
-    fast-compile flag in every process it starts."""
+    suite's fast-compile flags in every process it starts."""
     path = directory / "python"
-    path.write_text(f'#!/bin/sh\nexport XLA_FLAGS="$XLA_FLAGS --xla_backend_optimization_level=0'
-                    f' --xla_cpu_use_fusion_emitters=false"'
+    path.write_text(f'#!/bin/sh\nexport XLA_FLAGS="$XLA_FLAGS {child_xla_flags()}"'
                     f'\nexec {sys.executable} "$@"\n')
     path.chmod(0o755)
     return path

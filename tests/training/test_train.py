@@ -636,6 +636,13 @@ def test_rbg_dropout_keys_are_reproducible_and_drop_at_the_configured_rate(impl)
     np.testing.assert_allclose(dropped[dropped != 0], 1 / (1 - rate), rtol=1e-6)
 
 
+# XLA's own fusion emitters where the suite's XLA_FLAGS turn them off (conftest.py): the two
+# threefry programs differ, and only these emitters, which tfm's steps compile with, fuse them
+# into bit-identical updates (the older ones differ by float rounding, 5e-5).
+XLA_EMITTERS = ({"xla_cpu_use_fusion_emitters": True}
+                if "xla_cpu_use_fusion_emitters" in os.environ.get("XLA_FLAGS", "") else None)
+
+
 def test_the_dropout_generator_is_reproducible_in_the_train_step(data_dir, tmp_path):
     """The same state and batch give bit-identical steps with each generator; tfm's fused
     threefry draws jax's threefry masks (the same step as jax's own lowering), rbg other masks
@@ -646,13 +653,10 @@ def test_the_dropout_generator_is_reproducible_in_the_train_step(data_dir, tmp_p
     batch = {k: jnp.asarray(v) for k, v in next(experiment.data.train_iterator()).items()}
     losses, params = {}, {}
     for impl in ("rbg", "threefry", "threefry2x32"):
-        # XLA's own fusion emitters, which the suite's XLA_FLAGS turn off (conftest.py): the two
-        # threefry programs differ, and only the emitters tfm's steps compile with fuse them
-        # into bit-identical updates (the older ones differ by float rounding, 5e-5).
         step = jax.jit(functools.partial(
             train.train_step, model=experiment.model, mode=experiment.mode,
             optimizer=experiment.optimizer, schedule=experiment.schedule, label_smoothing=0.0,
-            dropout_rng_impl=impl), compiler_options={"xla_cpu_use_fusion_emitters": True})
+            dropout_rng_impl=impl), compiler_options=XLA_EMITTERS)
         first, out = step(state, batch)
         second, out_again = step(state, batch)
         assert_trees_equal(first.params, second.params)

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from child_flags import child_xla_flags
 from run_records import assert_trees_equal, saved_state
 
 from tfm.training import checkpoint, metrics
@@ -20,9 +21,6 @@ from tfm.training import checkpoint, metrics
 REPO = Path(__file__).resolve().parents[2]
 NUM_STEPS = 16
 RUN_TIMEOUT_S = 240
-# The children's XLA_FLAGS (one CPU device, not the tests' 8): conftest.py's faster compiles,
-# code generation only, alike in the uninterrupted and the killed runs.
-FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 
 # A child training process: kills itself with SIGKILL when it is about to train global step
 # KILL_STEP ("step"), or KILL_DELAY seconds after the save of step KILL_STEP started ("save";
@@ -74,7 +72,7 @@ train.train_and_evaluate(config, workdir)
 def train_process(workdir: Path, data_dir: Path, cache_dir: Path, kill: dict | None) -> int:
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_COMPILATION_CACHE_DIR": str(cache_dir),
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": FAST_COMPILE}
+           "XLA_FLAGS": child_xla_flags()}
     result = subprocess.run(
         [sys.executable, "-c", CHILD, str(workdir), str(data_dir), json.dumps(kill)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
@@ -136,7 +134,7 @@ LAUNCH_FLAGS = [
 def launch_train(workdir: Path, data_dir: Path, cache_dir: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHON": sys.executable, "JAX_COMPILATION_CACHE_DIR": str(cache_dir),
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": FAST_COMPILE}
+           "XLA_FLAGS": child_xla_flags()}
     return subprocess.run(
         [str(REPO / "launch.sh"), "train", "configs/synthetic_seq2seq.py:runlocal",
          "--workdir", str(workdir), f"--config.data.data_dir={data_dir}", *LAUNCH_FLAGS],
