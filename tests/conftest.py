@@ -6,7 +6,7 @@ import subprocess
 import sys
 import tempfile
 
-OLDER_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+from child_flags import OLDER_EMITTERS
 
 
 def _xla_takes(flag: str) -> bool:

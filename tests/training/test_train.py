@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
+from child_flags import uses_older_emitters
 from compile_cache import persistent_compilation_cache
 from run_records import assert_trees_equal, saved_state, train_losses
 
@@ -639,8 +640,7 @@ def test_rbg_dropout_keys_are_reproducible_and_drop_at_the_configured_rate(impl)
 # XLA's own fusion emitters where the suite's XLA_FLAGS turn them off (conftest.py): the two
 # threefry programs differ, and only these emitters, which tfm's steps compile with, fuse them
 # into bit-identical updates (the older ones differ by float rounding, 5e-5).
-XLA_EMITTERS = ({"xla_cpu_use_fusion_emitters": True}
-                if "xla_cpu_use_fusion_emitters" in os.environ.get("XLA_FLAGS", "") else None)
+XLA_EMITTERS = {"xla_cpu_use_fusion_emitters": True} if uses_older_emitters() else None
 
 
 def test_the_dropout_generator_is_reproducible_in_the_train_step(data_dir, tmp_path):
