@@ -4,6 +4,7 @@ Token ids: pad 0, bos 1, eos 2; the rest are ordinary tokens.
 """
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -667,6 +668,31 @@ def test_growing_the_cache_in_segments_equals_one_full_cache(algorithm):
     one_short = lambda cache, extra_slots: grow_history(cache, extra_slots - 1)
     short = jax.device_get(decode(history_cache(4, 0), grow_cache=one_short, cache_segments=3))
     assert not np.array_equal(short.tokens, full.tokens)  # a cache without room is caught
+
+
+def test_beam_search_with_sources_split_over_devices_gathers_only_each_devices_own_rows():
+    """Eight sources split over eight devices: a beam's parent lies among its own source's beams,
+    so the compiled search reorders each device's own cache rows. A gather by global row index
+    made XLA all-gather the whole cache at every step (every layer's keys and values of a
+    sharded translation). The result is the one-device result."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("data",))
+    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    initial = jnp.asarray(random_logits(5, (8, V)), jnp.float32)
+    cache = history_cache(8, 24)
+
+    def search(initial, cache):
+        return beam_search(HISTORY_MODEL, initial, cache, beam_size=3, max_new_tokens=20,
+                           eos_id=EOS)
+
+    placed = jax.device_put((initial, cache), rows)
+    compiled = jax.jit(search).lower(*placed).compile()
+    # the leading size of every all-gathered array (XLA CPU gathers the [8, ...] scores for top_k)
+    gathered = re.findall(r"= \w+\[(\d+)[,\]][^=]* all-gather\(", compiled.as_text())
+    assert gathered and str(8 * 3) not in gathered  # no [batch * beam, ...] cache rows
+    sharded, single = jax.device_get(compiled(*placed)), jax.device_get(search(initial, cache))
+    assert len({tuple(row) for row in np.asarray(single.tokens)[:, 0]}) > 1
+    for field in ("tokens", "lengths", "scores", "log_probs"):
+        np.testing.assert_array_equal(getattr(sharded, field), getattr(single, field))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -245,8 +245,9 @@ def test_reorder_beams_moves_self_attention_rows_and_keeps_cross_attention(scan)
         valid=jnp.asarray(rng.random((4, 5)) < 0.5),
         source_valid=jnp.asarray(rng.random((4, 3)) < 0.5),
     )
-    index = jnp.array([1, 1, 3, 2])  # beams 0-1 of source 0, beams 2-3 of source 1
-    moved = reorder_beams(cache, index)
+    parents = jnp.array([[1, 1], [1, 0]])  # each beam's parent among its source's two beams
+    index = jnp.array([1, 1, 3, 2])  # the same as rows of the cache
+    moved = reorder_beams(cache, parents)
     for name in ("keys", "values"):
         for old, new in zip(jax.tree.leaves(getattr(cache, name)),
                             jax.tree.leaves(getattr(moved, name)), strict=True):

@@ -28,6 +28,7 @@ from tfm.decode.loop import (
     check_cache_rows,
 )
 from tfm.kernels import cpu_compile
+from tfm.nn.cache import take_beams
 
 
 def length_penalty(lengths: jax.Array, alpha: float) -> jax.Array:
@@ -90,9 +91,9 @@ def _top_k(scores: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     return values, block * TOP_K_BLOCK + position % TOP_K_BLOCK
 
 
-def _gather_rows(cache: Cache, index: jax.Array) -> Cache:
-    """The generic beam reorder: one gather per leaf."""
-    return jax.tree.map(lambda x: x[index], cache)
+def _gather_rows(cache: Cache, parents: jax.Array) -> Cache:  # parents: [batch, beam] int
+    """The generic beam reorder: one gather per leaf, within each source's beams."""
+    return jax.tree.map(lambda x: take_beams(x, parents), cache)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,15 +237,14 @@ def _rows_done(
     return was_done | (row_steps >= limits) | (worst_finished >= best_alive)
 
 
-def _parent_rows(stopped: jax.Array, live_parent: jax.Array) -> jax.Array:
-    """The cache row each row takes so row b * beam + j holds the history of alive beam j; rows
-    that stopped keep theirs.
+def _parent_beams(stopped: jax.Array, live_parent: jax.Array) -> jax.Array:
+    """The beam whose cache row each beam takes, among its own source's beams, so beam j holds
+    the history of alive beam j; rows that stopped keep theirs.
 
-    stopped: [batch] bool; live_parent: [batch, beam]. Returns [batch * beam] int.
+    stopped: [batch] bool; live_parent: [batch, beam]. Returns [batch, beam] int.
     """
-    batch, beams = live_parent.shape
-    source = jnp.where(stopped[:, None], jnp.arange(beams)[None, :], live_parent)
-    return (jnp.arange(batch)[:, None] * beams + source).reshape(-1)
+    beams = live_parent.shape[1]
+    return jnp.where(stopped[:, None], jnp.arange(beams)[None, :], live_parent)
 
 
 def _advance_beams(
@@ -271,7 +271,7 @@ def _advance_beams(
         **kept,
         row_steps=row_steps,
         done=done,
-        cache=reorder(state.cache, _parent_rows(stopped, live_parent)),
+        cache=reorder(state.cache, _parent_beams(stopped, live_parent)),
     )
 
 
@@ -372,7 +372,8 @@ def beam_search(
     beam_size=1 equals greedy unless EOS is ever the runner-up token: that earlier exit is kept as
     a finished hypothesis and may win on score. grow_cache, cache_segments: as in `greedy`
     (the cache grows after its expansion to batch * beam_size rows). reorder_cache: moves the
-    cache's rows to their beams' parents after each step (default: gathers every leaf).
+    cache's rows to their beams' parents after each step, given each beam's parent among its
+    source's beams ([batch, beam_size] int; default: `take_beams` on every leaf).
     """
     _check_common(initial_logits, max_new_tokens, eos_id, pad_id, max_new_per_row)
     DecodeConfig("beam", max_new_tokens, beam_size=beam_size, alpha=alpha,

@@ -19,8 +19,9 @@ from tfm.checks import ConfigError, check_choice, check_int, check_number
 Cache = Any  # any pytree whose leaves have batch on axis 0
 TokensToLogits = Callable[[jax.Array, Cache], tuple[jax.Array, Cache]]
 GrowCache = Callable[[Cache, int], Cache]  # (cache, n) -> the cache with n more empty slots
-# (cache, index [batch * beam] int) -> row r holds row index[r]; index stays within each source's
-# beams (e.g. tfm.nn.cache.reorder_beams, which leaves cross-attention entries where they are).
+# (cache, parents [batch, beam] int) -> row b * beam + j holds row b * beam + parents[b, j]: each
+# beam takes its parent among its own source's beams (tfm.nn.cache.take_beams per leaf;
+# tfm.nn.cache.reorder_beams also leaves cross-attention entries where they are).
 ReorderCache = Callable[[Cache, jax.Array], Cache]
 
 # A segment of the decode loop runs at least this many steps: below it the cache saved per step

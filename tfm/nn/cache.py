@@ -224,13 +224,31 @@ def grow(cache: DecoderCache, extra_slots: int) -> DecoderCache:
     )
 
 
-def reorder_beams(cache: DecoderCache, index: jax.Array) -> DecoderCache:
-    """Row r of the result is row index[r] of `cache` ([batch * beam] int, beam search's parent
-    of each beam): the self-attention slots, lengths and `valid` move; the cross-attention slots
-    and `source_valid` stay, because beam search only moves a row among the beams of its own
-    source, which hold the same cross-attention entries. Gathering those too (what a generic
-    pytree gather does) copied the encoder's keys and values of every layer at every step."""
-    take = lambda array: array[index]
+def take_beams(
+    rows: jax.Array,  # [batch * beam, ...], the beams of each source next to each other
+    parents: jax.Array,  # [batch, beam] int, each beam's parent among its source's beams
+) -> jax.Array:  # [batch * beam, ...]: row b * beam + j is row b * beam + parents[b, j]
+    """Beam search's reorder of one array: each beam takes its parent's row. The parent is
+    indexed within its own source's beams (a gather batched over sources), so under a mesh
+    that splits the sources over devices each device gathers its own rows; a gather by global
+    row index could read any row, and XLA all-gathered the whole array to serve it (every
+    layer's cache at every step of a sharded beam search)."""
+    batch, beams = parents.shape
+    grouped = rows.reshape(batch, beams, *rows.shape[1:])
+    taken = jax.vmap(lambda source_rows, picks: source_rows[picks])(grouped, parents)
+    return taken.reshape(rows.shape)
+
+
+def reorder_beams(
+    cache: DecoderCache,
+    parents: jax.Array,  # [batch, beam] int, each beam's parent among its source's beams
+) -> DecoderCache:  # leaves [batch * beam, ...]
+    """Each beam's row takes its parent's (`take_beams`): the self-attention slots, lengths and
+    `valid` move; the cross-attention slots and `source_valid` stay, because beam search only
+    moves a row among the beams of its own source, which hold the same cross-attention entries.
+    Gathering those too (what a generic pytree gather does) copied the encoder's keys and
+    values of every layer at every step."""
+    take = lambda array: take_beams(array, parents)
     slots = lambda s: tuple(map(take, s)) if isinstance(s, tuple | list) else take(s)
     return cache.replace(
         keys=slots(cache.keys), values=slots(cache.values), lengths=take(cache.lengths),
