@@ -1,7 +1,7 @@
 """The KV cache: an explicit pytree passed into a model and returned updated, never hidden state.
 
 Every leaf has batch on axis 0, so decoding algorithms can reorder beams with
-`jax.tree.map(lambda x: x[indices], cache)` without knowing the model.
+`jax.tree.map(lambda x: take_beams(x, parents), cache)` without knowing the model.
 
 - `keys`, `values`: per layer one array of slots, as a tuple with one entry per layer (or all
   layers stacked on axis 1: under `scan_layers`, where nn.scan indexes layers with a traced
