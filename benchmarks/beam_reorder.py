@@ -49,14 +49,16 @@ def by_global_row(
     return rows[(jnp.arange(batch)[:, None] * beams + parents).reshape(-1)]
 
 
+REORDERS = {"per source (now)": cache_module.take_beams, "global row (before)": by_global_row}
+
+
 def reorder_alone(calls: int) -> list[dict]:
     """Each reorder by itself on one [64 rows, 64 slots, 4 heads, 64] float32 cache layer (16
     sources x 4 beams), the calls interleaved: min, 10th percentile and median in microseconds."""
     rows = jnp.asarray(np.random.default_rng(1).normal(size=(64, 64, 4, 64)), jnp.float32)
     parents = jnp.asarray(np.random.default_rng(2).integers(0, 4, size=(16, 4)), jnp.int32)
-    reorders = {"per source (now)": cache_module.take_beams, "global row (before)": by_global_row}
     jitted = {name: jax.jit(lambda x, p, take=take: take(x, p) + 1.0)
-              for name, take in reorders.items()}
+              for name, take in REORDERS.items()}
     first, second = (np.asarray(f(rows, parents)) for f in jitted.values())
     assert np.array_equal(first, second), "the two reorders moved different rows"
     micros = {name: [] for name in jitted}
@@ -84,11 +86,10 @@ def main() -> None:
     params = EncoderDecoder(config).init(jax.random.PRNGKey(0), source, source[:, :8])["params"]
     translate = lambda: jax.block_until_ready(generate.translate(
         params, config, source, max_new_tokens=32, eos_id=None, beam_size=4).tokens)
-    reorders = {"per source (now)": cache_module.take_beams, "global row (before)": by_global_row}
-    seconds = {name: [] for name in reorders}
+    seconds = {name: [] for name in REORDERS}
     tokens = {}
     for _ in range(args.rounds):
-        for name, take in reorders.items():
+        for name, take in REORDERS.items():
             with mock.patch.object(cache_module, "take_beams", take):
                 jax.clear_caches()
                 tokens[name] = np.asarray(translate())  # compiles with this reorder
