@@ -5,6 +5,7 @@ the check can fail)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -260,3 +261,66 @@ def test_setup_says_in_one_line_why_auto_takes_the_reference(caplog):
         assert experiment._model_for_platform(shaw.replace(position_scheme="t5_bias"),
                                               "tpu").attention_backend == "flex"
     assert not [r for r in caplog.records if "attention_backend" in r.getMessage()]
+
+
+@pytest.mark.parametrize("changes,platform,blocked", [
+    (dict(position_scheme="rope"), "tpu", "splash"),
+    (dict(position_scheme="t5_bias"), "tpu", "flex"),
+    (dict(position_scheme="alibi", dtype="bfloat16", head_dim=8), "gpu", "flex"),
+])
+def test_auto_gives_rows_within_one_kernel_block_to_the_reference(changes, platform, blocked):
+    """A kernel that pads rows to 128-token blocks is "auto"'s choice only for rows longer
+    than one block: 64-token rows (the paper's) go to the reference, with the reason; 129 take
+    the kernel; a named kernel stays; CPU's backend pads nothing."""
+    from tfm.training import experiment
+
+    config = ModelConfig(**{**TINY, **changes})
+    for longest, backend in ((64, "reference"), (128, "reference"), (129, blocked),
+                             (None, blocked)):
+        chosen, note = kernels.auto_choice(platform, longest, **config.attention_needs)
+        assert chosen.name == backend
+        assert config.for_platform(platform, longest).attention_backend == backend
+        assert experiment._model_for_platform(config, platform, longest).attention_backend \
+            == backend
+        if backend == "reference":
+            assert note == (f"attention_backend='auto' uses 'reference' on {platform}, not "
+                            f"{blocked!r}: rows of at most {longest} tokens fit in one of its "
+                            "128-token blocks, which it would pad them to")
+        else:
+            assert note is None
+    named = config.replace(attention_backend=blocked)
+    assert named.for_platform(platform, 64).attention_backend == blocked
+    assert config.for_platform("cpu", 64).attention_backend == "cpu"
+
+
+def test_auto_attention_call_within_one_block_runs_the_reference(monkeypatch):
+    """kernels.attention(backend="auto") on TPU: a call whose queries and keys fit in one
+    splash block runs the reference maths, a longer one splash (stand-ins record which, and
+    return the reference's values); a named backend="splash" keeps splash."""
+    from tfm.kernels import masks, reference
+    from tfm.kernels.call import AttentionStructure
+
+    calls = []
+
+    def recording(name):
+        def attention(query, key, value, call):
+            calls.append(name)
+            return masks.reference_attention(query, key, value, call)
+        return attention
+
+    monkeypatch.setattr(kernels, "platform", lambda: "tpu")
+    for name in ("splash", "reference"):
+        monkeypatch.setitem(kernels.BACKENDS, name, dataclasses.replace(
+            kernels.BACKENDS[name], attention=recording(name)))
+    rng = np.random.default_rng(0)
+    for length, backend in ((64, "auto"), (128, "auto"), (200, "auto"), (64, "splash")):
+        query, key, value = (jnp.asarray(rng.normal(size=(1, length, 2, 8)), jnp.float32)
+                             for _ in "qkv")
+        calls.clear()
+        got = kernels.attention(query, key, value, backend=backend,
+                                structure=AttentionStructure(causal=True))
+        want = reference.dot_product_attention(
+            query, key, value, mask=np.tril(np.ones((1, 1, length, length), bool)))
+        np.testing.assert_allclose(got, want, atol=1e-5)
+        expected = "splash" if length > 128 or backend == "splash" else "reference"
+        assert calls == [expected], (length, backend)

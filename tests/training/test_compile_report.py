@@ -166,9 +166,13 @@ def test_gpu_target_compiles_bias_schemes_with_the_triton_flex_kernel(tmp_path, 
 
 @pytest.mark.skipif(not HAS_LIBTPU, reason='needs libtpu: pip install -e ".[tpu]"')
 def test_tpu_target_reports_memory_flops_and_roofline(tmp_path):
-    report = compile_report.compile_for(_config(tmp_path / "data"), tmp_path / "run", "v5e-4")
+    config = _config(tmp_path / "data")
+    config.data.update(seq_len=256, eval_seq_len=256)  # rows of two splash blocks
+    report = compile_report.compile_for(config, tmp_path / "run", "v5e-4")
     assert report["chips"] == 4 and report["platform"] == "tpu"
     assert report["attention_backend"] == "splash"  # no CPU kernels for a TPU mesh
+    short = compile_report.compile_for(_config(tmp_path / "data"), tmp_path / "short", "v5e-4")
+    assert short["attention_backend"] == "reference"  # 64-token rows: one block, no kernel
     assert report["fits"] and report["roofline_seconds"] > 0
     assert 0 < report["roofline_mfu"] <= 1
     ratio = report["compiled_flops_per_chip"] / report["analytic_flops_per_chip"]

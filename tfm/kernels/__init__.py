@@ -38,7 +38,7 @@ import jax
 import numpy as np
 
 from tfm.checks import ConfigError
-from tfm.kernels import cpu_attention, cpu_dense, jax_attention, masks, reference
+from tfm.kernels import cpu_attention, cpu_dense, jax_attention, masks, per_device, reference
 from tfm.kernels.cache_layouts import REFERENCE, CacheLayout
 from tfm.kernels.call import AttentionCall
 from tfm.kernels.cpu_cache import CPU_LAYOUT
@@ -107,6 +107,9 @@ class Backend:
     # Computes a position scheme's bias per block (no [batch, heads, T, T] bias array): "auto"
     # prefers it for bias schemes, and takes it only for them.
     bias_by_blocks: bool = False
+    # Pads queries and keys to whole blocks of this many tokens (None: no padding); "auto"
+    # takes the reference for rows that fit in one block (`within_one_block`).
+    row_block: int | None = None
 
 
 def _jax_nn(implementation: str) -> Callable[..., jax.Array]:
@@ -143,12 +146,13 @@ BACKENDS: dict[str, Backend] = {
                 max_head_dim=jax_attention.CUDNN_MAX_HEAD_DIM, check=jax_attention.check_cudnn),
         Backend("splash", "Pallas splash attention: masks built per block (TPU; interpret mode "
                 "on CPU, for tests)", attention=_pallas("tpu_attention"),
-                platforms=("tpu", "cpu"), biases=()),
+                platforms=("tpu", "cpu"), biases=(), row_block=per_device.LANES),
         Backend("flex", "Pallas flash attention with the position scheme's bias and the mask "
                 "computed per block (Mosaic on TPU, Triton on GPU; interpret mode on CPU, for "
                 "tests)",
                 attention=_pallas("flex_attention"), platforms=("tpu", "gpu", "cpu"),
-                biases=("fixed", "learned"), bias_by_blocks=True),
+                biases=("fixed", "learned"), bias_by_blocks=True,
+                row_block=per_device.LANES),
     )
 }
 # What "auto" means on each platform: the first of these that can serve the model.
@@ -239,9 +243,23 @@ class Needs:
         return None
 
 
-def auto_choice(on_platform: str | None = None, **needs: Any) -> tuple[Backend, str | None]:
+def within_one_block(backend: Backend, q_len: int, kv_len: int) -> bool:
+    """Whether queries and keys both fit in one of `backend`'s row blocks, where "auto" takes
+    the reference maths instead: flash attention tiles rows so that no [q_len, kv_len] scores
+    are written, and within one block there is nothing to tile, while the kernel pads the rows
+    to the block (64-token rows to 128: twice the queries, keys, values and outputs) and the
+    reference's scores are at most one block per head. The paper's base model, 64-token rows
+    on v5e-8: 48.39 GB per chip per step against 54.11 GB by splash (docs/gpu-tpu.md)."""
+    block = backend.row_block
+    return block is not None and q_len <= block and kv_len <= block
+
+
+def auto_choice(on_platform: str | None = None, longest_row: int | None = None,
+                **needs: Any) -> tuple[Backend, str | None]:
     """(the backend "auto" picks, and why it is not AUTO[platform]'s first when it is not).
-    `needs`: the fields of Needs. `on_platform` defaults to the platform being compiled for."""
+    `needs`: the fields of Needs. `on_platform` defaults to the platform being compiled for.
+    longest_row: the longest row (tokens) the model attends over, when known: a kernel whose
+    block holds it gives way to the reference (`within_one_block`)."""
     on_platform = on_platform or platform()
     preferred = [BACKENDS[name] for name in AUTO.get(on_platform, ("reference",))]
     if needs.get("bias") is None:
@@ -251,6 +269,12 @@ def auto_choice(on_platform: str | None = None, **needs: Any) -> tuple[Backend, 
     reasons = []
     for backend in preferred:
         reason = Needs(**needs).unmet(backend)
+        if reason is None and longest_row is not None and within_one_block(
+                backend, longest_row, longest_row):
+            return BACKENDS["reference"], (
+                f"attention_backend='auto' uses 'reference' on {on_platform}, not "
+                f"{backend.name!r}: rows of at most {longest_row} tokens fit in one of its "
+                f"{backend.row_block}-token blocks, which it would pad them to")
         if reason is None:
             return backend, None
         reasons.append(f"{backend.name!r}: {reason}" if len(preferred) > 1 else reason)
@@ -261,11 +285,12 @@ def auto_choice(on_platform: str | None = None, **needs: Any) -> tuple[Backend, 
     )
 
 
-def setup_note(name: str, on_platform: str, **needs: Any) -> str | None:
+def setup_note(name: str, on_platform: str, longest_row: int | None = None,
+               **needs: Any) -> str | None:
     """The line to log at setup about backend `name` on `on_platform`, or None: why "auto"
     falls back to the reference, or that a Pallas backend runs interpreted (slow) on CPU."""
     if name == "auto":
-        backend, note = auto_choice(on_platform, **needs)
+        backend, note = auto_choice(on_platform, longest_row, **needs)
         if note is not None:
             return note
         name = backend.name
@@ -321,6 +346,8 @@ def attention(
         raise ConfigError(f"attention_backend={backend!r} has no attention dropout "
                           f"(dropout_rate={call.dropout_rate}); use 'reference'")
     kv_len = key.shape[chosen.cache.slot_axis(True)] if call.cache_layout else key.shape[1]
+    if backend == "auto" and within_one_block(chosen, query.shape[1], kv_len):
+        chosen = BACKENDS["reference"]  # (which reads a row_block kernel's cache layout)
     chosen.check(query, call.bias, kv_len, platform())
     if chosen.platforms is not None and platform() not in chosen.platforms:
         raise ConfigError(f"attention_backend={backend!r} runs on {', '.join(chosen.platforms)}, "

@@ -367,16 +367,17 @@ class ModelConfig:
     def params_dtype(self) -> jnp.dtype:
         return jnp.dtype(self.param_dtype)
 
-    def for_platform(self, platform: str) -> ModelConfig:
+    def for_platform(self, platform: str, longest_row: int | None = None) -> ModelConfig:
         """This config with attention_backend and loss_backend "auto" resolved for `platform`
         ("cpu", "gpu" or "tpu"), e.g. to compile for an accelerator on a CPU host; named
-        backends stay."""
+        backends stay. longest_row: the longest rows the run attends over (tokens), if known:
+        rows that fit in one kernel block take the reference (tfm.kernels.within_one_block)."""
         config = self
         if config.loss_backend == "auto":
             config = config.replace(loss_backend=loss_backend_for(platform, config.vocab_size))
         if config.attention_backend != "auto":
             return config
-        backend, _ = kernels.auto_choice(platform, **config.attention_needs)
+        backend, _ = kernels.auto_choice(platform, longest_row, **config.attention_needs)
         return config.replace(attention_backend=backend.name)
 
     @property

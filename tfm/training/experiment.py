@@ -263,7 +263,14 @@ def model_config_for(
     if sharding.context_size(mesh) > 1 and model_config.attention_backend == "auto":
         model_config = model_config.replace(
             attention_backend=context_attention_backend(model_config, platform))
-    return _model_for_platform(model_config, platform)
+    return _model_for_platform(model_config, platform, longest_row(data))
+
+
+def longest_row(data: Data) -> int:
+    """The longest rows the run trains or evaluates on (tokens; source rows included, eval rows
+    where data.eval_seq_len sets them), which decide whether "auto" takes a blocked kernel
+    (tfm.kernels.within_one_block)."""
+    return max(*data.train_lengths.values(), data.config.eval_seq_len or 0)
 
 
 def context_attention_backend(model_config: ModelConfig, platform: str) -> str:
@@ -280,15 +287,16 @@ def context_attention_backend(model_config: ModelConfig, platform: str) -> str:
     return "reference"
 
 
-def _model_for_platform(model_config: ModelConfig, platform: str) -> ModelConfig:
-    """`model_config` with "auto" kernels resolved for `platform` (logging why when "auto"
-    falls back to the reference, or that a Pallas kernel runs interpreted on CPU), its remat
-    policy checked there."""
-    note = kernels.setup_note(model_config.attention_backend, platform,
+def _model_for_platform(model_config: ModelConfig, platform: str,
+                        longest: int | None = None) -> ModelConfig:
+    """`model_config` with "auto" kernels resolved for `platform` and rows of at most `longest`
+    tokens (logging why when "auto" falls back to the reference, or that a Pallas kernel runs
+    interpreted on CPU), its remat policy checked there."""
+    note = kernels.setup_note(model_config.attention_backend, platform, longest,
                               **model_config.attention_needs)
     if note and jax.process_index() == 0:
         logger.info(note)
-    model_config = model_config.for_platform(platform)
+    model_config = model_config.for_platform(platform, longest)
     remat.check_platform(model_config.remat, platform)
     return model_config
 
