@@ -324,3 +324,21 @@ def test_auto_attention_call_within_one_block_runs_the_reference(monkeypatch):
         np.testing.assert_allclose(got, want, atol=1e-5)
         expected = "splash" if length > 128 or backend == "splash" else "reference"
         assert calls == [expected], (length, backend)
+
+
+def test_the_longest_row_counts_training_source_and_eval_rows(tmp_path):
+    """What decides "auto" for a run (experiment.longest_row): its training rows, their
+    source rows, and eval rows where data.eval_seq_len sets them."""
+    from tfm.data import DataConfig, build_data
+    from tfm.training import experiment
+
+    def longest(**changes):
+        config = DataConfig(**{**dict(
+            kind="synthetic", task="addition", train_lengths=(1, 3), eval_lengths=(4, 5),
+            num_train_examples=8, num_eval_examples=4, seq_len=24, batch_size=4,
+            data_dir=str(tmp_path), read_threads=0, prefetch=0), **changes})
+        return experiment.longest_row(build_data(config))
+
+    assert longest() == 24
+    assert longest(source_seq_len=40) == 40
+    assert longest(eval_seq_len=200) == 200
