@@ -269,14 +269,13 @@ def auto_choice(on_platform: str | None = None, longest_row: int | None = None,
     reasons = []
     for backend in preferred:
         reason = Needs(**needs).unmet(backend)
-        if reason is None and longest_row is not None and within_one_block(
-                backend, longest_row, longest_row):
+        if reason is None:
+            if longest_row is None or not within_one_block(backend, longest_row, longest_row):
+                return backend, None
             return BACKENDS["reference"], (
                 f"attention_backend='auto' uses 'reference' on {on_platform}, not "
                 f"{backend.name!r}: rows of at most {longest_row} tokens fit in one of its "
                 f"{backend.row_block}-token blocks, which it would pad them to")
-        if reason is None:
-            return backend, None
         reasons.append(f"{backend.name!r}: {reason}" if len(preferred) > 1 else reason)
     names = " or ".join(repr(backend.name) for backend in preferred)
     return BACKENDS["reference"], (
