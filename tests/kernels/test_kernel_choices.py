@@ -73,6 +73,43 @@ def test_fused_projections_equal_one_linear_each(with_bias, matmul):
                                rtol=1e-5, atol=1e-5)
 
 
+def test_forward_fused_joins_q_k_v_only_where_no_backward_pass_follows():
+    """TPU's profile: one matmul for an input's query, key and value in a forward-only call
+    (prefill, evaluation) with at least as many rows as features and rows of at most 1,024
+    tokens, three otherwise (a train step, a decoding step, a long prompt's prefill); the
+    values are the reference's either way. In a model, the attention layer's `deterministic`
+    says forward-only."""
+    from tfm.nn.config import ModelConfig
+    from tfm.nn.models import DecoderLM
+
+    x = jnp.asarray(RNG.standard_normal((2, 5, 8)), jnp.float32)
+    weights = [jnp.asarray(RNG.standard_normal((8, 2, 4)), jnp.float32) for _ in range(3)]
+    assert kernels.matmul("forward_fused").max_fused_len == 1024
+    longest = jnp.asarray(RNG.standard_normal((1, 1024, 8)), jnp.float32)
+    longer = jnp.asarray(RNG.standard_normal((1, 1025, 8)), jnp.float32)
+    for rows, forward_only, matmuls in ((x, True, 1), (x, False, 3), (x[:, :1], True, 3),
+                                        (longest, True, 1), (longer, True, 3)):
+        call = functools.partial(kernels.projections, kernels=weights, backend="forward_fused",
+                                 forward_only=forward_only)
+        assert str(jax.make_jaxpr(call)(rows)).count("dot_general") == matmuls
+        for got, weight in zip(call(rows), weights, strict=True):
+            np.testing.assert_allclose(got, np.einsum("btd,dnh->btnh", rows, weight),
+                                       rtol=1e-5, atol=1e-5)
+    config = ModelConfig.decoder_only(vocab_size=11, num_layers=2, d_model=16, num_heads=2,
+                                      d_ff=32, attention_backend="reference",
+                                      matmul="forward_fused")
+    model = DecoderLM(config)
+    tokens = jnp.zeros((2, 24), jnp.int32)
+    params = model.init(jax.random.PRNGKey(0), tokens)
+
+    def dots(deterministic):
+        apply = functools.partial(model.apply, deterministic=deterministic,
+                                  rngs={"dropout": jax.random.PRNGKey(1)})
+        return str(jax.make_jaxpr(apply)(params, tokens)).count("dot_general")
+
+    assert dots(False) - dots(True) == 2 * 2  # two layers: three matmuls each, or one
+
+
 def test_tied_output_kernel_is_the_transpose_on_cpu_only(monkeypatch):
     table = jnp.asarray(RNG.standard_normal((11, 4)), jnp.float32)
     np.testing.assert_array_equal(kernels.tied_output_kernel(table, jnp.bfloat16),
@@ -116,7 +153,7 @@ def test_the_three_choices_are_separate_and_auto_follows_the_profile(monkeypatch
                                         "='cpu', not by 'splash'"):
         kernels.cache_layout("splash", "cpu")
     monkeypatch.setattr(kernels, "platform", lambda: "tpu")
-    assert kernels.matmul("auto") is kernels.MATMULS["reference"]  # splash's profile
+    assert kernels.matmul("auto") is kernels.MATMULS["forward_fused"]  # TPU's profile
     assert kernels.cache_layout("auto") is REFERENCE
     monkeypatch.setattr(kernels, "platform", lambda: "gpu")  # the GPU profile fuses q, k, v
     assert kernels.matmul("auto") is kernels.matmul("flex") is kernels.MATMULS["fused"]
@@ -126,7 +163,7 @@ def test_the_three_choices_are_separate_and_auto_follows_the_profile(monkeypatch
     assert config.matmul_choice == "reference" and config.cache_layout == "auto"
     assert ModelConfig.decoder_only(**tiny).matmul_choice == "auto"
     with pytest.raises(Exception, match="matmul='fast' is unknown; choose one of: auto, "
-                                        "reference, cpu, fused"):
+                                        "reference, cpu, fused, forward_fused"):
         ModelConfig.decoder_only(**tiny, matmul="fast")
     with pytest.raises(Exception, match="cache_layout='cpu' is read only"):
         ModelConfig.decoder_only(**tiny, attention_backend="reference", cache_layout="cpu")

@@ -169,13 +169,20 @@ class Matmul:
     over their concatenated kernels (`projections`): faster on CPU, less memory on GPU.
     min_fused_rows: with fuses_projections, only inputs of at least this many rows (tokens) per
     input feature are joined (0: all). The join copies the kernels: a decoding step's few rows
-    do not pay for it, and XLA hoists the copy out of the decoding loop, where it stays live."""
+    do not pay for it, and XLA hoists the copy out of the decoding loop, where it stays live.
+    fuses_forward_only: joins them (as fuses_projections) only in forward-only calls (a
+    prefill, an evaluation: `projections(forward_only=True)`), keeping one matmul per kernel
+    where a backward pass follows.
+    max_fused_len: only inputs whose rows (the axis before the contracted ones: a prompt's
+    tokens) are at most this long are joined (0: any length)."""
 
     name: str
     description: str
     linear: Callable[..., jax.Array]
     fuses_projections: bool = False
     min_fused_rows: float = 0
+    fuses_forward_only: bool = False
+    max_fused_len: int = 0
 
 
 MATMULS: dict[str, Matmul] = {
@@ -188,14 +195,21 @@ MATMULS: dict[str, Matmul] = {
         Matmul("fused", "the reference's matmul, one per input: the query, key and value "
                "projections of one input as one matmul over their concatenated kernels",
                reference.linear, fuses_projections=True, min_fused_rows=1),
+        Matmul("forward_fused", "the reference's matmul; the query, key and value projections "
+               "of one input as one matmul in forward-only calls (prefill, evaluation) of rows "
+               "up to 1,024 tokens, three in training and for longer rows", reference.linear,
+               min_fused_rows=1, fuses_forward_only=True, max_fused_len=1024),
     )
 }
 # model.matmul: "auto" = the attention backend's platform profile's (Backend.matmul), or for a
 # backend that names none, its platform's: on GPU one matmul per input's projections (GPT-2
-# medium's compiled h100-8 step: 11.79 GB per GPU against 12.65 GB with three), elsewhere the
-# reference (on TPU three move fewer bytes for GPT-2: medium's v5e-8 step 112.96 GB against
-# 118.92 GB joined; the paper's base model is the other way: docs/gpu-tpu.md, "Rechecked").
-PLATFORM_MATMUL = {"gpu": "fused"}
+# medium's compiled h100-8 step: 11.79 GB per GPU against 12.65 GB with three); on TPU joined
+# only where no backward pass follows (in training three move fewer bytes for GPT-2: medium's
+# v5e-8 step 112.96 GB against 118.92 GB joined) and for rows of at most 1,024 tokens (a
+# joined prefill of 512-token prompts keeps less alive in the decoding loop: medium's v5p-8
+# loop 4.50 GB against 5.15; of 4,096-token prompts more: RoPE 8k's 1.13 GB against 1.02),
+# elsewhere the reference.
+PLATFORM_MATMUL = {"gpu": "fused", "tpu": "forward_fused"}
 MATMUL_CHOICES = ("auto", *MATMULS)
 # model.cache_layout: "auto" = the layout the attention backend reads (Backend.cache); the
 # reference layout is read by every backend, the others only by their own.
@@ -269,13 +283,14 @@ def auto_choice(on_platform: str | None = None, longest_row: int | None = None,
     reasons = []
     for backend in preferred:
         reason = Needs(**needs).unmet(backend)
-        if reason is None:
-            if longest_row is None or not within_one_block(backend, longest_row, longest_row):
-                return backend, None
+        if reason is None and longest_row is not None and within_one_block(
+                backend, longest_row, longest_row):
             return BACKENDS["reference"], (
                 f"attention_backend='auto' uses 'reference' on {on_platform}, not "
                 f"{backend.name!r}: rows of at most {longest_row} tokens fit in one of its "
                 f"{backend.row_block}-token blocks, which it would pad them to")
+        if reason is None:
+            return backend, None
         reasons.append(f"{backend.name!r}: {reason}" if len(preferred) > 1 else reason)
     names = " or ".join(repr(backend.name) for backend in preferred)
     return BACKENDS["reference"], (
@@ -418,12 +433,14 @@ def projections(
     num_contracted: int = 1,
     compute_dtype: Any = None,
     out_dtype: Any = None,
+    forward_only: bool = False,
 ) -> list[jax.Array]:  # each [..., *out_dims_i] in out_dtype (default compute_dtype)
     """x . kernel_i (+ bias_i) for several projections of one input (query, key and value),
     accumulated in float32, the bias added in float32, by the matmul `backend` names. The
     reference runs one `linear` per kernel; a Matmul with `fuses_projections` runs one matmul
     over the concatenated kernels and splits it (one wide matmul beats three narrow ones on
-    CPU; on GPU XLA keeps less for the backward pass), with the same values."""
+    CPU; on GPU XLA keeps less for the backward pass), with the same values. forward_only:
+    no backward pass follows (the caller's hint), where `fuses_forward_only` joins them too."""
     shapes = [kernel.shape[num_contracted:] for kernel in kernels]  # each out_dims_i
     out_dtype = jax.numpy.dtype(out_dtype or compute_dtype or x.dtype)
     options = dict(backend=backend, num_contracted=num_contracted, compute_dtype=compute_dtype,
@@ -431,7 +448,10 @@ def projections(
     chosen = matmul(backend)
     rows, features = math.prod(x.shape[:-num_contracted]), math.prod(x.shape[-num_contracted:])
     # as one [*in_dims, sum of widths] kernel
-    fused = chosen.fuses_projections and rows >= chosen.min_fused_rows * features
+    joins = chosen.fuses_projections or (forward_only and chosen.fuses_forward_only)
+    row_len = x.shape[-num_contracted - 1] if x.ndim > num_contracted else 1
+    fused = (joins and rows >= chosen.min_fused_rows * features
+             and not 0 < chosen.max_fused_len < row_len)
     if fused:
         kernels = [cpu_dense.concatenate_kernels(kernels, num_contracted)]
         biases = None if biases is None else [jax.numpy.concatenate(

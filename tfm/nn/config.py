@@ -143,10 +143,10 @@ class ModelConfig:
     # Implementation.
     # Three separate choices (tfm.kernels): the attention core (tfm.kernels.BACKENDS; "auto" =
     # the platform's fastest that serves the model, else the reference maths); the matmul of
-    # every dense layer (tfm.kernels.MATMULS: reference, cpu, fused); the KV cache layout
-    # (tfm.kernels.CACHE_LAYOUTS: reference, cpu). "auto" for the last two = what the
-    # attention backend's platform profile names (the "cpu" backend: the cpu ones; the
-    # others: the reference, and on GPU the fused matmul).
+    # every dense layer (tfm.kernels.MATMULS: reference, cpu, fused, forward_fused); the KV
+    # cache layout (tfm.kernels.CACHE_LAYOUTS: reference, cpu). "auto" for the last two = what
+    # the attention backend's platform profile names (the "cpu" backend: the cpu ones; the
+    # others: the reference, on GPU the fused matmul, on TPU forward_fused).
     attention_backend: str = "auto"
     matmul: str = "auto"
     cache_layout: str = "auto"

@@ -65,7 +65,8 @@ class Projection(nn.Module):
 
 
 def project_together(
-    config: ModelConfig, x: Array, projections: list[Projection], out_dtype: Any = None
+    config: ModelConfig, x: Array, projections: list[Projection], out_dtype: Any = None,
+    forward_only: bool = False,
 ) -> list[Array]:
     """x . kernel_i + bias_i for projections that share x's input axes (query, key and value
     of one input), through `tfm.kernels.projections` (which may run them as one matmul).
@@ -84,6 +85,7 @@ def project_together(
         num_contracted=len(projections[0].in_features),
         compute_dtype=config.compute_dtype,
         out_dtype=config.compute_dtype if out_dtype is None else out_dtype,
+        forward_only=forward_only,
     )
 
 
@@ -287,7 +289,7 @@ class MultiHeadAttention(nn.Module):
         deterministic: bool = True,
     ) -> tuple[Array, DecoderCache | None]:  # [batch, q_len, d_model], the updated cache
         config = self.config
-        query, key, value = self._project(inputs_q, inputs_kv)
+        query, key, value = self._project(inputs_q, inputs_kv, deterministic)
         rotate = config.scheme.rotate
         if rotate is not None and not self.is_cross:
             query = rotate(config, query, inputs.query_positions)
@@ -321,9 +323,10 @@ class MultiHeadAttention(nn.Module):
                           "attention_out")
         return out_proj(out), cache
 
-    def _project(self, inputs_q: Array, inputs_kv: Array | None) -> tuple[Array, ...]:
+    def _project(self, inputs_q: Array, inputs_kv: Array | None,
+                 forward_only: bool = False) -> tuple[Array, ...]:
         """query [batch, q_len, heads, head_dim]; key, value [batch, kv_len, kv_heads, head_dim]
-        (None without inputs_kv)."""
+        (None without inputs_kv). forward_only: no backward pass follows (deterministic)."""
         config = self.config
         num_heads, num_kv_heads = config.num_heads, config.resolved_num_kv_heads
         head_dim, d_model = config.resolved_head_dim, config.d_model
@@ -333,10 +336,12 @@ class MultiHeadAttention(nn.Module):
         key_proj = _dense(config, d_model, (num_kv_heads, head_dim), kv_names, "key", "qkv")
         value_proj = _dense(config, d_model, (num_kv_heads, head_dim), kv_names, "value", "qkv")
         if inputs_kv is inputs_q:
-            return tuple(project_together(config, inputs_q, [query_proj, key_proj, value_proj]))
+            return tuple(project_together(config, inputs_q, [query_proj, key_proj, value_proj],
+                                          forward_only=forward_only))
         if inputs_kv is None:
             return query_proj(inputs_q), None, None
-        return query_proj(inputs_q), *project_together(config, inputs_kv, [key_proj, value_proj])
+        return query_proj(inputs_q), *project_together(config, inputs_kv, [key_proj, value_proj],
+                                                       forward_only=forward_only)
 
     def _attend(
         self, query: Array, key: Array, value: Array, inputs: AttentionInputs,
