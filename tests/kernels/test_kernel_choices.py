@@ -161,7 +161,17 @@ def test_the_three_choices_are_separate_and_auto_follows_the_profile(monkeypatch
     tiny = dict(vocab_size=11, num_layers=1, d_model=16, num_heads=2, d_ff=32)
     config = ModelConfig.decoder_only(**tiny, attention_backend="cpu", matmul="reference")
     assert config.matmul_choice == "reference" and config.cache_layout == "auto"
-    assert ModelConfig.decoder_only(**tiny).matmul_choice == "auto"
+    assert ModelConfig.decoder_only(**tiny).matmul_choice == "fused"  # GPU's profile
+    # The reference attention names no matmul: its platform's, which the matmul that shares
+    # its name must not shadow (TPU's `auto` gives one-block rows to the reference).
+    named = ModelConfig.decoder_only(**tiny, attention_backend="reference")
+    assert named.matmul_choice == "fused"
+    monkeypatch.setattr(kernels, "platform", lambda: "tpu")
+    assert named.matmul_choice == ModelConfig.decoder_only(**tiny).matmul_choice
+    assert named.matmul_choice == "forward_fused"
+    monkeypatch.setattr(kernels, "platform", lambda: "cpu")
+    assert named.matmul_choice == "reference"
+    assert ModelConfig.decoder_only(**tiny).matmul_choice == "cpu"  # the cpu backend's own
     with pytest.raises(Exception, match="matmul='fast' is unknown; choose one of: auto, "
                                         "reference, cpu, fused, forward_fused"):
         ModelConfig.decoder_only(**tiny, matmul="fast")

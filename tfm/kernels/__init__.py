@@ -384,11 +384,19 @@ def _bias_kind(call: AttentionCall) -> str | None:
 
 
 def matmul(name: str) -> Matmul:
-    """The matmul called `name` (one of MATMULS), or, for an attention backend's name (one of
-    CHOICES, "auto" resolved for the platform compiled for), its platform profile's."""
+    """The matmul called `name` (one of MATMULS), or, for another attention backend's name
+    (one of CHOICES), its platform profile's (`profile_matmul`)."""
     if name in MATMULS:
         return MATMULS[name]
-    return MATMULS[resolve(name).matmul or PLATFORM_MATMUL.get(platform(), "reference")]
+    return profile_matmul(name)
+
+
+def profile_matmul(attention_backend: str) -> Matmul:
+    """The matmul attention backend `attention_backend` (one of CHOICES, "auto" resolved for
+    the platform compiled for) was measured with: its Backend.matmul, or for a backend that
+    names none (the reference among them), its platform's (PLATFORM_MATMUL)."""
+    name = resolve(attention_backend).matmul or PLATFORM_MATMUL.get(platform(), "reference")
+    return MATMULS[name]
 
 
 def linear(

@@ -310,9 +310,12 @@ class ModelConfig:
 
     @property
     def matmul_choice(self) -> str:
-        """What tfm.kernels.linear is asked for: `matmul`, or with "auto" the attention
-        backend's name (its platform profile's matmul, resolved where it is compiled)."""
-        return self.attention_backend if self.matmul == "auto" else self.matmul
+        """What tfm.kernels.linear is asked for: `matmul`, or with "auto" the matmul of the
+        attention backend's platform profile (`kernels.profile_matmul`), resolved where it is
+        compiled: read it while tracing."""
+        if self.matmul != "auto":
+            return self.matmul
+        return kernels.profile_matmul(self.attention_backend).name
 
     @property
     def resolved_head_dim(self) -> int:
