@@ -238,6 +238,58 @@ def test_the_unrolled_ring_equals_naive_attention(monkeypatch):
     _assert_equals_naive(run, "causal-balanced-t5")
 
 
+def _nested_jaxprs(jaxpr):
+    """Every jaxpr inside `jaxpr`'s equations (shard_map, scan, cond, custom rules), recursively."""
+    for eqn in jaxpr.eqns:
+        for value in eqn.params.values():
+            for inner in value if isinstance(value, tuple | list) else (value,):
+                inner = getattr(inner, "jaxpr", inner)
+                if isinstance(inner, jax.extend.core.Jaxpr):
+                    yield inner
+                    yield from _nested_jaxprs(inner)
+
+
+def _ancestors(jaxpr, var) -> set[str]:
+    """The primitives that compute `var` inside `jaxpr` (the body, not its inputs)."""
+    producer = {out: eqn for eqn in jaxpr.eqns for out in eqn.outvars}
+    seen, stack, names = set(), [var], set()
+    while stack:
+        eqn = producer.get(stack.pop())
+        if eqn is not None and id(eqn) not in seen:
+            seen.add(id(eqn))
+            names.add(eqn.primitive.name)
+            stack.extend(v for v in eqn.invars if isinstance(v, jax.extend.core.Var))
+    return names
+
+
+def test_each_rotation_waits_for_the_step_before_it():
+    """In both of the ring's loops (forward and backward), the visiting block's rotation leaves
+    the step through an optimization barrier together with a result of the step's pairs (their
+    lax.cond): the next rotation cannot start before this step's kernels ran, so a device holds
+    the block it computes on and the one arriving, not the whole ring, also where the loop is
+    unrolled and a scheduler may start every rotation at once (ring_flex.unrolled)."""
+    causal, window, balanced, kind, _ = CASES["causal-balanced-t5"]
+    run = _context_run(4, "ring", balanced, kind, causal, window, kernel="flex")
+    program = jax.make_jaxpr(functools.partial(_values_and_grads, run))(*_inputs()).jaxpr
+    loops = []  # (loop body, the rotations of the block it carries)
+    for body in _nested_jaxprs(program):
+        carried = set(body.invars)
+        rotations = [eqn for eqn in body.eqns if eqn.primitive.name == "ppermute"
+                     and all(v in carried for v in eqn.invars)]
+        if rotations and any(eqn.primitive.name == "cond" for eqn in body.eqns):
+            loops.append((body, rotations))
+    assert len(loops) >= 2, "the forward loop and the backward one"
+    for body, rotations in loops:
+        barriers = [eqn for eqn in body.eqns if eqn.primitive.name == "optimization_barrier"]
+        for rotation in rotations:
+            held = [eqn for eqn in barriers if set(rotation.outvars) & set(eqn.invars)]
+            assert held, "a rotation leaves the step without waiting for its pairs"
+            waits_for = set().union(*(_ancestors(body, v) for v in held[0].invars))
+            assert "cond" in waits_for, waits_for
+            released = set(held[0].outvars)
+            assert set(body.outvars) & released
+
+
 def test_the_ring_on_the_flex_kernel_equals_the_reference_ring():
     """Both rings' outputs and gradients on the load-balanced T5 case over 4 devices agree to
     float32 rounding: the same blocks, combined in the same order."""

@@ -172,7 +172,28 @@ def _forward_kernel(spec: _Spec, streamed: int, *refs: Any) -> None:
     seen = total > 0
     total = jnp.where(seen, total, 1.0)
     out_ref[...] = jnp.where(seen, acc / total, 0.0).astype(out_ref.dtype)
-    lse_ref[...] = jnp.where(seen, running_max + jnp.log(total), NO_KEY_LSE)
+    lse_ref[...] = _as_row(jnp.where(seen, running_max + jnp.log(total), NO_KEY_LSE))
+
+
+def _as_row(column: jax.Array) -> jax.Array:  # [n, 1] -> [1, n], exactly
+    """A query block's per-query figure (log-sum-exp, delta) turned from the column the
+    scores' row reductions give into the lane-dense row it is stored as: [b, heads, 1, len]
+    takes 1/16 of the HBM of a [b, heads, len, 1] column, whose one lane TPU tiles pad to
+    128 (GPT-2 small at 32,768 tokens: 192 MiB per layer's log-sum-exp, kept for the backward
+    pass). By a diagonal mask and a sum of one value and zeros, which any Pallas backend
+    lowers; n^2 elementwise operations per query block, against its n x keys x head_dim
+    products."""
+    n = column.shape[0]
+    diagonal = (jax.lax.broadcasted_iota(jnp.int32, (n, n), 0)
+                == jax.lax.broadcasted_iota(jnp.int32, (n, n), 1))
+    return jnp.sum(jnp.where(diagonal, column, 0.0), axis=0, keepdims=True)
+
+
+def _as_column(row: jax.Array) -> jax.Array:  # [1, n] -> [n, 1], exactly: _as_row's inverse
+    n = row.shape[1]
+    diagonal = (jax.lax.broadcasted_iota(jnp.int32, (n, n), 0)
+                == jax.lax.broadcasted_iota(jnp.int32, (n, n), 1))
+    return jnp.sum(jnp.where(diagonal, row, 0.0), axis=1, keepdims=True)
 
 
 def _weights_and_score_grads(spec: _Spec, query, key, value, out_grad, lse, delta, rows, params,
@@ -200,7 +221,7 @@ def _query_grad_kernel(spec: _Spec, num_params: int, streamed: int, *refs: Any) 
     first_query = spec.first_query(offset_refs, pl.program_id(2))
     block_k = spec.block_k
     query, out_grad = query_ref[...], out_grad_ref[...]
-    lse, delta = lse_ref[...], delta_ref[...]
+    lse, delta = _as_column(lse_ref[...]), _as_column(delta_ref[...])
     params = jax.tree.unflatten(spec.params_tree, [ref[...] for ref in param_refs])
 
     def visit(k_block, views, carry):
@@ -313,9 +334,9 @@ def _forward(spec: _Spec, query, key, value, rows, params):
         spec, functools.partial(_forward_kernel, spec, keys.streamed), grid,
         [query_spec, keys.head, keys.head, query_rows, keys.row, query_rows, keys.row,
          *flex_blocks.offsets(spec, rows), *map(flex_blocks.per_head_row, param_leaves)],
-        [query_spec, flex_blocks.row_stats(spec, q_padded, True)],
+        [query_spec, flex_blocks.row_stats(spec)],
         [jax.ShapeDtypeStruct(query.shape, query.dtype),
-         jax.ShapeDtypeStruct((batch, heads, q_padded, 1), jnp.float32)],
+         jax.ShapeDtypeStruct((batch, heads, 1, q_padded), jnp.float32)],
         cost, keys.on_chip,
         query, key, value, query_pos, key_pos, query_seg, key_seg, *offsets, *param_leaves,
         scratch=keys.scratch,
@@ -340,7 +361,7 @@ def _query_grads(spec: _Spec, inputs: tuple, num_params: int) -> list:
     pairs = batch * heads * spec.visible_pairs()
     query_spec, query_rows = (flex_blocks.query_block(spec, head_dim),
                               flex_blocks.column(spec.block_q, True))
-    stats = flex_blocks.row_stats(spec, q_padded, True)
+    stats = flex_blocks.row_stats(spec)
     return _pallas(
         spec, functools.partial(_query_grad_kernel, spec, num_params, keys.streamed),
         (batch, heads, q_blocks),
@@ -367,9 +388,9 @@ def _key_value_grads(spec: _Spec, inputs: tuple, num_params: int) -> list:
     per_query_head = jax.ShapeDtypeStruct((batch, heads, kv_padded, head_dim), key.dtype)
     as_row = lambda column: column.reshape(*column.shape[:-2], 1, column.shape[-2])
     as_column = lambda row: row.reshape(*row.shape[:-2], row.shape[-1], 1)
-    transposed_inputs = (query, key, value, out_grad, as_row(lse), as_row(delta),
-                         as_row(query_pos), as_column(key_pos), as_row(query_seg),
-                         as_column(key_seg), *offsets, *param_leaves)
+    transposed_inputs = (query, key, value, out_grad, lse, delta, as_row(query_pos),
+                         as_column(key_pos), as_row(query_seg), as_column(key_seg), *offsets,
+                         *param_leaves)
     reads = flex_vmem.query_inputs(spec, batch * heads, q_padded, head_dim, query.dtype)
     queries, query_rows, whole_rows = reads.head, reads.row, reads.head_row
     key_spec = flex_blocks.key_block(spec, head_dim, spec.groups)
@@ -391,8 +412,8 @@ def _key_value_grads(spec: _Spec, inputs: tuple, num_params: int) -> list:
 def _backward(spec: _Spec, query, key, value, rows, params, out, lse, out_grad):
     batch, kv_heads, kv_padded, head_dim = key.shape
     param_leaves = jax.tree.leaves(params)
-    delta = jnp.sum(out_grad.astype(jnp.float32) * out.astype(jnp.float32), axis=-1,
-                    keepdims=True)  # [batch, heads, q_padded, 1]
+    delta = jnp.sum(out_grad.astype(jnp.float32) * out.astype(jnp.float32),
+                    axis=-1)[:, :, None, :]  # [batch, heads, 1, q_padded], as lse
     inputs = (query, key, value, out_grad, lse, delta, *rows, *param_leaves)
     query_grad, *param_grads = _query_grads(spec, inputs, len(param_leaves))
     key_grad, value_grad = _key_value_grads(spec, inputs, len(param_leaves))
@@ -483,7 +504,7 @@ def block_forward(
     out, lse = per_device.by_platform(
         lambda *arrays, compiler: _forward(spec_of(compiler), *arrays), compiler, *inputs)
     q_len = query.shape[1]
-    return _from_heads_major(out, q_len), lse[:, :, :q_len, 0]
+    return _from_heads_major(out, q_len), lse[:, :, 0, :q_len]
 
 
 def block_backward(
@@ -505,7 +526,7 @@ def block_backward(
     q_len, kv_len = query.shape[1], key.shape[1]
     q_padded = per_device.round_up(q_len)
     lse = jnp.pad(lse, ((0, 0), (0, 0), (0, q_padded - q_len)), constant_values=NO_KEY_LSE)
-    inputs = (*inputs, _heads_major(out, q_padded), lse[..., None],
+    inputs = (*inputs, _heads_major(out, q_padded), lse[:, :, None, :],
               _heads_major(out_grad, q_padded))
     query_grad, key_grad, value_grad, params_grad = per_device.by_platform(
         lambda *arrays, compiler: _backward(spec_of(compiler), *arrays), compiler, *inputs)

@@ -1,6 +1,7 @@
 """The flex kernel's block specs (tfm.kernels.flex_attention) over its grid (batch, head,
 block): a query block of a head, a kv head's whole keys or one key block, rows of positions
-and segments (queries as [len, 1] columns, keys as [1, len] rows), a head's parameter rows.
+and segments (queries as [len, 1] columns, keys as [1, len] rows), the per-query log-sum-exp
+and delta as lane-dense rows, a head's parameter rows.
 `spec` is the kernel's static description (flex_attention._Spec)."""
 
 from __future__ import annotations
@@ -53,7 +54,5 @@ def offsets(spec: Any, rows: tuple) -> list[pl.BlockSpec]:
     return [pl.BlockSpec(memory_space=pltpu.SMEM)]
 
 
-def row_stats(spec: Any, length: int, blocked: bool) -> pl.BlockSpec:  # [b, heads, len, 1]
-    block = spec.block_q if blocked else length
-    return pl.BlockSpec((None, None, block, 1), (lambda b, h, i: (b, h, i, 0)) if blocked
-                        else (lambda b, h, i: (b, h, 0, 0)))
+def row_stats(spec: Any) -> pl.BlockSpec:  # [b, heads, 1, len] per-query figures, by block
+    return pl.BlockSpec((None, None, 1, spec.block_q), lambda b, h, i: (b, h, 0, i))
