@@ -264,12 +264,15 @@ def test_the_accelerator_program_is_a_pallas_kernel_without_bias_or_score_arrays
     """Lowered for TPU (Mosaic) or a CUDA GPU (Triton), no device or plugin needed: the train
     gradient calls the kernels (forward, dq, dk/dv: in each of the 2 layers, or once in the
     shared body) and holds no [.., T, T] array (no bias, mask or scores); the reference's
-    program does."""
+    program does. The per-query log-sum-exp and delta are lane-dense rows [b, heads, 1, T],
+    not [b, heads, T, 1] columns, whose one lane TPU tiles pad to 128."""
     length = 256
     square = re.compile(rf"x{length}x{length}x")
     flex_text = _lowered_lm_grad("flex", length, scheme, platform)
     assert flex_text.count(kernel) >= 3
     assert not square.search(flex_text)
+    assert not re.search(rf"tensor<\d+x\d+x{length}x1xf32>", flex_text)
+    assert re.search(rf"tensor<\d+x\d+x1x{length}xf32>", flex_text)
     assert square.search(_lowered_lm_grad("reference", length, scheme, platform))
 
 

@@ -33,9 +33,10 @@ if TYPE_CHECKING:
 
 EMPTY_LSE = -1e30  # the combined log-sum-exp of a query that has seen no key yet
 # Rings of at most this many rotations are unrolled on TPU and GPU: XLA's cost analysis
-# counts a loop body once (the TPU program's ring loops carry no trip count), and an unrolled
-# ring lets the scheduler overlap each rotation with the previous step's kernels. On CPU
-# (interpret mode, tests) the loop stays rolled: same values, faster to compile.
+# counts a loop body once (the TPU program's ring loops carry no trip count), and the
+# scheduler may overlap each rotation with its step's kernels (not with later steps':
+# _after_step). On CPU (interpret mode, tests) the loop stays rolled: same values, faster to
+# compile.
 MAX_UNROLLED_ROTATIONS = 15
 
 
@@ -202,7 +203,8 @@ def _after_step(computed: Any, arriving: dict) -> tuple:
     on, only once they are done. A device then holds two blocks, the one it computes on and
     the one arriving, as the rolled loop does; unrolled, XLA's scheduler otherwise starts the
     rotations, which depend on nothing the pairs compute, ahead of them and keeps more blocks
-    alive (GPT-2 small, T5 bias, 131,072 tokens on v5e-8, context 8: TODO)."""
+    alive (a 2-layer GPT-2 small, T5 bias, 32,768 tokens, v5e-8, context 8: 0.57 GB of
+    temporaries per chip unrolled, 0.44 GB with this barrier or rolled)."""
     return jax.lax.optimization_barrier((computed, arriving))
 
 
