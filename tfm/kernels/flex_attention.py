@@ -172,28 +172,21 @@ def _forward_kernel(spec: _Spec, streamed: int, *refs: Any) -> None:
     seen = total > 0
     total = jnp.where(seen, total, 1.0)
     out_ref[...] = jnp.where(seen, acc / total, 0.0).astype(out_ref.dtype)
-    lse_ref[...] = _as_row(jnp.where(seen, running_max + jnp.log(total), NO_KEY_LSE))
+    lse_ref[...] = _transposed(jnp.where(seen, running_max + jnp.log(total), NO_KEY_LSE))
 
 
-def _as_row(column: jax.Array) -> jax.Array:  # [n, 1] -> [1, n], exactly
-    """A query block's per-query figure (log-sum-exp, delta) turned from the column the
-    scores' row reductions give into the lane-dense row it is stored as: [b, heads, 1, len]
-    takes 1/16 of the HBM of a [b, heads, len, 1] column, whose one lane TPU tiles pad to
-    128 (GPT-2 small at 32,768 tokens: 192 MiB per layer's log-sum-exp, kept for the backward
-    pass). By a diagonal mask and a sum of one value and zeros, which any Pallas backend
-    lowers; n^2 elementwise operations per query block, against its n x keys x head_dim
-    products."""
-    n = column.shape[0]
+def _transposed(vector: jax.Array) -> jax.Array:  # [n, 1] -> [1, n], [1, n] -> [n, 1]
+    """A query block's per-query figure (log-sum-exp, delta) turned, exactly, between the
+    column the scores' row reductions give and the lane-dense row it is stored as: a
+    [b, heads, 1, len] row takes 1/16 of the HBM of a [b, heads, len, 1] column, whose one lane
+    TPU tiles pad to 128 (GPT-2 small at 32,768 tokens: 192 MiB per layer's log-sum-exp, kept
+    for the backward pass). By a diagonal mask and a sum of one value and zeros, which any
+    Pallas backend lowers: n^2 elementwise operations per query block."""
+    n = max(vector.shape)
     diagonal = (jax.lax.broadcasted_iota(jnp.int32, (n, n), 0)
                 == jax.lax.broadcasted_iota(jnp.int32, (n, n), 1))
-    return jnp.sum(jnp.where(diagonal, column, 0.0), axis=0, keepdims=True)
-
-
-def _as_column(row: jax.Array) -> jax.Array:  # [1, n] -> [n, 1], exactly: _as_row's inverse
-    n = row.shape[1]
-    diagonal = (jax.lax.broadcasted_iota(jnp.int32, (n, n), 0)
-                == jax.lax.broadcasted_iota(jnp.int32, (n, n), 1))
-    return jnp.sum(jnp.where(diagonal, row, 0.0), axis=1, keepdims=True)
+    return jnp.sum(jnp.where(diagonal, vector, 0.0), axis=int(vector.shape[0] == 1),
+                   keepdims=True)
 
 
 def _weights_and_score_grads(spec: _Spec, query, key, value, out_grad, lse, delta, rows, params,
@@ -221,7 +214,7 @@ def _query_grad_kernel(spec: _Spec, num_params: int, streamed: int, *refs: Any) 
     first_query = spec.first_query(offset_refs, pl.program_id(2))
     block_k = spec.block_k
     query, out_grad = query_ref[...], out_grad_ref[...]
-    lse, delta = _as_column(lse_ref[...]), _as_column(delta_ref[...])
+    lse, delta = _transposed(lse_ref[...]), _transposed(delta_ref[...])
     params = jax.tree.unflatten(spec.params_tree, [ref[...] for ref in param_refs])
 
     def visit(k_block, views, carry):
