@@ -260,8 +260,7 @@ def _ring_backward(query, key, value, params, rows, out, lse, out_grad, options,
     def step(state, _):
         carry, block, grads = state
         arriving = per_device.rotate(block, axis_name)
-        carry, arriving = _after_step(backward(carry, block), arriving)
-        carry, block_grads = carry
+        (carry, block_grads), arriving = _after_step(backward(carry, block), arriving)
         grads = jax.tree.map(jnp.add, grads, block_grads)
         return (carry, arriving, per_device.rotate(grads, axis_name)), None
 
