@@ -88,6 +88,7 @@ def _ring_function(options: dict, axis_name: str):
         return out, (query, key, value, params, rows, out, lse)
 
     def backward(saved, out_grad):
+        saved, out_grad = per_device.once_cotangent_exists(saved, out_grad)
         query, key, value, params, rows, out, lse = saved
         dquery, dkey, dvalue, dparams = _ring_backward(
             query, key, value, params, rows, out, lse, out_grad, options, axis_name)
