@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from attention_cases import upstream
 from jax.sharding import AxisType
 
 from tfm.kernels import context_parallel as context
@@ -288,6 +289,31 @@ def test_each_rotation_waits_for_the_step_before_it():
             assert "cond" in waits_for, waits_for
             released = set(held[0].outvars)
             assert set(body.outvars) & released
+
+
+def test_the_backward_ring_starts_once_the_cotangent_exists():
+    """The ring's backward loop reads the forward pass's residuals (the keys and values it
+    rotates first) only through an optimization barrier that also holds the output's
+    cotangent (per_device.once_cotangent_exists): its first rotation cannot be hoisted into the
+    forward pass, nor merged with the forward's identical first rotation, which would keep a
+    rotated block per layer alive from one pass to the other."""
+    causal, window, balanced, kind, _ = CASES["causal-balanced-t5"]
+    run = _context_run(4, "ring", balanced, kind, causal, window, kernel="flex")
+    program = jax.make_jaxpr(functools.partial(_values_and_grads, run))(*_inputs()).jaxpr
+    cotangent = program.invars[-1]
+    backward = [eqn for eqn in program.eqns if eqn.primitive.name == "shard_map"
+                and any(e.primitive.name == "optimization_barrier"
+                        for e in eqn.params["jaxpr"].eqns)]
+    assert len(backward) == 1, "one shard_map computes the ring's backward pass"
+    body = backward[0].params["jaxpr"]
+    carries_cotangent = {inner for outer, inner in zip(backward[0].invars, body.invars,
+                                                       strict=True)
+                         if cotangent in upstream(program, [outer])[1]}
+    (barrier,) = [eqn for eqn in body.eqns if eqn.primitive.name == "optimization_barrier"]
+    (loop,) = [eqn for eqn in body.eqns if eqn.primitive.name == "scan"]
+    assert carries_cotangent & upstream(body, barrier.invars)[1], "the barrier holds it"
+    read_directly = upstream(body, loop.invars, barrier)[1]
+    assert not read_directly & set(body.invars), "the loop reads a residual past the barrier"
 
 
 def test_the_ring_on_the_flex_kernel_equals_the_reference_ring():

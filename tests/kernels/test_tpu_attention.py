@@ -21,6 +21,7 @@ from attention_cases import (
     lowered_lm_grad,
     random_inputs,
     segments,
+    upstream,
 )
 from tiny_model import TINY, TINY_LM
 
@@ -244,23 +245,6 @@ def _kernel_names(eqn) -> set[str]:
     return names
 
 
-def _upstream(jaxpr, variables, barrier) -> tuple[set[int], set]:
-    """(ids of the equations that compute `variables`, the jaxpr inputs they read), not looking
-    past the equation `barrier`."""
-    producer = {out: eqn for eqn in jaxpr.eqns for out in eqn.outvars}
-    seen, inputs, stack = set(), set(), [v for v in variables
-                                          if isinstance(v, jax.extend.core.Var)]
-    while stack:
-        var = stack.pop()
-        eqn = producer.get(var)
-        if eqn is None:
-            inputs.add(var)
-        elif id(eqn) not in seen and eqn is not barrier:
-            seen.add(id(eqn))
-            stack.extend(v for v in eqn.invars if isinstance(v, jax.extend.core.Var))
-    return seen, inputs
-
-
 def test_the_backward_kernels_wait_for_the_cotangent():
     """Splash's backward kernels read the forward pass's residuals (and what is computed from
     them alone: the log-sum-exp broadcast to 8 sublanes) only through an optimization barrier
@@ -283,9 +267,9 @@ def test_the_backward_kernels_wait_for_the_cotangent():
                 if any("_dq" in n or "_dkv" in n for n in _kernel_names(eqn))]
     barriers = [eqn for eqn in program.eqns if eqn.primitive.name == "optimization_barrier"]
     assert forward and backward and len(barriers) == 1
-    _, read = _upstream(program, barriers[0].invars, None)
+    _, read = upstream(program, barriers[0].invars, None)
     assert cotangent in read, "the barrier holds the cotangent"
     forward_ids = {id(eqn) for eqn in forward}
     for eqn in backward:
-        computed, _ = _upstream(program, eqn.invars, barriers[0])
+        computed, _ = upstream(program, eqn.invars, barriers[0])
         assert not computed & forward_ids, "a backward kernel reads a residual past the barrier"
