@@ -188,20 +188,3 @@ def block_bias(kind: str, heads: int, causal: bool, rng: np.random.Generator):
         return function, (jnp.asarray(rng.normal(size=(heads, 16)), jnp.float32),)
     slopes = positions.alibi_slopes(heads) * rng.uniform(0.5, 2.0, heads)
     return positions.alibi_block_bias, (jnp.asarray(slopes, jnp.float32)[:, None],)
-
-
-def upstream(jaxpr, variables, barrier=None) -> tuple[set[int], set]:
-    """(ids of the equations of `jaxpr` that compute `variables`, the jaxpr's inputs they
-    read), not looking past the equation `barrier` (an optimization barrier)."""
-    producer = {out: eqn for eqn in jaxpr.eqns for out in eqn.outvars}
-    seen, inputs = set(), set()
-    stack = [v for v in variables if isinstance(v, jax.extend.core.Var)]
-    while stack:
-        var = stack.pop()
-        eqn = producer.get(var)
-        if eqn is None:
-            inputs.add(var)
-        elif id(eqn) not in seen and eqn is not barrier:
-            seen.add(id(eqn))
-            stack.extend(v for v in eqn.invars if isinstance(v, jax.extend.core.Var))
-    return seen, inputs

@@ -12,7 +12,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from attention_cases import upstream
 from jax.sharding import AxisType
 
 from tfm.kernels import context_parallel as context
@@ -263,6 +262,23 @@ def _ancestors(jaxpr, var) -> set[str]:
     return names
 
 
+def _upstream(jaxpr, variables, barrier=None) -> tuple[set[int], set]:
+    """(ids of the equations of `jaxpr` that compute `variables`, the jaxpr's inputs they
+    read), not looking past the equation `barrier` (an optimization barrier)."""
+    producer = {out: eqn for eqn in jaxpr.eqns for out in eqn.outvars}
+    seen, inputs = set(), set()
+    stack = [v for v in variables if isinstance(v, jax.extend.core.Var)]
+    while stack:
+        var = stack.pop()
+        eqn = producer.get(var)
+        if eqn is None:
+            inputs.add(var)
+        elif id(eqn) not in seen and eqn is not barrier:
+            seen.add(id(eqn))
+            stack.extend(v for v in eqn.invars if isinstance(v, jax.extend.core.Var))
+    return seen, inputs
+
+
 def test_each_rotation_waits_for_the_step_before_it():
     """In both of the ring's loops (forward and backward), the visiting block's rotation leaves
     the step through an optimization barrier together with a result of the step's pairs (their
@@ -294,7 +310,7 @@ def test_each_rotation_waits_for_the_step_before_it():
 def test_the_backward_ring_starts_once_the_cotangent_exists():
     """The ring's backward loop reads the forward pass's residuals (the keys and values it
     rotates first) only through an optimization barrier that also holds the output's
-    cotangent (per_device.once_cotangent_exists): its first rotation cannot be hoisted into the
+    cotangent (ring_flex._once_cotangent_exists): its first rotation cannot be hoisted into the
     forward pass, nor merged with the forward's identical first rotation, which would keep a
     rotated block per layer alive from one pass to the other."""
     causal, window, balanced, kind, _ = CASES["causal-balanced-t5"]
@@ -308,11 +324,11 @@ def test_the_backward_ring_starts_once_the_cotangent_exists():
     body = backward[0].params["jaxpr"]
     carries_cotangent = {inner for outer, inner in zip(backward[0].invars, body.invars,
                                                        strict=True)
-                         if cotangent in upstream(program, [outer])[1]}
+                         if cotangent in _upstream(program, [outer])[1]}
     (barrier,) = [eqn for eqn in body.eqns if eqn.primitive.name == "optimization_barrier"]
     (loop,) = [eqn for eqn in body.eqns if eqn.primitive.name == "scan"]
-    assert carries_cotangent & upstream(body, barrier.invars)[1], "the barrier holds it"
-    read_directly = upstream(body, loop.invars, barrier)[1]
+    assert carries_cotangent & _upstream(body, barrier.invars)[1], "the barrier holds it"
+    read_directly = _upstream(body, loop.invars, barrier)[1]
     assert not read_directly & set(body.invars), "the loop reads a residual past the barrier"
 
 

@@ -21,7 +21,6 @@ from attention_cases import (
     lowered_lm_grad,
     random_inputs,
     segments,
-    upstream,
 )
 from tiny_model import TINY, TINY_LM
 
@@ -232,44 +231,3 @@ def test_a_sharded_step_without_the_mesh_set_is_one_clear_error():
     np.testing.assert_allclose(got, want, rtol=1e-5)
     for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True):
         np.testing.assert_allclose(g, w, atol=2e-5)
-
-
-def _kernel_names(eqn) -> set[str]:
-    """The names of the Pallas kernels inside an equation (its nested jaxprs, recursively)."""
-    names = {eqn.params["name"]} if eqn.primitive.name == "pallas_call" else set()
-    for value in eqn.params.values():
-        for inner in value if isinstance(value, tuple | list) else (value,):
-            inner = getattr(inner, "jaxpr", inner)
-            if isinstance(inner, jax.extend.core.Jaxpr):
-                names |= set().union(set(), *(_kernel_names(e) for e in inner.eqns))
-    return names
-
-
-def test_the_backward_kernels_wait_for_the_cotangent():
-    """Splash's backward kernels read the forward pass's residuals (and what is computed from
-    them alone: the log-sum-exp broadcast to 8 sublanes) only through an optimization barrier
-    that also holds the output's cotangent, so XLA can neither compute those for every layer at
-    the end of the forward pass nor hold them all at the step's peak
-    (per_device.backward_waits_for_cotangent)."""
-    rng = np.random.default_rng(3)
-    query, key, value = random_inputs(rng, 128, 128, 2, 2, "float32", 1)
-    structure = AttentionStructure(causal=True)
-
-    def pullback(query, key, value, cotangent):
-        _, grads = jax.vjp(lambda *qkv: kernels.attention(
-            *qkv, backend="splash", structure=structure), query, key, value)
-        return grads(cotangent)
-
-    program = jax.make_jaxpr(pullback)(query, key, value, query).jaxpr
-    cotangent = program.invars[3]
-    forward = [eqn for eqn in program.eqns if any("fwd" in n for n in _kernel_names(eqn))]
-    backward = [eqn for eqn in program.eqns
-                if any("_dq" in n or "_dkv" in n for n in _kernel_names(eqn))]
-    barriers = [eqn for eqn in program.eqns if eqn.primitive.name == "optimization_barrier"]
-    assert forward and backward and len(barriers) == 1
-    _, read = upstream(program, barriers[0].invars, None)
-    assert cotangent in read, "the barrier holds the cotangent"
-    forward_ids = {id(eqn) for eqn in forward}
-    for eqn in backward:
-        computed, _ = upstream(program, eqn.invars, barriers[0])
-        assert not computed & forward_ids, "a backward kernel reads a residual past the barrier"

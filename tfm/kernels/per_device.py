@@ -189,34 +189,3 @@ def rotate(tree: Any, axis_name: str) -> Any:
     size = jax.lax.axis_size(axis_name)
     pairs = [(i, (i + 1) % size) for i in range(size)]
     return jax.tree.map(lambda x: jax.lax.ppermute(x, axis_name, pairs), tree)
-
-
-def backward_waits_for_cotangent(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`fn` with the same values and gradients, whose backward pass touches the forward pass's
-    residuals only once the output's cotangent exists: they and the cotangent leave one
-    optimization barrier together. Without it XLA may compute the parts of a kernel's backward
-    that need only residuals (splash broadcasts each layer's log-sum-exp to 8 sublanes) for
-    every layer at the end of the forward pass, and hold them all at the step's peak."""
-
-    @jax.custom_vjp
-    def wrapped(*args: Any) -> Any:
-        return fn(*args)
-
-    def forward(*args: Any) -> tuple[Any, Any]:
-        return jax.vjp(fn, *args)  # the pullback is a pytree of the residuals
-
-    def backward(pullback: Any, cotangent: Any) -> tuple[Any, ...]:
-        pullback, cotangent = once_cotangent_exists(pullback, cotangent)
-        return pullback(cotangent)
-
-    wrapped.defvjp(forward, backward)
-    return wrapped
-
-
-def once_cotangent_exists(residuals: Any, cotangent: Any) -> tuple[Any, Any]:
-    """(residuals, cotangent) released together (jax.lax.optimization_barrier), for a custom
-    backward pass: what it computes from the residuals waits for the cotangent, so XLA can
-    neither hoist it into the forward pass nor merge it with the forward pass's identical
-    work (a ring's first rotation of the keys and values), which would keep its result alive
-    from one pass to the other."""
-    return jax.lax.optimization_barrier((residuals, cotangent))

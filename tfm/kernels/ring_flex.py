@@ -88,7 +88,7 @@ def _ring_function(options: dict, axis_name: str):
         return out, (query, key, value, params, rows, out, lse)
 
     def backward(saved, out_grad):
-        saved, out_grad = per_device.once_cotangent_exists(saved, out_grad)
+        saved, out_grad = _once_cotangent_exists(saved, out_grad)
         query, key, value, params, rows, out, lse = saved
         dquery, dkey, dvalue, dparams = _ring_backward(
             query, key, value, params, rows, out, lse, out_grad, options, axis_name)
@@ -208,6 +208,14 @@ def _after_step(computed: Any, arriving: dict) -> tuple:
     temporaries per chip unrolled, 0.44 GB with this barrier or rolled)."""
     return jax.lax.optimization_barrier((computed, arriving))
 
+
+def _once_cotangent_exists(saved: tuple, out_grad: jax.Array) -> tuple:
+    """(saved, out_grad) released together (jax.lax.optimization_barrier): the backward
+    pass's first rotation of the saved keys and values waits for the output's gradient, so XLA
+    can neither merge it with the forward pass's identical first rotation nor start it in the
+    forward pass, which kept one rotated block per layer alive from one pass to the other
+    (GPT-2 small, T5 bias, 131,072 tokens, v5e-8, context 8: 7.65 -> 6.84 GB per chip)."""
+    return jax.lax.optimization_barrier((saved, out_grad))
 
 def _split_rows(key, value, rows) -> tuple[tuple, dict]:
     """(the queries' (index, segments, positions), the travelling block: key, value and the

@@ -132,8 +132,6 @@ def _attend_local(
 
     args = (heads_major(scaled, q_padded), heads_major(key, kv_padded),
             heads_major(value, kv_padded))
-    out = per_device.backward_waits_for_cotangent(
-        lambda args, segments: per_device.by_platform(run, compiler, args, segments))(
-            args, segments)
+    out = per_device.by_platform(run, compiler, args, segments)
     return out.transpose(0, 2, 1, 3)[:, :q_len].astype(query.dtype)
 
