@@ -251,22 +251,14 @@ def _nested_jaxprs(jaxpr):
 
 def _ancestors(jaxpr, var) -> set[str]:
     """The primitives that compute `var` inside `jaxpr` (the body, not its inputs)."""
-    producer = {out: eqn for eqn in jaxpr.eqns for out in eqn.outvars}
-    seen, stack, names = set(), [var], set()
-    while stack:
-        eqn = producer.get(stack.pop())
-        if eqn is not None and id(eqn) not in seen:
-            seen.add(id(eqn))
-            names.add(eqn.primitive.name)
-            stack.extend(v for v in eqn.invars if isinstance(v, jax.extend.core.Var))
-    return names
+    return {eqn.primitive.name for eqn in _upstream(jaxpr, [var])[0]}
 
 
-def _upstream(jaxpr, variables, barrier=None) -> tuple[set[int], set]:
-    """(ids of the equations of `jaxpr` that compute `variables`, the jaxpr's inputs they
-    read), not looking past the equation `barrier` (an optimization barrier)."""
+def _upstream(jaxpr, variables, barrier=None) -> tuple[list, set]:
+    """(the equations of `jaxpr` that compute `variables`, the jaxpr's inputs they read), not
+    looking past the equation `barrier` (an optimization barrier)."""
     producer = {out: eqn for eqn in jaxpr.eqns for out in eqn.outvars}
-    seen, inputs = set(), set()
+    seen, equations, inputs = set(), [], set()
     stack = [v for v in variables if isinstance(v, jax.extend.core.Var)]
     while stack:
         var = stack.pop()
@@ -275,8 +267,9 @@ def _upstream(jaxpr, variables, barrier=None) -> tuple[set[int], set]:
             inputs.add(var)
         elif id(eqn) not in seen and eqn is not barrier:
             seen.add(id(eqn))
+            equations.append(eqn)
             stack.extend(v for v in eqn.invars if isinstance(v, jax.extend.core.Var))
-    return seen, inputs
+    return equations, inputs
 
 
 def test_each_rotation_waits_for_the_step_before_it():
