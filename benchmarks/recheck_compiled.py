@@ -7,6 +7,7 @@ chip, bytes accessed, roofline MFU and the decode loop's memory, with what chang
         python benchmarks/recheck_compiled.py --targets v5e-8,v5p-8 --jobs 2
     python benchmarks/recheck_compiled.py --targets h100-8        # with the [gpu] extra
     python benchmarks/recheck_compiled.py --rows gpt2s_t5_8k_flex,gpt2m_rope_1k_splash
+    python benchmarks/recheck_compiled.py --decode_only --targets v5e-8,v5p-8   # decoding only
 
 Each row is one `./launch.sh compile ... --json` (printed before it runs; 1-10 minutes on a
 2-core host, longer for the long-context rows, which run only when named or with --long;
@@ -176,12 +177,15 @@ def verdict(old: dict, new: dict, tolerance: float = 0.005) -> str:
     return "worse" if all(move < 0 for move in moves) else "mixed"
 
 
-def compile_row(name: str, arguments: list[str], out: Path, substitutions: dict) -> dict:
-    """One `./launch.sh compile` of a row; its report's figures beside the committed ones."""
+def compile_row(name: str, arguments: list[str], out: Path, substitutions: dict,
+                earlier: dict | None = None) -> dict:
+    """One `./launch.sh compile` of a row; its report's figures beside the committed ones.
+    With `earlier` (the row of an earlier recheck) only the decode loop is compiled
+    (`--decode_only`): the row keeps earlier's other figures and takes the loop's."""
     arguments = [argument.format(**substitutions) for argument in arguments]
-    report_path = out / f"{name}.json"
+    report_path = out / (f"{name}.decode.json" if earlier else f"{name}.json")
     command = ["./launch.sh", "compile", *arguments, "--json", str(report_path),
-               "--workdir", str(out / "workdirs" / name)]
+               "--workdir", str(out / "workdirs" / name), *(["--decode_only"] if earlier else [])]
     print("$", shlex.join(command), flush=True)
     start = time.time()
     env = {**os.environ, "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
@@ -197,6 +201,10 @@ def compile_row(name: str, arguments: list[str], out: Path, substitutions: dict)
     new = figures(json.loads(report_path.read_text()))
     row = {"row": name, "old": old, "new": new, "verdict": verdict(old, new),
            "command": shlex.join(command), "seconds": seconds}
+    if earlier:
+        new = {**earlier["new"], "decode": new["decode"]}
+        row = {**earlier, "new": new, "verdict": verdict(old, new),
+               "decode_command": shlex.join(command), "decode_commit": _commit()}
     print(f"{name}: {row['verdict']} ({seconds} s) {line(row)}", flush=True)
     return row
 
@@ -237,6 +245,9 @@ def main() -> None:
     parser.add_argument("--vocab_text", default="/tmp/wide_vocab.txt")
     parser.add_argument("--multi30k", default=str(REPO.parent / "shared" / "data" / "multi30k"))
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "recheck"))
+    parser.add_argument("--decode_only", action="store_true",
+                        help="compile only the decode loops (for a change that cannot touch a "
+                        "train step); each row keeps its other figures from --out/recheck.json")
     parser.add_argument("--render", action="store_true",
                         help="only write --out/recheck.md again from its recheck.json")
     args = parser.parse_args()
@@ -258,12 +269,19 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     substitutions = {"vocab_text": args.vocab_text, "multi30k": args.multi30k}
-    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool_:
-        rows = list(pool_.map(
-            lambda name: compile_row(name, ALL_ROWS[name], out, substitutions), names))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
-                            capture_output=True, text=True).stdout.strip()
     earlier = out / "recheck.json"  # rows of other runs (other targets) are kept
+    before = {row["row"]: row for row in json.loads(earlier.read_text())["rows"]
+              } if earlier.exists() else {}
+    if args.decode_only:
+        missing = [name for name in names if not (before.get(name) or {}).get("new")]
+        if missing:
+            parser.error(f"--decode_only: no earlier figures in {earlier} for {missing}; "
+                         "recheck those rows whole first")
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool_:
+        rows = list(pool_.map(lambda name: compile_row(
+            name, ALL_ROWS[name], out, substitutions,
+            before[name] if args.decode_only else None), names))
+    commit = _commit()
     if earlier.exists():
         ran = {row["row"] for row in rows}
         rows = [row for row in json.loads(earlier.read_text())["rows"]
@@ -273,6 +291,11 @@ def main() -> None:
     print(table)
     (out / "recheck.md").write_text(table)
     (out / "recheck.json").write_text(json.dumps({"commit": commit, "rows": rows}, indent=1))
+
+
+def _commit() -> str:
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
+                          capture_output=True, text=True).stdout.strip()
 
 
 if __name__ == "__main__":

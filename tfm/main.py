@@ -79,6 +79,9 @@ _LARGEST_BATCH = flags.DEFINE_bool(
 _BREAKDOWN = flags.DEFINE_bool(
     "breakdown", False, "compile: also list where the step's bytes and FLOPs go (attention, FFN, "
     "norms, embedding/loss, optimizer, collectives; tfm.training.hlo_breakdown)")
+_DECODE_ONLY = flags.DEFINE_bool(
+    "decode_only", False, "compile: the decode loop alone, without the train step (its memory "
+    "per chip and cost; for a change to decoding)")
 _TASKS = flags.DEFINE_list(
     "tasks", [], "lm_eval: the harness's task names (lambada_openai,hellaswag,...)"
 )
@@ -322,7 +325,8 @@ def _compile(config: Any, workdir: Path) -> None:
 
     text, failure = compile_report.run(config, workdir, _TARGET.value, _JSON.value,
                                        largest_batch=_LARGEST_BATCH.value,
-                                       breakdown=_BREAKDOWN.value)
+                                       breakdown=_BREAKDOWN.value,
+                                       decode_only=_DECODE_ONLY.value)
     if text:
         _print(text)
     if failure:
@@ -452,7 +456,7 @@ COMMAND_HELP: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "prints per-chip memory, FLOPs, traffic and roofline MFU; exits 1 if it does not fit. "
         'TPU targets need libtpu (pip install -e ".[tpu]"), GPU ones the CUDA plugin '
         '(pip install -e ".[gpu]").',
-        ("target", "json", "largest_batch", "breakdown"),
+        ("target", "json", "largest_batch", "breakdown", "decode_only"),
     ),
     "lm_eval": (
         "./launch.sh lm_eval [CONFIG[:ARG]] [--workdir DIR] --tasks a,b [--limit N] "

@@ -81,14 +81,16 @@ def long_prompts() -> tuple[np.ndarray, np.ndarray]:
     return prompts, lengths
 
 
-@pytest.mark.parametrize("scheme", ["t5_bias", "alibi", "rope"])
-def test_chunks_of_a_block_read_the_cache_through_flex(scheme, monkeypatch):
+@pytest.mark.parametrize("scheme, layout", [("t5_bias", "auto"), ("alibi", "auto"),
+                                            ("rope", "auto"), ("t5_bias", "tpu")])
+def test_chunks_of_a_block_read_the_cache_through_flex(scheme, layout, monkeypatch):
     """Chunks of 128 (3 of them, the last padded) and 150 (2) run the flex kernel with each
     row's query offset (counted: every layer of every chunk), and give the logits of the whole
-    prompt's flex pass and its greedy tokens."""
+    prompt's flex pass and its greedy tokens; from the reference cache layout (this platform's)
+    and TPU's (tfm/kernels/tpu_cache.py, handed to the kernel in the model's order)."""
     from tfm.kernels import flex_attention
 
-    config, params = lm(scheme, attention_backend="flex", max_len=512)
+    config, params = lm(scheme, attention_backend="flex", max_len=512, cache_layout=layout)
     prompts, lengths = long_prompts()
     whole, _ = prefill_logits(params, jnp.asarray(prompts), jnp.asarray(lengths), config, 0)
     generated = lm_generate(params, config, prompts, lengths, max_new_tokens=3, eos_id=None)
@@ -102,13 +104,51 @@ def test_chunks_of_a_block_read_the_cache_through_flex(scheme, monkeypatch):
     monkeypatch.setattr(flex_attention, "attend_local", counting)
     for chunk in (128, 150):
         offsets.clear()
-        logits, _ = prefill_logits(params, jnp.asarray(prompts), jnp.asarray(lengths), config,
-                                   chunk)
+        logits, cache = prefill_logits(params, jnp.asarray(prompts), jnp.asarray(lengths),
+                                       config, chunk)
         assert offsets and all(offsets)
+        assert cache.layout.name == ("reference" if layout == "auto" else layout)
         np.testing.assert_allclose(logits, whole, atol=1e-5, err_msg=f"chunk {chunk}")
         chunked = lm_generate(params, config, prompts, lengths, max_new_tokens=3, eos_id=None,
                               prefill_chunk=chunk)
         np.testing.assert_array_equal(chunked.tokens, generated.tokens)
+
+
+@pytest.mark.parametrize("method", ["greedy", "beam"])
+def test_decoding_from_tpus_cache_layout_equals_the_reference_layout(method):
+    """Flex with TPU's cache layout (keys and values [batch, kv_heads, head_dim, slots]: each
+    decoding step's reference einsums read it as stored, the cache grows in segments, beams
+    reorder its rows) gives the tokens and scores of the reference layout, GQA heads included."""
+    prompts, lengths = long_prompts()
+    outputs = []
+    for layout in ("reference", "tpu"):
+        config, params = lm("t5_bias", attention_backend="flex", max_len=512, num_kv_heads=1,
+                            cache_layout=layout)
+        outputs.append(lm_generate(params, config, prompts[:, :40], np.minimum(lengths, 40),
+                                   method=method, max_new_tokens=70, eos_id=None,
+                                   cache_segments=2, beam_size=2))
+    np.testing.assert_array_equal(outputs[1].tokens, outputs[0].tokens)
+    np.testing.assert_allclose(outputs[1].scores, outputs[0].scores, atol=1e-5)
+
+
+def test_tpus_cache_layout_is_pinned_in_the_lowered_step():
+    """XLA picks the physical order of the values inside a program; TPU's layout asks for its
+    own (`CacheLayout.pin_order`: a layout constraint on every cache array written), without
+    which XLA stored it [slots, heads, head_dim] again, padded (docs/performance.md)."""
+    changes = dict(d_model=64, num_heads=4, num_kv_heads=4, dtype="bfloat16", max_len=1024)
+    lowered = {layout: _lowered_chunk(lm("t5_bias", attention_backend="flex", **changes,
+                                         cache_layout=layout)[0], 1, 1024)
+               for layout in ("reference", "tpu")}
+    pins = [line for line in lowered["tpu"].splitlines() if "LayoutConstraint" in line]
+    layers = lm("t5_bias")[0].num_decoder_layers
+    # Each layer's keys [batch 2, kv_heads 4, slots 1024, head_dim 16] and values
+    # [2, 4, 16, 1024] as written by the step, and the new token's before the write, all
+    # stored row-major (minor-to-major 3, 2, 1, 0).
+    assert all("result_layouts = [dense<[3, 2, 1, 0]>" in line for line in pins)
+    shapes = sorted(re.search(r"\((tensor<[0-9x]*xbf16>)\)", line).group(1) for line in pins)
+    assert shapes == sorted(["tensor<2x4x1024x16xbf16>", "tensor<2x4x16x1024xbf16>",
+                             "tensor<2x4x1x16xbf16>", "tensor<2x4x16x1xbf16>"] * layers)
+    assert "LayoutConstraint" not in lowered["reference"]
 
 
 def _lowered_chunk(config: ModelConfig, chunk: int, slots: int) -> str:

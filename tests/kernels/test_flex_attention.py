@@ -30,6 +30,7 @@ from tiny_model import TINY
 
 from tfm import kernels
 from tfm.kernels.call import AttentionStructure, BlockBias
+from tfm.kernels.reference import MODEL_AXES
 from tfm.nn import attention, models
 from tfm.nn import positions as P
 from tfm.nn.config import ModelConfig
@@ -332,10 +333,16 @@ def test_a_prefill_chunk_reading_the_cache_runs_the_kernel_with_its_offset_under
     structure = AttentionStructure(
         True, key_valid=key_positions < (offsets + q_len)[:, None], query_offset=offsets,
         bias=BlockBias(function, params, offsets[:, None] + jnp.arange(q_len), key_positions))
-    attend = lambda backend, query: kernels.attention(
-        query, key, value, backend=backend, structure=structure, cache_layout=True)
+    def attend(backend, query):  # keys and values as the backend's cache stores them
+        layout = kernels.BACKENDS[backend].cache
+        order = [MODEL_AXES.index(axis) for axis in layout.key_axes], [
+            MODEL_AXES.index(axis) for axis in layout.value_axes]
+        return kernels.attention(query, key.transpose(order[0]), value.transpose(order[1]),
+                                 backend=backend, structure=structure, cache_layout=True)
+
     call = kernels.AttentionCall(structure=structure, cache_layout=True)
     assert flex_attention.serves(call, q_len, slots) and not flex_attention.serves(call, 1, slots)
+    assert kernels.BACKENDS["flex"].cache.key_axes != MODEL_AXES  # the kernel reads a copy
     want = attend("reference", query)
     np.testing.assert_allclose(attend("flex", query), want, atol=2e-5)
     mesh = sharding.make_mesh({"data": 2, "fsdp": 1, "tensor": 2}, jax.devices()[:4])

@@ -143,6 +143,7 @@ def test_reference_linear_matches_einsum():
 def test_the_three_choices_are_separate_and_auto_follows_the_profile(monkeypatch):
     from tfm.kernels.cache_layouts import REFERENCE
     from tfm.kernels.cpu_cache import CPU_LAYOUT
+    from tfm.kernels.tpu_cache import TPU_LAYOUT
     from tfm.nn.config import ModelConfig
 
     assert kernels.matmul("auto") is kernels.MATMULS["cpu"]  # this host: the cpu profile
@@ -154,8 +155,13 @@ def test_the_three_choices_are_separate_and_auto_follows_the_profile(monkeypatch
         kernels.cache_layout("splash", "cpu")
     monkeypatch.setattr(kernels, "platform", lambda: "tpu")
     assert kernels.matmul("auto") is kernels.MATMULS["forward_fused"]  # TPU's profile
-    assert kernels.cache_layout("auto") is REFERENCE
+    assert kernels.cache_layout("auto") is kernels.cache_layout("flex") is TPU_LAYOUT
+    assert kernels.cache_layout("reference") is TPU_LAYOUT  # its einsums read any layout
+    assert kernels.cache_layout("xla") is REFERENCE  # jax.nn's takes the model's only
     monkeypatch.setattr(kernels, "platform", lambda: "gpu")  # the GPU profile fuses q, k, v
+    assert kernels.cache_layout("flex") is kernels.cache_layout("reference") is REFERENCE
+    # (TPU's tiles are why: on TPU only)
+    assert kernels.cache_layout("flex", "tpu") is TPU_LAYOUT  # named, read anywhere
     assert kernels.matmul("auto") is kernels.matmul("flex") is kernels.MATMULS["fused"]
     assert kernels.matmul("reference") is kernels.MATMULS["reference"]  # a name stays
     tiny = dict(vocab_size=11, num_layers=1, d_model=16, num_heads=2, d_ff=32)

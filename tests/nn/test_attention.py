@@ -369,8 +369,8 @@ def test_cache_layout_equals_the_default_layout():
     query, key, value = _qkv(2, seed=12)
     mask, bias = _random_mask(), _random_bias()
     expected = attend(query, key, value, bias=bias, mask=mask)
-    for backend in ("cpu", "reference", "xla"):
-        layout = kernels.cache_layout(backend)
+    for backend in ("cpu", "reference", "xla", "flex"):  # flex: TPU's, on the reference here
+        layout = kernels.BACKENDS[backend].cache
         order = lambda is_key, layout=layout: [
             cache_layouts.MODEL_AXES.index(axis) for axis in layout.axes(is_key)]
         out = kernels.attention(

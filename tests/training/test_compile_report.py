@@ -8,6 +8,7 @@ and their tests skip without it:
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -82,6 +83,25 @@ def test_cpu_target_compiles_and_counts_like_the_formula(tmp_path):
     if report.get("compiled_flops_per_chip"):
         ratio = report["compiled_flops_per_chip"] / report["analytic_flops_per_chip"]
         assert 0.5 < ratio < 2.0, ratio
+
+
+def test_decode_only_compiles_the_decode_loop_alone(tmp_path, monkeypatch):
+    """`compile --decode_only`: the decode loop's figures as the whole report has them, no train
+    step compiled (it would raise here)."""
+    config = _config(tmp_path / "data")
+    whole = compile_report.compile_for(config, tmp_path / "run", "cpu")
+
+    def no_train_step(*args, **kwargs):
+        raise AssertionError("--decode_only compiled the train step")
+
+    monkeypatch.setattr(compile_report, "compile_report", no_train_step)
+    path = tmp_path / "decode.json"
+    text, failure = compile_report.run(config, tmp_path / "run", "cpu", str(path),
+                                       decode_only=True)
+    report = json.loads(path.read_text())
+    assert failure is None and set(report) == {"target", "chips", "platform", "decode"}
+    assert report["decode"] == whole["decode"]
+    assert "the decode loop alone" in text and compile_report.format_decode(whole["decode"]) in text
 
 
 def test_flops_are_counted_under_the_targets_mesh(tmp_path, monkeypatch):

@@ -42,6 +42,7 @@ from tfm.kernels import cpu_attention, cpu_dense, jax_attention, masks, per_devi
 from tfm.kernels.cache_layouts import REFERENCE, CacheLayout
 from tfm.kernels.call import AttentionCall
 from tfm.kernels.cpu_cache import CPU_LAYOUT
+from tfm.kernels.tpu_cache import TPU_LAYOUT
 
 # Modules that import jax.experimental.pallas: loaded on first use (`_pallas`, `__getattr__`).
 PALLAS_MODULES = ("flex_attention", "tpu_attention", "fused_cross_entropy")
@@ -82,7 +83,8 @@ class Backend:
       reference's values; None = the reference.
     matmul: the matmul implementation (a MATMULS name) of its platform profile, which
       model.matmul="auto" takes (None: its platform's, PLATFORM_MATMUL). cache: the KV cache
-      layout its attention reads with cache_layout=True (model.cache_layout="auto" takes it).
+      layout its attention reads with cache_layout=True, which model.cache_layout="auto" takes
+      on cache_platforms (None: everywhere; elsewhere the reference layout).
     platforms: where it runs (None: everywhere). weights / dropout: whether its attention can
     return the weights / drop them. biases: the logit-bias kinds (BIAS_KINDS) it takes
     (written out whole, unless bias_by_blocks).
@@ -96,6 +98,7 @@ class Backend:
     attention: Callable[..., Any] | None = None
     matmul: str | None = None
     cache: CacheLayout = REFERENCE
+    cache_platforms: tuple[str, ...] | None = None
     platforms: tuple[str, ...] | None = None
     weights: bool = False
     dropout: bool = False
@@ -132,7 +135,7 @@ BACKENDS: dict[str, Backend] = {
     backend.name: backend
     for backend in (
         Backend("reference", "the paper's maths in plain einsums (tfm.kernels.reference)",
-                weights=True, dropout=True),
+                cache=TPU_LAYOUT, cache_platforms=("tpu",), weights=True, dropout=True),
         Backend("cpu", "query blocks, CPU layouts and 16-bit backward passes (tfm.kernels.cpu_*)",
                 attention=cpu_attention.attention, matmul="cpu", cache=CPU_LAYOUT,
                 platforms=("cpu",), weights=True, dropout=True),
@@ -146,11 +149,13 @@ BACKENDS: dict[str, Backend] = {
                 max_head_dim=jax_attention.CUDNN_MAX_HEAD_DIM, check=jax_attention.check_cudnn),
         Backend("splash", "Pallas splash attention: masks built per block (TPU; interpret mode "
                 "on CPU, for tests)", attention=_pallas("tpu_attention"),
-                platforms=("tpu", "cpu"), biases=(), row_block=per_device.LANES),
+                cache=TPU_LAYOUT, cache_platforms=("tpu",), platforms=("tpu", "cpu"),
+                biases=(), row_block=per_device.LANES),
         Backend("flex", "Pallas flash attention with the position scheme's bias and the mask "
                 "computed per block (Mosaic on TPU, Triton on GPU; interpret mode on CPU, for "
                 "tests)",
-                attention=_pallas("flex_attention"), platforms=("tpu", "gpu", "cpu"),
+                attention=_pallas("flex_attention"), cache=TPU_LAYOUT, cache_platforms=("tpu",),
+                platforms=("tpu", "gpu", "cpu"),
                 biases=("fixed", "learned"), bias_by_blocks=True,
                 row_block=per_device.LANES),
     )
@@ -213,7 +218,8 @@ PLATFORM_MATMUL = {"gpu": "fused", "tpu": "forward_fused"}
 MATMUL_CHOICES = ("auto", *MATMULS)
 # model.cache_layout: "auto" = the layout the attention backend reads (Backend.cache); the
 # reference layout is read by every backend, the others only by their own.
-CACHE_LAYOUTS: dict[str, CacheLayout] = {"reference": REFERENCE, "cpu": CPU_LAYOUT}
+CACHE_LAYOUTS: dict[str, CacheLayout] = {
+    "reference": REFERENCE, "cpu": CPU_LAYOUT, "tpu": TPU_LAYOUT}
 CACHE_LAYOUT_CHOICES = ("auto", *CACHE_LAYOUTS)
 
 
@@ -359,7 +365,8 @@ def attention(
     if call.dropout_rate > 0 and not chosen.dropout:
         raise ConfigError(f"attention_backend={backend!r} has no attention dropout "
                           f"(dropout_rate={call.dropout_rate}); use 'reference'")
-    kv_len = key.shape[chosen.cache.slot_axis(True)] if call.cache_layout else key.shape[1]
+    layout = chosen.cache  # of call.cache_layout's keys and values
+    kv_len = key.shape[layout.slot_axis(True)] if call.cache_layout else key.shape[1]
     if backend == "auto" and within_one_block(chosen, query.shape[1], kv_len):
         chosen = BACKENDS["reference"]  # (which reads a row_block kernel's cache layout)
     chosen.check(query, call.bias, kv_len, platform())
@@ -368,8 +375,8 @@ def attention(
                           f"not on {platform()!r}; use 'auto'")
     if masks.causal_by_index(call.structure, query.shape[1], kv_len):
         call = dataclasses.replace(call, causal=True)
-    if chosen.attention is None:
-        return masks.reference_attention(query, key, value, call)
+    if chosen.attention is None:  # a cache read in the layout of the backend asked for
+        return masks.reference_attention(query, key, value, call, layout)
     return chosen.attention(query, key, value, call)
 
 
@@ -419,7 +426,8 @@ def cache_layout(backend: str, layout: str = "auto") -> CacheLayout:
     backend cannot read."""
     chosen = resolve(backend)
     if layout == "auto":
-        return chosen.cache
+        where = chosen.cache_platforms
+        return chosen.cache if where is None or platform() in where else REFERENCE
     if layout not in CACHE_LAYOUTS:
         raise ConfigError(f"cache_layout={layout!r} is unknown; choose one of: "
                           f"{', '.join(CACHE_LAYOUT_CHOICES)}")

@@ -1,6 +1,8 @@
 """How a KV cache (tfm/nn/cache.py) stores each layer's keys and values, and how a layer writes
 and reads them. The reference layout is the model's own, [batch, slots, kv_heads, head_dim];
-a platform may choose another (tfm/kernels/cpu_cache.py) that its attention kernel reads.
+a platform may choose another (tfm/kernels/cpu_cache.py, tpu_cache.py) that its attention
+kernel reads. The reference einsums read any of them as stored (reference.dot_product_attention's
+key_axes and value_axes).
 
 Axis names: b (batch, always first, so beam search can reorder rows of any layout), s (slots),
 n (kv heads), h (head_dim).
@@ -13,22 +15,25 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from tfm.kernels.reference import MODEL_AXES
+
 # One layer's slots per entry (a tuple), or all layers stacked on axis 1.
 LayerSlots = tuple[jax.Array, ...] | jax.Array
-MODEL_AXES = "bsnh"  # the layout of the keys and values a layer computes
 
 
 @dataclasses.dataclass(frozen=True)
 class CacheLayout:
-    """Key and value axis orders (permutations of "bsnh"), and two storage choices:
+    """Key and value axis orders (permutations of "bsnh"), and three storage choices:
     stack_single_row: a batch-1 cache stacks its layers on axis 1 (as `scan_layers` always does);
-    write_16bit_as_uint16: 16-bit floats are written through a uint16 view."""
+    write_16bit_as_uint16: 16-bit floats are written through a uint16 view;
+    pin_order: every cache array is stored in its axis order, row-major (`pinned`)."""
 
     name: str
     key_axes: str = MODEL_AXES
     value_axes: str = MODEL_AXES
     stack_single_row: bool = False
     write_16bit_as_uint16: bool = False
+    pin_order: bool = False
 
     def axes(self, is_key: bool) -> str:
         return self.key_axes if is_key else self.value_axes
@@ -60,7 +65,9 @@ class CacheLayout:
         place under jit when `slots` is not used afterwards). The caller checks bounds: inside
         jit an out-of-range start would be clamped by dynamic_update_slice."""
         axes = self.axes(is_key)
-        new = jnp.transpose(new, [MODEL_AXES.index(axis) for axis in axes])
+        # The new tokens in the cache's order, stored as the cache is: else XLA may copy the
+        # whole cache into the new tokens' order to write them (every decoding step).
+        new = self.pinned(jnp.transpose(new, [MODEL_AXES.index(axis) for axis in axes]))
         stacked = not isinstance(slots, tuple | list)
         target = slots if stacked else slots[layer]
         row_axes = axes[1:]  # a row's own axes, without the batch
@@ -84,9 +91,24 @@ class CacheLayout:
             written = bits(written, target.dtype)
         else:
             written = jax.vmap(write_row)(target, new, start)
+        written = self.pinned(written)
         if stacked:
             return written
         return (*slots[:layer], written, *slots[layer + 1 :])
+
+    def pinned(self, array: jax.Array) -> jax.Array:
+        """`array` (a layer's slots, or all layers' stacked) stored in its axis order, when
+        this layout pins it (pin_order): else XLA may store a value in another order."""
+        if not self.pin_order:
+            return array
+        from jax.experimental.layout import Layout, with_layout_constraint
+        return with_layout_constraint(array, Layout(major_to_minor=tuple(range(array.ndim))))
+
+    def in_model_order(self, array: jax.Array, is_key: bool) -> jax.Array:
+        """One layer's keys (or values) [batch, ...] in this layout as the model's
+        [batch, slots, kv_heads, head_dim] (a transpose: a copy where XLA materialises it)."""
+        axes = self.axes(is_key)
+        return jnp.transpose(array, [axes.index(axis) for axis in MODEL_AXES])
 
     def read(self, slots: LayerSlots, layer: jax.Array | int) -> jax.Array:
         """One layer's slots [batch, ...] in this layout: its own buffer, or (stacked) a slice."""

@@ -136,8 +136,8 @@ class AttentionCall:
     sqrt(head_dim). dropout_rate > 0 needs dropout_rng. causal: the caller promises query i
     attends to no key after i (the mask still says so), so a kernel may skip that work (a
     structure that is causal by index says it too). cache_layout: key and value come in the
-    backend's KV cache layout (`tfm.kernels.cache_layout(backend)`), not [batch, kv_len,
-    kv_heads, head_dim].
+    backend's own KV cache layout (`Backend.cache`, the one `tfm.kernels.cache_layout(backend,
+    "auto")` gives on its cache_platforms), not [batch, kv_len, kv_heads, head_dim].
     """
 
     bias: jax.Array | None = None

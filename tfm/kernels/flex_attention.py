@@ -20,8 +20,8 @@ else they stream from HBM one key block at a time; on GPU 64-row tiles are read 
 dk/dv pass works on transposed [block_k, block_q] tiles, so that its per-query rows (positions,
 segments, log-sum-exp) are lane-dense [1, q_len] arrays. GQA: query head h reads kv
 head h // (heads / kv_heads). Same values as the reference (tfm.nn.attention) at every real
-query, including zero output for a query that sees no key. A prefill chunk that reads a KV
-cache runs here with its rows' query offset; decoding steps (a query or a few) the reference.
+query, including zero output for a query that sees no key. A prefill chunk reading a KV cache
+runs here with its rows' query offset; decoding steps run the reference on the cache as stored.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from tfm.checks import ConfigError
 from tfm.kernels import flex_blocks, flex_vmem, masks, per_device, reference
 from tfm.kernels.call import AttentionCall
 from tfm.kernels.flex_spec import KernelSpec
+from tfm.kernels.tpu_cache import TPU_LAYOUT
 
 TRITON_BLOCK = 64  # query and key blocks on GPU
 MASKED = reference.MASKED_LOGIT
@@ -58,7 +59,7 @@ def serves(call: AttentionCall, q_len: int, kv_len: int) -> bool:
 
 def attention(
     query: jax.Array,  # [batch, q_len, num_heads, head_dim]
-    key: jax.Array,  # [batch, kv_len, num_kv_heads, head_dim]
+    key: jax.Array,  # [batch, kv_len, num_kv_heads, head_dim]; call.cache_layout: TPU_LAYOUT's
     value: jax.Array,  # like key
     call: AttentionCall,
 ) -> jax.Array:  # [batch, q_len, num_heads, head_dim]
@@ -67,8 +68,10 @@ def attention(
     if call.dropout_rate > 0 or call.return_weights:
         raise ConfigError("attention_backend='flex' has no attention dropout and returns no "
                           "weights; use 'reference'")
-    if not serves(call, query.shape[1], key.shape[1]):
-        return masks.reference_attention(query, key, value, call)
+    slots = key.shape[TPU_LAYOUT.slot_axis(True) if call.cache_layout else 1]
+    if not serves(call, query.shape[1], slots):  # a cache read: the reference, as it is stored
+        return masks.reference_attention(query, key, value, call, TPU_LAYOUT)
+    call, key, value = masks.in_model_order(call, key, value, TPU_LAYOUT)  # a chunk's copy
     query, key, value, _, _ = reference.check_inputs(query, key, value, None, None, 0.0, None)
     structure = call.structure
     batch, q_len = query.shape[:2]
@@ -91,8 +94,6 @@ def attention(
     params = None if bias is None else bias.params
     return per_device.run(local, query, key, value, rows, params,
                           backend="attention_backend='flex'")
-
-
 
 
 def _scores(spec: _Spec, query: jax.Array, key: jax.Array, rows: tuple, params: Any,

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from tfm.kernels import block_bias, reference
+from tfm.kernels.cache_layouts import CacheLayout
 from tfm.kernels.call import AttentionCall, AttentionStructure, BlockBias
 
 
@@ -91,13 +92,33 @@ def dense_call(
 
 def reference_attention(
     query: jax.Array,  # [batch, q_len, num_heads, head_dim]
-    key: jax.Array,  # [batch, kv_len, num_kv_heads, head_dim]
+    key: jax.Array,  # [batch, kv_len, num_kv_heads, head_dim], or in `layout`'s key order
     value: jax.Array,  # likewise
     call: AttentionCall,
+    layout: CacheLayout | None = None,  # with call.cache_layout: the cache's
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
-    """reference.dot_product_attention with the call's dense mask and bias."""
-    dense = dense_call(call, query, key.shape[1])
-    return reference.dot_product_attention(query, key, value, **dense.spec_options())
+    """reference.dot_product_attention with the call's dense mask and bias; with
+    call.cache_layout, keys and values as `layout` stores them, read without a copy."""
+    axes = (layout.key_axes, layout.value_axes) if call.cache_layout and layout else ()
+    kv_len = key.shape[axes[0].index("s")] if axes else key.shape[1]
+    dense = dense_call(call, query, kv_len)
+    options = dict(zip(("key_axes", "value_axes"), axes, strict=False))
+    return reference.dot_product_attention(query, key, value, **dense.spec_options(), **options)
+
+
+def in_model_order(
+    call: AttentionCall,
+    key: jax.Array,  # in `layout`'s key order with call.cache_layout, else the model's
+    value: jax.Array,  # likewise
+    layout: CacheLayout,
+) -> tuple[AttentionCall, jax.Array, jax.Array]:
+    """A KV cache read in `layout` (call.cache_layout) as the call without it and keys and
+    values [batch, kv_len, kv_heads, head_dim], for a kernel that takes only those (a copy of
+    each where XLA materialises the transpose); any other call as it is."""
+    if not call.cache_layout:
+        return call, key, value
+    return (dataclasses.replace(call, cache_layout=False), layout.in_model_order(key, True),
+            layout.in_model_order(value, False))
 
 
 def causal_by_index(structure: AttentionStructure | None, q_len: int, kv_len: int) -> bool:

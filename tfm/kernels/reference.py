@@ -17,6 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+# The axis order of the keys and values a layer computes: batch, slots (length), kv heads,
+# head_dim; a KV cache may store them in another (tfm.kernels.cache_layouts).
+MODEL_AXES = "bsnh"
+
 # Finite, so a fully masked row never produces NaN; its weights are then set to zero, so it
 # reads no key at all (not a uniform average over masked, possibly future, keys).
 MASKED_LOGIT = -0.7 * float(np.finfo(np.float32).max)
@@ -33,6 +37,8 @@ def dot_product_attention(
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
     return_weights: bool = False,
+    key_axes: str = MODEL_AXES,
+    value_axes: str = MODEL_AXES,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """softmax(Q K^T * scale + bias) V, Vaswani et al. 2017 eq. (1), with grouped-query heads.
 
@@ -42,16 +48,22 @@ def dot_product_attention(
     (and zero gradient). dropout_rate > 0 drops attention weights (inverted dropout, needs
     dropout_rng). Returns out [batch, q_len, num_heads, head_dim], plus the (post-dropout)
     weights [batch, num_heads, q_len, kv_len] float32 when return_weights.
+    key_axes, value_axes: the key's and value's axis order when they come in a KV cache's
+    layout (a permutation of "bsnh": batch, slots, kv heads, head_dim), read as they are.
     """
+    in_cache_layout = (key_axes, value_axes) != (MODEL_AXES, MODEL_AXES)
     query, key, value, bias, mask = check_inputs(
-        query, key, value, bias, mask, dropout_rate, dropout_rng
+        query, key, value, bias, mask, dropout_rate, dropout_rng,
+        check_cache_axes(query, key, value, key_axes, value_axes) if in_cache_layout else None,
     )
     batch, q_len, num_heads, head_dim = query.shape
-    num_kv_heads = key.shape[2]
+    num_kv_heads = key.shape[key_axes.index("n")]
+    kv_len = key.shape[key_axes.index("s")]
     groups = num_heads // num_kv_heads
     scale = default_scale(head_dim) if scale is None else scale
     grouped = query.reshape(batch, q_len, num_kv_heads, groups, head_dim)
-    scores = jnp.einsum("bqkgh,bskh->bkgqs", grouped, key, preferred_element_type=jnp.float32)
+    scores = jnp.einsum(f"bqkgh,{_einsum_axes(key_axes)}->bkgqs", grouped, key,
+                        preferred_element_type=jnp.float32)
     weights = masked_softmax(  # [batch, kv_heads, groups, q_len, kv_len]
         scores * jnp.float32(scale),
         group_heads(bias, num_kv_heads),
@@ -59,11 +71,37 @@ def dot_product_attention(
     )
     weights = dropout(weights, dropout_rate, dropout_rng)
     out = jnp.einsum(
-        "bkgqs,bskh->bqkgh", weights.astype(value.dtype), value, preferred_element_type=jnp.float32
+        f"bkgqs,{_einsum_axes(value_axes)}->bqkgh", weights.astype(value.dtype), value,
+        preferred_element_type=jnp.float32,
     ).reshape(query.shape).astype(query.dtype)
     if return_weights:
-        return out, weights.reshape(batch, num_heads, q_len, key.shape[1])
+        return out, weights.reshape(batch, num_heads, q_len, kv_len)
     return out
+
+
+def check_cache_axes(
+    query: jax.Array,  # [batch, q_len, num_heads, head_dim]
+    key: jax.Array,  # in key_axes order
+    value: jax.Array,  # in value_axes order
+    key_axes: str,
+    value_axes: str,
+) -> int:
+    """The key length of keys and values in a KV cache's axis orders (permutations of
+    MODEL_AXES); a readable error where their sizes disagree with each other or the query."""
+    sizes = [dict(zip(axes, np.shape(array), strict=True))
+             for axes, array in ((key_axes, key), (value_axes, value))]
+    batch, _, num_heads, head_dim = np.shape(query)
+    if sizes[0] != sizes[1] or (sizes[0]["b"], sizes[0]["h"]) != (batch, head_dim) or (
+            num_heads % sizes[0]["n"]):
+        raise ValueError(f"query {tuple(np.shape(query))} with key {tuple(np.shape(key))} "
+                         f"({key_axes}) and value {tuple(np.shape(value))} ({value_axes}): they "
+                         "must share batch and head_dim, with num_heads a multiple of kv_heads")
+    return sizes[0]["s"]
+
+
+def _einsum_axes(axes: str) -> str:
+    """A layout's axes as the einsum letters above (kv heads are "k")."""
+    return axes.replace("n", "k")
 
 
 def default_scale(head_dim: int) -> float:

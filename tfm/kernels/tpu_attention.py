@@ -33,7 +33,7 @@ def serves(call: AttentionCall, q_len: int, kv_len: int) -> bool:
 
 def attention(
     query: jax.Array,  # [batch, q_len, num_heads, head_dim]
-    key: jax.Array,  # [batch, kv_len, num_kv_heads, head_dim]
+    key: jax.Array,  # [batch, kv_len, num_kv_heads, head_dim]; call.cache_layout: TPU_LAYOUT's
     value: jax.Array,  # like key
     call: AttentionCall,
 ) -> jax.Array:  # [batch, q_len, num_heads, head_dim]
@@ -47,9 +47,10 @@ def attention(
     if call.dropout_rate > 0 or call.return_weights:
         raise ConfigError("attention_backend='splash' has no attention dropout and returns no "
                           "weights; use 'reference'")
-    if per_device.chunk_of_cache(call, query.shape[1], key.shape[1]):
-        # A prefill chunk's causal mask starts at each row's traced cache offset, and splash's
-        # masks are static: flex (with no bias) takes the offset.
+    if call.cache_layout or per_device.chunk_of_cache(call, query.shape[1], key.shape[1]):
+        # A KV cache read: a prefill chunk's causal mask starts at each row's traced cache
+        # offset, and splash's masks are static: flex (with no bias) takes the offset, and
+        # reads TPU_LAYOUT (the reference's einsums for fewer queries than a block).
         return flex_attention.attention(query, key, value, call)
     if not serves(call, query.shape[1], key.shape[1]):
         return masks.reference_attention(query, key, value, call)

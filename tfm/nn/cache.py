@@ -94,8 +94,8 @@ def init_cache(
     def empty(is_key: bool, slots: int) -> LayerSlots:
         shape = layout.layer_shape(is_key, batch_size, slots, heads, head_dim)
         if stacked:
-            return jnp.zeros((shape[0], layers, *shape[1:]), dtype)
-        return tuple(jnp.zeros(shape, dtype) for _ in range(layers))
+            return layout.pinned(jnp.zeros((shape[0], layers, *shape[1:]), dtype))
+        return tuple(layout.pinned(jnp.zeros(shape, dtype)) for _ in range(layers))
 
     cross = {}
     if source_len is not None:
@@ -204,7 +204,7 @@ def grow(cache: DecoderCache, extra_slots: int) -> DecoderCache:
         def pad_one(array: jax.Array) -> jax.Array:
             widths = [(0, 0)] * array.ndim
             widths[slot_axis] = (0, extra_slots)
-            return jnp.pad(array, widths)
+            return cache.layout.pinned(jnp.pad(array, widths))
 
         if isinstance(slots, tuple | list):
             return tuple(pad_one(array) for array in slots)
@@ -249,7 +249,8 @@ def reorder_beams(
     Gathering those too (what a generic pytree gather does) copied the encoder's keys and
     values of every layer at every step."""
     take = lambda array: take_beams(array, parents)
-    slots = lambda s: tuple(map(take, s)) if isinstance(s, tuple | list) else take(s)
+    take_slots = lambda array: cache.layout.pinned(take(array))  # stored as the writes store it
+    slots = lambda s: tuple(map(take_slots, s)) if isinstance(s, tuple | list) else take_slots(s)
     return cache.replace(
         keys=slots(cache.keys), values=slots(cache.values), lengths=take(cache.lengths),
         valid=None if cache.valid is None else take(cache.valid),

@@ -144,9 +144,10 @@ class ModelConfig:
     # Three separate choices (tfm.kernels): the attention core (tfm.kernels.BACKENDS; "auto" =
     # the platform's fastest that serves the model, else the reference maths); the matmul of
     # every dense layer (tfm.kernels.MATMULS: reference, cpu, fused, forward_fused); the KV
-    # cache layout (tfm.kernels.CACHE_LAYOUTS: reference, cpu). "auto" for the last two = what
-    # the attention backend's platform profile names (the "cpu" backend: the cpu ones; the
-    # others: the reference, on GPU the fused matmul, on TPU forward_fused).
+    # cache layout (tfm.kernels.CACHE_LAYOUTS: reference, cpu, tpu). "auto" for the last two =
+    # what the attention backend's platform profile names (the "cpu" backend: the cpu ones;
+    # the reference, splash and flex on TPU: the tpu layout and forward_fused; the others:
+    # the reference layout, on GPU the fused matmul, on TPU forward_fused).
     attention_backend: str = "auto"
     matmul: str = "auto"
     cache_layout: str = "auto"
@@ -293,7 +294,7 @@ class ModelConfig:
         kernels.check_config(self.attention_backend, **self.attention_needs)
         check_choice("matmul", self.matmul, kernels.MATMUL_CHOICES)
         check_choice("cache_layout", self.cache_layout, kernels.CACHE_LAYOUT_CHOICES)
-        if self.attention_backend != "auto":  # "auto" is checked where it is resolved
+        if "auto" not in (self.attention_backend, self.cache_layout):  # resolved when traced
             kernels.cache_layout(self.attention_backend, self.cache_layout)
         check_choice("dtype", self.dtype, DTYPES)
         check_choice("param_dtype", self.param_dtype, DTYPES)

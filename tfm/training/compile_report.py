@@ -337,19 +337,8 @@ def format_report(report: dict[str, Any]) -> str:
                  + (", ".join(report["score_arrays"]) or "none"))
     lines.append("largest arrays: " + "; ".join(
         f"{shape} ({size / 1e9:.2f} GB) x{seen}" for shape, size, seen in report["largest_arrays"]))
-    decode = report.get("decode")
-    if decode is not None and "refused" in decode:
-        lines.append(f"decode loop: DOES NOT FIT ({decode['refused']})")
-    elif decode is not None:
-        needs = (f"temporaries {_gb(decode['temp_bytes'])}; needs {_gb(decode['needed_bytes'])}"
-                 + ("" if "fits" not in decode else
-                    ": fits" if decode["fits"] else ": DOES NOT FIT")
-                 if "needed_bytes" in decode else "no memory analysis")
-        cost = ("" if decode.get("bytes_per_chip") is None else
-                f"; {decode['flops_per_chip']:.3e} FLOPs and {_gb(decode['bytes_per_chip'])} of "
-                "traffic per chip for the prefill plus one step (XLA counts a loop body once)")
-        lines.append(f"decode loop ({decode['method']}, {decode['shape']}): parameters "
-                     f"{_gb(decode['params_bytes'])}, {needs}{cost}")
+    if report.get("decode") is not None:
+        lines.append(format_decode(report["decode"]))
     if "breakdown" in report:
         lines.append(hlo_breakdown.format_breakdown(report["breakdown"],
                                                     report.get("bytes_per_chip")))
@@ -357,17 +346,40 @@ def format_report(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def format_decode(decode: dict[str, Any]) -> str:
+    """The decode loop's line of a report."""
+    if "refused" in decode:
+        return f"decode loop: DOES NOT FIT ({decode['refused']})"
+    needs = (f"temporaries {_gb(decode['temp_bytes'])}; needs {_gb(decode['needed_bytes'])}"
+             + ("" if "fits" not in decode else ": fits" if decode["fits"] else ": DOES NOT FIT")
+             if "needed_bytes" in decode else "no memory analysis")
+    cost = ("" if decode.get("bytes_per_chip") is None else
+            f"; {decode['flops_per_chip']:.3e} FLOPs and {_gb(decode['bytes_per_chip'])} of "
+            "traffic per chip for the prefill plus one step (XLA counts a loop body once)")
+    return (f"decode loop ({decode['method']}, {decode['shape']}): parameters "
+            f"{_gb(decode['params_bytes'])}, {needs}{cost}")
+
+
 def run(
     config: Any, workdir: Any, target_name: str, json_path: str | None = None,
-    largest_batch: bool = False, breakdown: bool = False,
+    largest_batch: bool = False, breakdown: bool = False, decode_only: bool = False,
 ) -> tuple[str, str | None]:
     """What `./launch.sh compile` prints: (the report's lines, or "" when the compiler refused
     the step; one line saying why the step does not fit, or None). Writes the report to
     `json_path` when given. largest_batch: search `data.batch_size` for the largest train step
     that fits (tfm.training.batch_search) and report that one. breakdown: the report also
-    lists where the step's bytes and FLOPs go (tfm.training.hlo_breakdown)."""
+    lists where the step's bytes and FLOPs go (tfm.training.hlo_breakdown). decode_only: the
+    decode loop alone (`decode_for`)."""
     if largest_batch:
         return _run_search(config, workdir, target_name, json_path)
+    if decode_only:
+        report = decode_for(config, workdir, target_name)
+        if json_path:
+            Path(json_path).write_text(json.dumps(report, indent=1, default=str) + "\n")
+        text = (f"target {report['target']}: {report['chips']} chips ({report['platform']}), "
+                f"the decode loop alone (--decode_only)\n{format_decode(report['decode'])}")
+        fits = report["decode"].get("fits") is not False
+        return text, None if fits else f"--target={target_name} does not fit: the decode loop"
     try:
         report = compile_for(config, workdir, target_name, breakdown)
     except Exception as error:  # the compiler's own out-of-memory verdict, in one line
@@ -409,14 +421,28 @@ def compile_for(config: Any, workdir: Any, target_name: str, breakdown: bool = F
     experiment = setup(config, workdir, devices=devices)
     report = compile_report(experiment, target, breakdown)
     if experiment.family.reads_source or experiment.generate.decode.max_new_tokens:
-        try:
-            report["decode"] = decode_report(experiment, target)
-        except Exception as error:  # the compiler's out-of-memory verdict on the loop alone
-            if "RESOURCE_EXHAUSTED" not in str(error):
-                raise
-            line = next(ln for ln in str(error).splitlines() if "RESOURCE_EXHAUSTED" in ln)
-            report["decode"] = {"fits": False, "refused": line.strip()}
+        report["decode"] = _decode_or_refusal(experiment, target)
     return report
+
+
+def _decode_or_refusal(experiment: Experiment, target: Target) -> dict[str, Any]:
+    """decode_report, or the compiler's out-of-memory verdict on the loop, in one line."""
+    try:
+        return decode_report(experiment, target)
+    except Exception as error:
+        if "RESOURCE_EXHAUSTED" not in str(error):
+            raise
+        line = next(ln for ln in str(error).splitlines() if "RESOURCE_EXHAUSTED" in ln)
+        return {"fits": False, "refused": line.strip()}
+
+
+def decode_for(config: Any, workdir: Any, target_name: str) -> dict[str, Any]:
+    """`compile --decode_only`: compile_for's decode loop alone, no train step (for a change
+    to decoding: a minute here, where the step takes several)."""
+    target, devices = target_devices(target_name)
+    experiment = setup(config, workdir, devices=devices)
+    return {"target": target.name, "chips": experiment.mesh.devices.size,
+            "platform": experiment.platform, "decode": _decode_or_refusal(experiment, target)}
 
 
 def largest_batch(config: Any, workdir: Any, target_name: str,
