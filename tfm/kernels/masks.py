@@ -99,11 +99,11 @@ def reference_attention(
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """reference.dot_product_attention with the call's dense mask and bias; with
     call.cache_layout, keys and values as `layout` stores them, read without a copy."""
-    axes = (layout.key_axes, layout.value_axes) if call.cache_layout and layout else ()
-    kv_len = key.shape[axes[0].index("s")] if axes else key.shape[1]
-    dense = dense_call(call, query, kv_len)
-    options = dict(zip(("key_axes", "value_axes"), axes, strict=False))
-    return reference.dot_product_attention(query, key, value, **dense.spec_options(), **options)
+    key_axes, value_axes = ((layout.key_axes, layout.value_axes) if call.cache_layout and layout
+                            else (reference.MODEL_AXES, reference.MODEL_AXES))
+    dense = dense_call(call, query, key.shape[key_axes.index("s")])
+    return reference.dot_product_attention(query, key, value, **dense.spec_options(),
+                                           key_axes=key_axes, value_axes=value_axes)
 
 
 def in_model_order(

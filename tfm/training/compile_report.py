@@ -346,6 +346,11 @@ def format_report(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _write_json(report: dict[str, Any], json_path: str | None) -> None:
+    if json_path:
+        Path(json_path).write_text(json.dumps(report, indent=1, default=str) + "\n")
+
+
 def format_decode(decode: dict[str, Any]) -> str:
     """The decode loop's line of a report."""
     if "refused" in decode:
@@ -374,8 +379,7 @@ def run(
         return _run_search(config, workdir, target_name, json_path)
     if decode_only:
         report = decode_for(config, workdir, target_name)
-        if json_path:
-            Path(json_path).write_text(json.dumps(report, indent=1, default=str) + "\n")
+        _write_json(report, json_path)
         text = (f"target {report['target']}: {report['chips']} chips ({report['platform']}), "
                 f"the decode loop alone (--decode_only)\n{format_decode(report['decode'])}")
         fits = report["decode"].get("fits") is not False
@@ -387,8 +391,7 @@ def run(
             raise
         line = next(ln for ln in str(error).splitlines() if "RESOURCE_EXHAUSTED" in ln)
         return "", f"--target={target_name} does not fit: {line.strip()}"
-    if json_path:
-        Path(json_path).write_text(json.dumps(report, indent=1, default=str) + "\n")
+    _write_json(report, json_path)
     decode = report.get("decode") or {}
     if report.get("fits") is not False and decode.get("fits") is False:
         why = decode.get("refused") or (
@@ -468,8 +471,7 @@ def _run_search(config: Any, workdir: Any, target_name: str,
 
     result = largest_batch(config, workdir, target_name, on_try)
     line = batch_search.summary(result, target_name)
-    if json_path:
-        Path(json_path).write_text(json.dumps(result, indent=1, default=str) + "\n")
+    _write_json(result, json_path)
     if result["largest"] is None:
         return "", f"--target={target_name} does not fit: {line}"
     return line + "\n" + format_report(result["report"]), None
