@@ -124,6 +124,32 @@ def test_the_tpu_program_is_a_mosaic_kernel_without_score_arrays():
     assert "tpu_custom_call" not in _lowered_lm_grad("splash", length, "cpu")  # interpreted
 
 
+def _kernel_operands(program: str) -> set[str]:
+    """The tensor types every Mosaic call of a lowered program reads."""
+    calls = [line for line in program.splitlines() if "tpu_custom_call" in line]
+    assert calls
+    return {operand for line in calls
+            for operand in re.findall(r"tensor<[0-9x]+bf16>", line.split(") -> (")[0])}
+
+
+@pytest.mark.parametrize("changes, read, refused", [
+    ({}, {"2x4x4x256", "2x2x4x256"}, {"2x4x256x4", "2x2x256x4"}),  # 4 wide: [b, h, hd, T]
+    (dict(d_model=256, num_heads=2, num_kv_heads=2, d_ff=64),  # 128 wide: [b, h, T, hd]
+     {"2x2x256x128"}, {"2x2x128x256"}),
+])
+def test_heads_narrower_than_a_lane_tile_reach_the_kernel_sequence_minor(changes, read, refused):
+    """TPU pads an array's last axis to 128 lanes: a 4-wide query, key and value go to every
+    kernel call (the forward pass and both backward kernels) as [b, heads, head_dim, T], never
+    [.., T, 4]; 128-wide heads stay head-minor. (Query [2, 4 heads, ..], key and value
+    [2, 2 kv heads, ..]; the output's gradient stays [b, heads, T, head_dim], so the tiny
+    model's refused query type is not checked.)"""
+    config = _model_config("splash", num_encoder_layers=0, dtype="bfloat16", **changes)
+    operands = _kernel_operands(lowered_lm_grad(config, 256, "tpu"))
+    assert {f"tensor<{shape}xbf16>" for shape in read} <= operands, operands
+    kv_refused = {f"tensor<{shape}xbf16>" for shape in refused} - {"tensor<2x4x256x4xbf16>"}
+    assert not kv_refused & operands, operands
+
+
 def test_under_a_mesh_each_device_runs_its_rows_and_heads():
     """With a data x tensor mesh set, the kernel runs under shard_map (batch over data, heads
     over tensor, as the logical rules say): same values and gradients as the reference."""
