@@ -8,6 +8,7 @@ chip, bytes accessed, roofline MFU and the decode loop's memory, with what chang
     python benchmarks/recheck_compiled.py --targets h100-8        # with the [gpu] extra
     python benchmarks/recheck_compiled.py --rows gpt2s_t5_8k_flex,gpt2m_rope_1k_splash
     python benchmarks/recheck_compiled.py --decode_only --targets v5e-8,v5p-8   # decoding only
+    python benchmarks/recheck_compiled.py --train_only --rows gpt2s_rope_1k_splash  # steps only
 
 Each row is one `./launch.sh compile ... --json` (printed before it runs; 1-10 minutes on a
 2-core host, longer for the long-context rows, which run only when named or with --long;
@@ -178,15 +179,17 @@ def verdict(old: dict, new: dict, tolerance: float = 0.005) -> str:
 
 
 def compile_row(name: str, arguments: list[str], out: Path, substitutions: dict,
-                earlier: dict | None = None) -> dict:
+                earlier: dict | None = None, only: str | None = None) -> dict:
     """One `./launch.sh compile` of a row; its report's figures beside the committed ones.
-    With `earlier` (the row of an earlier recheck) only the decode loop is compiled
-    (`--decode_only`): the row keeps earlier's other figures and takes the loop's."""
+    With `earlier` (the row of an earlier recheck) and `only` ("decode" or "train") only that
+    part is compiled (`--decode_only`, `--train_only`): the row keeps earlier's other figures
+    and takes the new ones."""
     arguments = [argument.format(**substitutions) for argument in arguments]
-    report_path = out / (f"{name}.decode.json" if earlier else f"{name}.json")
+    report_path = out / (f"{name}.decode.json" if only == "decode" else f"{name}.json")
     command = ["./launch.sh", "compile", *arguments, "--json", str(report_path),
-               "--workdir", str(out / "workdirs" / name), *(["--decode_only"] if earlier else [])]
+               "--workdir", str(out / "workdirs" / name), *([f"--{only}_only"] if only else [])]
     print("$", shlex.join(command), flush=True)
+    loop = _last_decode(out, name) if only == "train" else None
     start = time.time()
     env = {**os.environ, "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env)
@@ -201,12 +204,34 @@ def compile_row(name: str, arguments: list[str], out: Path, substitutions: dict,
     new = figures(json.loads(report_path.read_text()))
     row = {"row": name, "old": old, "new": new, "verdict": verdict(old, new),
            "command": shlex.join(command), "seconds": seconds}
-    if earlier:
+    if only == "decode":
         new = {**earlier["new"], "decode": new["decode"]}
         row = {**earlier, "new": new, "verdict": verdict(old, new),
                "decode_command": shlex.join(command), "decode_commit": _commit()}
+    elif only == "train":
+        new = {**new, "decode": earlier["new"].get("decode")}
+        row = {**earlier, "new": new, "verdict": verdict(old, new),
+               "command": shlex.join(command), "seconds": seconds, "train_commit": _commit()}
+        _keep_decode(report_path, loop)
     print(f"{name}: {row['verdict']} ({seconds} s) {line(row)}", flush=True)
     return row
+
+
+def _last_decode(out: Path, name: str) -> dict | None:
+    """The row's decode loop as last compiled: its decode-only report, else its whole one."""
+    for path in (out / f"{name}.decode.json", out / f"{name}.json"):
+        if path.exists():
+            return json.loads(path.read_text()).get("decode")
+    return None
+
+
+def _keep_decode(report_path: Path, loop: dict | None) -> None:
+    """A train-only report takes the row's last decode loop, so NAME.json stays one whole
+    report (a train step and its loop)."""
+    report = json.loads(report_path.read_text())
+    if loop is not None:
+        report["decode"] = loop
+    report_path.write_text(json.dumps(report, indent=1))
 
 
 def _figure(value, scale: float, unit: str) -> str:
@@ -248,6 +273,9 @@ def main() -> None:
     parser.add_argument("--decode_only", action="store_true",
                         help="compile only the decode loops (for a change that cannot touch a "
                         "train step); each row keeps its other figures from --out/recheck.json")
+    parser.add_argument("--train_only", action="store_true",
+                        help="compile only the train steps (for a change that cannot touch "
+                        "decoding); each row keeps its decode loop from --out/recheck.json")
     parser.add_argument("--render", action="store_true",
                         help="only write --out/recheck.md again from its recheck.json")
     args = parser.parse_args()
@@ -272,15 +300,17 @@ def main() -> None:
     earlier = out / "recheck.json"  # rows of other runs (other targets) are kept
     before = {row["row"]: row for row in json.loads(earlier.read_text())["rows"]
               } if earlier.exists() else {}
-    if args.decode_only:
+    if args.decode_only and args.train_only:
+        parser.error("--decode_only and --train_only exclude each other")
+    only = "decode" if args.decode_only else "train" if args.train_only else None
+    if only:
         missing = [name for name in names if not (before.get(name) or {}).get("new")]
         if missing:
-            parser.error(f"--decode_only: no earlier figures in {earlier} for {missing}; "
+            parser.error(f"--{only}_only: no earlier figures in {earlier} for {missing}; "
                          "recheck those rows whole first")
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool_:
         rows = list(pool_.map(lambda name: compile_row(
-            name, ALL_ROWS[name], out, substitutions,
-            before[name] if args.decode_only else None), names))
+            name, ALL_ROWS[name], out, substitutions, before.get(name), only), names))
     commit = _commit()
     if earlier.exists():
         ran = {row["row"] for row in rows}

@@ -82,6 +82,9 @@ _BREAKDOWN = flags.DEFINE_bool(
 _DECODE_ONLY = flags.DEFINE_bool(
     "decode_only", False, "compile: the decode loop alone, without the train step (its memory "
     "per chip and cost; for a change to decoding)")
+_TRAIN_ONLY = flags.DEFINE_bool(
+    "train_only", False, "compile: the train step alone, without the decode loop (for a change "
+    "that cannot touch decoding)")
 _TASKS = flags.DEFINE_list(
     "tasks", [], "lm_eval: the harness's task names (lambada_openai,hellaswag,...)"
 )
@@ -326,7 +329,8 @@ def _compile(config: Any, workdir: Path) -> None:
     text, failure = compile_report.run(config, workdir, _TARGET.value, _JSON.value,
                                        largest_batch=_LARGEST_BATCH.value,
                                        breakdown=_BREAKDOWN.value,
-                                       decode_only=_DECODE_ONLY.value)
+                                       decode_only=_DECODE_ONLY.value,
+                                       train_only=_TRAIN_ONLY.value)
     if text:
         _print(text)
     if failure:
@@ -451,12 +455,12 @@ COMMAND_HELP: dict[str, tuple[str, str, tuple[str, ...]]] = {
     ),
     "compile": (
         "./launch.sh compile CONFIG[:ARG] --target NAME [--json FILE] [--largest_batch] "
-        "[--breakdown] [--config.FIELD=VALUE ...]",
+        "[--breakdown] [--decode_only | --train_only] [--config.FIELD=VALUE ...]",
         "Compiles CONFIG's train step (and decode loop) for a machine this one need not be; "
         "prints per-chip memory, FLOPs, traffic and roofline MFU; exits 1 if it does not fit. "
         'TPU targets need libtpu (pip install -e ".[tpu]"), GPU ones the CUDA plugin '
         '(pip install -e ".[gpu]").',
-        ("target", "json", "largest_batch", "breakdown", "decode_only"),
+        ("target", "json", "largest_batch", "breakdown", "decode_only", "train_only"),
     ),
     "lm_eval": (
         "./launch.sh lm_eval [CONFIG[:ARG]] [--workdir DIR] --tasks a,b [--limit N] "

@@ -104,6 +104,27 @@ def test_decode_only_compiles_the_decode_loop_alone(tmp_path, monkeypatch):
     assert "the decode loop alone" in text and compile_report.format_decode(whole["decode"]) in text
 
 
+def test_train_only_compiles_the_train_step_alone(tmp_path, monkeypatch):
+    """`compile --train_only`: the whole report's train-step figures, no decode loop compiled
+    (it would raise here); with --decode_only too, one error before anything compiles."""
+    config = _config(tmp_path / "data")
+    whole = compile_report.compile_for(config, tmp_path / "run", "cpu")
+
+    def no_decode_loop(*args, **kwargs):
+        raise AssertionError("--train_only compiled the decode loop")
+
+    monkeypatch.setattr(compile_report, "decode_report", no_decode_loop)
+    path = tmp_path / "train.json"
+    text, failure = compile_report.run(config, tmp_path / "run", "cpu", str(path),
+                                       train_only=True)
+    report = json.loads(path.read_text())
+    assert failure is None and "decode" not in report and "decode loop" not in text
+    for key in ("needed_bytes", "temp_bytes", "compiled_flops_per_chip", "bytes_per_chip"):
+        assert report.get(key) == whole.get(key), key
+    with pytest.raises(compile_report.ConfigError, match="--decode_only and --train_only"):
+        compile_report.run(config, tmp_path / "run", "cpu", train_only=True, decode_only=True)
+
+
 def test_flops_are_counted_under_the_targets_mesh(tmp_path, monkeypatch):
     """The FLOP count traces the model (jax.eval_shape); outside the target's mesh its
     attention backend saw this host's platform, and cuDNN refused h100-8 on a CPU host."""

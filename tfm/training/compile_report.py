@@ -368,13 +368,18 @@ def format_decode(decode: dict[str, Any]) -> str:
 def run(
     config: Any, workdir: Any, target_name: str, json_path: str | None = None,
     largest_batch: bool = False, breakdown: bool = False, decode_only: bool = False,
+    train_only: bool = False,
 ) -> tuple[str, str | None]:
     """What `./launch.sh compile` prints: (the report's lines, or "" when the compiler refused
     the step; one line saying why the step does not fit, or None). Writes the report to
     `json_path` when given. largest_batch: search `data.batch_size` for the largest train step
     that fits (tfm.training.batch_search) and report that one. breakdown: the report also
     lists where the step's bytes and FLOPs go (tfm.training.hlo_breakdown). decode_only: the
-    decode loop alone (`decode_for`)."""
+    decode loop alone (`decode_for`). train_only: the train step alone (for a change that
+    cannot touch decoding)."""
+    if decode_only and train_only:
+        raise ConfigError("compile: --decode_only and --train_only exclude each other; "
+                          "give neither for the train step and the decode loop")
     if largest_batch:
         return _run_search(config, workdir, target_name, json_path)
     if decode_only:
@@ -385,7 +390,7 @@ def run(
         fits = report["decode"].get("fits") is not False
         return text, None if fits else f"--target={target_name} does not fit: the decode loop"
     try:
-        report = compile_for(config, workdir, target_name, breakdown)
+        report = compile_for(config, workdir, target_name, breakdown, decode=not train_only)
     except Exception as error:  # the compiler's own out-of-memory verdict, in one line
         if "RESOURCE_EXHAUSTED" not in str(error):
             raise
@@ -415,15 +420,15 @@ def train_report(config: Any, workdir: Any, target_name: str) -> dict[str, Any]:
     return compile_report(setup(config, workdir, devices=devices), target)
 
 
-def compile_for(config: Any, workdir: Any, target_name: str, breakdown: bool = False
-                ) -> dict[str, Any]:
+def compile_for(config: Any, workdir: Any, target_name: str, breakdown: bool = False,
+                decode: bool = True) -> dict[str, Any]:
     """Sets up `config` with its mesh over `target_name`'s devices and compiles its train
-    step (and, for configs that generate, its decode loop); returns the report. Raises
-    ConfigError before compiling for a bad target."""
+    step (and, for configs that generate and unless `decode` is False, its decode loop);
+    returns the report. Raises ConfigError before compiling for a bad target."""
     target, devices = target_devices(target_name)
     experiment = setup(config, workdir, devices=devices)
     report = compile_report(experiment, target, breakdown)
-    if experiment.family.reads_source or experiment.generate.decode.max_new_tokens:
+    if decode and (experiment.family.reads_source or experiment.generate.decode.max_new_tokens):
         report["decode"] = _decode_or_refusal(experiment, target)
     return report
 
