@@ -231,7 +231,7 @@ def _keep_decode(report_path: Path, loop: dict | None) -> None:
     report = json.loads(report_path.read_text())
     if loop is not None:
         report["decode"] = loop
-    report_path.write_text(json.dumps(report, indent=1))
+    report_path.write_text(json.dumps(report, indent=1) + "\n")
 
 
 def _figure(value, scale: float, unit: str) -> str:
