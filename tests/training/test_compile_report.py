@@ -85,42 +85,33 @@ def test_cpu_target_compiles_and_counts_like_the_formula(tmp_path):
         assert 0.5 < ratio < 2.0, ratio
 
 
-def test_decode_only_compiles_the_decode_loop_alone(tmp_path, monkeypatch):
-    """`compile --decode_only`: the decode loop's figures as the whole report has them, no train
-    step compiled (it would raise here)."""
+@pytest.mark.parametrize("only, skipped", [("decode", "compile_report"),
+                                           ("train", "decode_report")])
+def test_one_part_alone_compiles_only_that_part(tmp_path, monkeypatch, only, skipped):
+    """`compile --decode_only`: the decode loop's figures as the whole report has them;
+    `--train_only`: the whole report's train-step figures, no "decode" entry. The other part
+    is not compiled (it would raise here); both flags at once, one error."""
     config = _config(tmp_path / "data")
     whole = compile_report.compile_for(config, tmp_path / "run", "cpu")
 
-    def no_train_step(*args, **kwargs):
-        raise AssertionError("--decode_only compiled the train step")
+    def not_this_part(*args, **kwargs):
+        raise AssertionError(f"--{only}_only compiled {skipped}")
 
-    monkeypatch.setattr(compile_report, "compile_report", no_train_step)
-    path = tmp_path / "decode.json"
+    monkeypatch.setattr(compile_report, skipped, not_this_part)
+    path = tmp_path / f"{only}.json"
     text, failure = compile_report.run(config, tmp_path / "run", "cpu", str(path),
-                                       decode_only=True)
+                                       **{f"{only}_only": True})
     report = json.loads(path.read_text())
-    assert failure is None and set(report) == {"target", "chips", "platform", "decode"}
-    assert report["decode"] == whole["decode"]
-    assert "the decode loop alone" in text and compile_report.format_decode(whole["decode"]) in text
-
-
-def test_train_only_compiles_the_train_step_alone(tmp_path, monkeypatch):
-    """`compile --train_only`: the whole report's train-step figures, no decode loop compiled
-    (it would raise here); with --decode_only too, one error before anything compiles."""
-    config = _config(tmp_path / "data")
-    whole = compile_report.compile_for(config, tmp_path / "run", "cpu")
-
-    def no_decode_loop(*args, **kwargs):
-        raise AssertionError("--train_only compiled the decode loop")
-
-    monkeypatch.setattr(compile_report, "decode_report", no_decode_loop)
-    path = tmp_path / "train.json"
-    text, failure = compile_report.run(config, tmp_path / "run", "cpu", str(path),
-                                       train_only=True)
-    report = json.loads(path.read_text())
-    assert failure is None and "decode" not in report and "decode loop" not in text
-    for key in ("needed_bytes", "temp_bytes", "compiled_flops_per_chip", "bytes_per_chip"):
-        assert report.get(key) == whole.get(key), key
+    assert failure is None
+    if only == "decode":
+        assert set(report) == {"target", "chips", "platform", "decode"}
+        assert report["decode"] == whole["decode"]
+        assert "the decode loop alone" in text
+        assert compile_report.format_decode(whole["decode"]) in text
+    else:
+        assert "decode" not in report and "decode loop" not in text
+        for key in ("needed_bytes", "temp_bytes", "compiled_flops_per_chip", "bytes_per_chip"):
+            assert report.get(key) == whole.get(key), key
     with pytest.raises(compile_report.ConfigError, match="--decode_only and --train_only"):
         compile_report.run(config, tmp_path / "run", "cpu", train_only=True, decode_only=True)
 
