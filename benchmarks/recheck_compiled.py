@@ -270,10 +270,11 @@ def main() -> None:
     parser.add_argument("--vocab_text", default="/tmp/wide_vocab.txt")
     parser.add_argument("--multi30k", default=str(REPO.parent / "shared" / "data" / "multi30k"))
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "recheck"))
-    parser.add_argument("--decode_only", action="store_true",
+    only_part = parser.add_mutually_exclusive_group()
+    only_part.add_argument("--decode_only", action="store_true",
                         help="compile only the decode loops (for a change that cannot touch a "
                         "train step); each row keeps its other figures from --out/recheck.json")
-    parser.add_argument("--train_only", action="store_true",
+    only_part.add_argument("--train_only", action="store_true",
                         help="compile only the train steps (for a change that cannot touch "
                         "decoding); each row keeps its decode loop from --out/recheck.json")
     parser.add_argument("--render", action="store_true",
@@ -300,8 +301,6 @@ def main() -> None:
     earlier = out / "recheck.json"  # rows of other runs (other targets) are kept
     before = {row["row"]: row for row in json.loads(earlier.read_text())["rows"]
               } if earlier.exists() else {}
-    if args.decode_only and args.train_only:
-        parser.error("--decode_only and --train_only exclude each other")
     only = "decode" if args.decode_only else "train" if args.train_only else None
     if only:
         missing = [name for name in names if not (before.get(name) or {}).get("new")]
