@@ -38,7 +38,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
 from tfm.checks import ConfigError
-from tfm.kernels import flex_blocks, flex_vmem, masks, per_device, reference
+from tfm.kernels import flex_blocks, flex_operands, flex_vmem, masks, per_device, reference
 from tfm.kernels.call import AttentionCall
 from tfm.kernels.flex_spec import KernelSpec
 from tfm.kernels.tpu_cache import TPU_LAYOUT
@@ -476,10 +476,10 @@ def attend_local(
     spec_of = _spec_of(query, key, params, causal=causal, window=window, scale=scale,
                        function=function, learned=learned, offset=query_offset is not None,
                        cost_offset=cost_offset, vmem_budget=vmem_budget)
-    inputs = _local_inputs(query, key, value, rows, params, query_offset)
+    inputs = flex_operands.local_inputs(query, key, value, rows, params, query_offset)
     out = per_device.by_platform(lambda *arrays, compiler: _flex(spec_of(compiler), *arrays),
                                  compiler, *inputs)
-    return _from_heads_major(out, query.shape[1])
+    return flex_operands.from_heads_major(out, query.shape[1])
 
 
 def block_forward(
@@ -498,7 +498,7 @@ def block_forward(
     out, lse = per_device.by_platform(
         lambda *arrays, compiler: _forward(spec_of(compiler), *arrays), compiler, *inputs)
     q_len = query.shape[1]
-    return _from_heads_major(out, q_len), lse[:, :, 0, :q_len]
+    return flex_operands.from_heads_major(out, q_len), lse[:, :, 0, :q_len]
 
 
 def block_backward(
@@ -520,13 +520,14 @@ def block_backward(
     q_len, kv_len = query.shape[1], key.shape[1]
     q_padded = per_device.round_up(q_len)
     lse = jnp.pad(lse, ((0, 0), (0, 0), (0, q_padded - q_len)), constant_values=NO_KEY_LSE)
-    inputs = (*inputs, _heads_major(out, q_padded), lse[:, :, None, :],
-              _heads_major(out_grad, q_padded))
+    inputs = (*inputs, flex_operands.heads_major(out, q_padded), lse[:, :, None, :],
+              flex_operands.heads_major(out_grad, q_padded))
     query_grad, key_grad, value_grad, params_grad = per_device.by_platform(
         lambda *arrays, compiler: _backward(spec_of(compiler), *arrays), compiler, *inputs)
     params_grad = None if params is None else jax.tree.map(lambda grad: grad[:, 0], params_grad)
-    return (_from_heads_major(query_grad, q_len), _from_heads_major(key_grad, kv_len),
-            _from_heads_major(value_grad, kv_len), params_grad)
+    back = flex_operands.from_heads_major
+    return (back(query_grad, q_len), back(key_grad, kv_len), back(value_grad, kv_len),
+            params_grad)
 
 
 def _block_call(query, key, value, rows, params, options: dict) -> tuple:
@@ -535,37 +536,8 @@ def _block_call(query, key, value, rows, params, options: dict) -> tuple:
     options = dict(options)
     compiler, query_offset = options.pop("compiler"), options.pop("query_offset", None)
     spec_of = _spec_of(query, key, params, offset=query_offset is not None, **options)
-    return compiler, spec_of, _local_inputs(query, key, value, rows, params, query_offset)
-
-
-def _heads_major(x: jax.Array, padded: int) -> jax.Array:  # [b, len, heads, hd] -> [b, heads,
-    x = jnp.pad(x, ((0, 0), (0, padded - x.shape[1]), (0, 0), (0, 0)))  # padded, hd]
-    return x.transpose(0, 2, 1, 3)
-
-
-def _from_heads_major(x: jax.Array, length: int) -> jax.Array:  # the inverse of _heads_major
-    return x.transpose(0, 2, 1, 3)[:, :length]
-
-
-def _local_inputs(query, key, value, rows, params, query_offset) -> tuple:
-    """The kernel's operands from local arrays: query, key, value heads-major with lengths
-    padded to whole blocks, the rows as columns (queries) and rows (keys), padded keys in a
-    segment no query has, the query offset after them, the parameters [heads, 1, P] float32."""
-    q_padded, kv_padded = per_device.round_up(query.shape[1]), per_device.round_up(key.shape[1])
-    query_pos, key_pos, query_seg, key_seg = rows
-
-    def pad(ids: jax.Array, padded: int, fill: int = 0) -> jax.Array:
-        return jnp.pad(ids, ((0, 0), (0, padded - ids.shape[1])), constant_values=fill)
-
-    padded_rows = (pad(query_pos, q_padded)[:, :, None], pad(key_pos, kv_padded)[:, None, :],
-                   pad(query_seg, q_padded)[:, :, None],
-                   pad(key_seg, kv_padded, per_device.PADDING_KEY_SEGMENT)[:, None, :])
-    if query_offset is not None:
-        padded_rows = (*padded_rows, query_offset.astype(jnp.int32))
-    params = None if params is None else jax.tree.map(
-        lambda leaf: leaf.astype(jnp.float32)[:, None, :], params)  # [heads, 1, P]
-    return (_heads_major(query, q_padded), _heads_major(key, kv_padded),
-            _heads_major(value, kv_padded), padded_rows, params)
+    inputs = flex_operands.local_inputs(query, key, value, rows, params, query_offset)
+    return compiler, spec_of, inputs
 
 
 def _spec_of(query, key, params, *, causal: bool, window: int | None, scale: float,
