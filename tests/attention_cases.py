@@ -4,6 +4,7 @@ rows, and a structure's mask written out with tfm.nn.attention's functions."""
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -152,6 +153,15 @@ def lowered_prefill(config, length: int, slots: int, platform: str) -> str:
     prefill = lambda params, tokens, cache: model.apply(params, tokens, cache=cache)
     traced = jax.jit(prefill).trace(params, tokens, cache)
     return traced.lower(lowering_platforms=(platform,)).as_text()
+
+
+def kernel_operands(program: str, kernel: str) -> set[str]:
+    """The bfloat16 tensor types every call of `kernel` (its custom call's name) in a lowered
+    program reads."""
+    calls = [line for line in program.splitlines() if kernel in line]
+    assert calls
+    return {operand for line in calls
+            for operand in re.findall(r"tensor<[0-9x]+bf16>", line.split(") -> (")[0])}
 
 
 def lowered_lm_grad(config, length: int, platform: str) -> str:

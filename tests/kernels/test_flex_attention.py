@@ -21,6 +21,7 @@ from attention_cases import (
     block_bias,
     case_segments,
     dense_mask,
+    kernel_operands,
     lowered_lm_grad,
     lowered_prefill,
     random_inputs,
@@ -29,6 +30,7 @@ from attention_cases import (
 from tiny_model import TINY
 
 from tfm import kernels
+from tfm.kernels import flex_operands
 from tfm.kernels.call import AttentionStructure, BlockBias
 from tfm.kernels.reference import MODEL_AXES
 from tfm.nn import attention, models
@@ -60,6 +62,19 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_flex_equals_the_reference_forward_and_backward(case):
+    _assert_case_matches_reference(case)
+
+
+@pytest.mark.parametrize("case", ["causal_gqa_t5_f32", "bidirectional_padded_alibi_bf16"])
+def test_heads_on_the_lanes_give_the_same_values(case, monkeypatch):
+    """The kernel reading query, key and value as [.., T, head_dim] (Triton's layout, and
+    Mosaic's for heads of whole 128-lane tiles), forced for these narrow heads: the cases
+    above run them as [.., head_dim, T] in interpret mode, as Mosaic does."""
+    monkeypatch.setattr(flex_operands, "sequence_minor", lambda compiler, head_dim: False)
+    _assert_case_matches_reference(case)
+
+
+def _assert_case_matches_reference(case: str) -> None:
     q_len, kv_len, heads, kv_heads, causal, window, segment_kind, bias_kind, dtype = CASES[case]
     rng = np.random.default_rng(1)
     batch = 2
@@ -275,6 +290,27 @@ def test_the_accelerator_program_is_a_pallas_kernel_without_bias_or_score_arrays
     assert not re.search(rf"tensor<\d+x\d+x{length}x1xf32>", flex_text)
     assert re.search(rf"tensor<\d+x\d+x1x{length}xf32>", flex_text)
     assert square.search(_lowered_lm_grad("reference", length, scheme, platform))
+
+
+@pytest.mark.parametrize("platform, changes, read, refused", [
+    ("tpu", {}, {"2x4x4x256", "2x2x4x256"}, {"2x2x256x4"}),  # 4 wide: [b, h, hd, T]
+    ("tpu", dict(d_model=256, num_heads=2, num_kv_heads=2, d_ff=64),  # 128 wide: [b, h, T, hd]
+     {"2x2x256x128"}, {"2x2x128x256"}),
+    ("cuda", {}, {"2x4x256x4", "2x2x256x4"}, {"2x2x4x256"}),  # Triton: [b, h, T, hd]
+])
+def test_heads_narrower_than_a_lane_tile_reach_the_tpu_kernel_sequence_minor(
+        platform, changes, read, refused):
+    """TPU pads an array's last axis to 128 lanes: in the train gradient lowered for TPU,
+    every Mosaic call (forward, dq, dk/dv) reads a 4-wide query, key and value as
+    [b, heads, head_dim, T], never [.., T, 4]; 128-wide heads and GPU's Triton calls keep the
+    head on the lanes. (Query [2, 4 heads, ..], key and value [2, 2 kv heads, ..]; the
+    output's gradient stays [b, heads, T, head_dim], so no query-shaped type is refused.)"""
+    config = _model_config("flex", num_encoder_layers=0, dtype="bfloat16", max_len=256,
+                           position_scheme="t5_bias", **changes)
+    kernel = "tpu_custom_call" if platform == "tpu" else "@__gpu$xla.gpu.triton"
+    operands = kernel_operands(lowered_lm_grad(config, 256, platform), kernel)
+    assert {f"tensor<{shape}xbf16>" for shape in read} <= operands, operands
+    assert not {f"tensor<{shape}xbf16>" for shape in refused} & operands, operands
 
 
 def test_under_a_mesh_each_device_runs_its_rows_and_heads_with_their_bias_rows():

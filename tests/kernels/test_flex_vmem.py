@@ -15,7 +15,7 @@ import pytest
 from attention_cases import block_bias, random_inputs
 
 from tfm import kernels
-from tfm.kernels import flex_attention, flex_vmem, hardware, per_device
+from tfm.kernels import flex_attention, flex_operands, flex_vmem, hardware, per_device
 from tfm.nn import attention
 from tfm.nn import positions as P
 
@@ -87,8 +87,13 @@ def _pallas_calls(jaxpr) -> list:
 
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_streamed_keys_give_the_references_values_and_gradients(case):
+@pytest.mark.parametrize("case, seq_minor", [(case, True) for case in CASES]
+                         + [("causal_t5_bf16", False)])
+def test_streamed_keys_give_the_references_values_and_gradients(case, seq_minor, monkeypatch):
+    """Streamed blocks of [head_dim, T] (how Mosaic reads these narrow heads), and once of
+    [T, head_dim] (its layout for heads of whole 128-lane tiles, forced here)."""
+    if not seq_minor:
+        monkeypatch.setattr(flex_operands, "sequence_minor", lambda compiler, head_dim: False)
     q_len, kv_len, heads, kv_heads, causal, window, offsets, bias, dtype = CASES[case]
     rng = np.random.default_rng(5)
     batch = 2
@@ -147,11 +152,12 @@ def test_streamed_keys_give_the_references_values_and_gradients(case):
                                    atol=tolerance * max(scale, 1.0), err_msg=name)
 
 
-def test_the_streamed_kernel_lowers_for_tpu():
+@pytest.mark.parametrize("head_dim", [64, 128])  # read [.., head_dim, T] and [.., T, head_dim]
+def test_the_streamed_kernel_lowers_for_tpu(head_dim):
     """Mosaic accepts the streamed program (HBM refs, DMA copies into double buffers): lowered
     for TPU without a device, forward and backward."""
     rng = np.random.default_rng(6)
-    query, key, value = random_inputs(rng, 256, 1024, 2, 1, "bfloat16", 1, head_dim=64)
+    query, key, value = random_inputs(rng, 256, 1024, 2, 1, "bfloat16", 1, head_dim=head_dim)
     positions = jnp.arange(1024, dtype=jnp.int32)[None]
     rows = (positions[:, :256], positions, jnp.zeros((1, 256), jnp.int32),
             jnp.zeros((1, 1024), jnp.int32))

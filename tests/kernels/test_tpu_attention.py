@@ -18,6 +18,7 @@ from attention_cases import (
     assert_model_matches_reference,
     case_segments,
     dense_mask,
+    kernel_operands,
     lowered_lm_grad,
     random_inputs,
     segments,
@@ -124,14 +125,6 @@ def test_the_tpu_program_is_a_mosaic_kernel_without_score_arrays():
     assert "tpu_custom_call" not in _lowered_lm_grad("splash", length, "cpu")  # interpreted
 
 
-def _kernel_operands(program: str) -> set[str]:
-    """The tensor types every Mosaic call of a lowered program reads."""
-    calls = [line for line in program.splitlines() if "tpu_custom_call" in line]
-    assert calls
-    return {operand for line in calls
-            for operand in re.findall(r"tensor<[0-9x]+bf16>", line.split(") -> (")[0])}
-
-
 @pytest.mark.parametrize("changes, read, refused", [
     ({}, {"2x4x4x256", "2x2x4x256"}, {"2x4x256x4", "2x2x256x4"}),  # 4 wide: [b, h, hd, T]
     (dict(d_model=256, num_heads=2, num_kv_heads=2, d_ff=64),  # 128 wide: [b, h, T, hd]
@@ -144,7 +137,7 @@ def test_heads_narrower_than_a_lane_tile_reach_the_kernel_sequence_minor(changes
     [2, 2 kv heads, ..]; the output's gradient stays [b, heads, T, head_dim], so the tiny
     model's refused query type is not checked.)"""
     config = _model_config("splash", num_encoder_layers=0, dtype="bfloat16", **changes)
-    operands = _kernel_operands(lowered_lm_grad(config, 256, "tpu"))
+    operands = kernel_operands(lowered_lm_grad(config, 256, "tpu"), "tpu_custom_call")
     assert {f"tensor<{shape}xbf16>" for shape in read} <= operands, operands
     kv_refused = {f"tensor<{shape}xbf16>" for shape in refused} - {"tensor<2x4x256x4xbf16>"}
     assert not kv_refused & operands, operands

@@ -11,17 +11,19 @@ In the spirit of FlexAttention (Dong et al. 2024, arXiv 2412.05496: a score modi
 compiled into one flash kernel). Online softmax over key blocks (Dao et al. 2022,
 FlashAttention; the backward recomputes scores from the saved log-sum-exp, FlashAttention-2).
 
-Layout inside: heads-major [batch, heads, length, head_dim], lengths padded to 128-lane
-blocks (padded keys get a segment no query has). Grid (batch, head, query block) with a loop
-over the key blocks the mask can reach (causal and window ranges are skipped, as are padded
-blocks); on TPU the head's keys and values stay in on-chip memory (VMEM) while the chip's
-budget holds them (tfm.kernels.flex_vmem: single-buffered where two copies would not fit),
-else they stream from HBM one key block at a time; on GPU 64-row tiles are read from HBM. The
-dk/dv pass works on transposed [block_k, block_q] tiles, so that its per-query rows (positions,
-segments, log-sum-exp) are lane-dense [1, q_len] arrays. GQA: query head h reads kv
-head h // (heads / kv_heads). Same values as the reference (tfm.nn.attention) at every real
-query, including zero output for a query that sees no key. A prefill chunk reading a KV cache
-runs here with its rows' query offset; decoding steps run the reference on the cache as stored.
+Layout inside: heads-major [batch, heads, length, head_dim], lengths padded to 128-lane blocks
+(padded keys get a segment no query has); under Mosaic a query, key and value narrower than a
+lane tile are read as [.., head_dim, length] (tfm.kernels.flex_operands). Grid (batch, head,
+query block) with a loop over the key blocks the mask can reach (causal and window ranges are
+skipped, as are padded blocks); on TPU the head's keys and values stay in on-chip memory (VMEM)
+while the chip's budget holds them (tfm.kernels.flex_vmem: single-buffered where two copies
+would not fit), else they stream from HBM one key block at a time; on GPU 64-row tiles are read
+from HBM. The dk/dv pass works on transposed [block_k, block_q] tiles, so that its per-query
+rows (positions, segments, log-sum-exp) are lane-dense [1, q_len] arrays. GQA: query head h
+reads kv head h // (heads / kv_heads). Same values as the reference (tfm.nn.attention) at every
+real query, including zero output for a query that sees no key. A prefill chunk reading a KV
+cache runs here with its rows' query offset; decoding steps run the reference on the cache as
+stored.
 """
 
 from __future__ import annotations
@@ -100,16 +102,16 @@ def _scores(spec: _Spec, query: jax.Array, key: jax.Array, rows: tuple, params: 
             first_query: Any, first_key: Any, transposed: bool = False,
             ) -> tuple[jax.Array, jax.Array]:
     """Scaled scores plus bias [block_q, block_k] float32 and which pairs may attend.
-    query: [block_q, head_dim]; key: [block_k, head_dim]; rows: (query positions [block_q, 1],
-    key positions [1, block_k], query segments [block_q, 1], key segments [1, block_k]).
+    query: [block_q, head_dim]; key: [block_k, head_dim] ([head_dim, block_k] when
+    spec.seq_minor; transposed: key [block_k, head_dim], query [head_dim, block_q]); rows:
+    (query positions [block_q, 1], key positions [1, block_k], query segments [block_q, 1],
+    key segments [1, block_k]).
     transposed: [block_k, block_q] instead, from query rows [1, block_q] and key columns
     [block_k, 1] (the block function is elementwise in the positions, so broadcasting the
     other way round gives its transpose)."""
     query_positions, key_positions, query_segments, key_segments = rows
-    first, second = (key, query) if transposed else (query, key)
-    scores = jax.lax.dot_general(first, second, (((1,), (1,)), ((), ())),
-                                 preferred_element_type=jnp.float32, precision=spec.precision)
-    scores = scores * jnp.float32(spec.scale)
+    first, second = (key, query) if transposed else (query, key)  # second: a block as read
+    scores = _dot_t(spec, first, second, spec.seq_minor) * jnp.float32(spec.scale)
     if spec.function is not None:
         scores = scores + spec.function(params, query_positions, key_positions)
     shape = scores.shape
@@ -125,8 +127,27 @@ def _scores(spec: _Spec, query: jax.Array, key: jax.Array, rows: tuple, params: 
     return scores, mask
 
 
-def _dot(spec: _Spec, a: jax.Array, b: jax.Array) -> jax.Array:
-    return jnp.dot(a, b, preferred_element_type=jnp.float32, precision=spec.precision)
+def _dot(spec: _Spec, a: jax.Array, b: jax.Array, seq_minor: bool = False) -> jax.Array:
+    """a [m, n] @ b [n, d] ([d, n] read with the sequence on the lanes) -> [m, d] float32."""
+    dims = ((1,), (1,) if seq_minor else (0,))
+    return jax.lax.dot_general(a, b, (dims, ((), ())), preferred_element_type=jnp.float32,
+                               precision=spec.precision)
+
+
+def _dot_t(spec: _Spec, a: jax.Array, b: jax.Array, seq_minor: bool = False) -> jax.Array:
+    """a [m, d] @ b^T, b [n, d] ([d, n] read with the sequence on the lanes) -> [m, n]."""
+    dims = ((1,), (0,) if seq_minor else (1,))
+    return jax.lax.dot_general(a, b, (dims, ((), ())), preferred_element_type=jnp.float32,
+                               precision=spec.precision)
+
+
+def _rows(spec: _Spec, tile: jax.Array) -> jax.Array:
+    """A query, key or value tile read once per grid step, as [n, head_dim]. (Interpreted, a
+    barrier keeps XLA's CPU dot from folding the transpose in: it has no bfloat16 x bfloat16
+    -> float32 product with the lhs contracted on its first axis.)"""
+    if not spec.seq_minor:
+        return tile
+    return jax.lax.optimization_barrier(tile.T) if spec.compiler == "interpret" else tile.T
 
 
 def _key_loop(spec: _Spec, refs: tuple, scratch: Any, first: Any, end: Any,
@@ -134,7 +155,8 @@ def _key_loop(spec: _Spec, refs: tuple, scratch: Any, first: Any, end: Any,
     """flex_vmem.block_loop over key blocks [first, end) of the grid step's kv head: refs
     (keys, values, key positions, key segments), held whole or (scratch) streamed from HBM."""
     leads = (pl.program_id(0), jax.lax.div(pl.program_id(1), spec.groups))
-    return flex_vmem.block_loop(refs, (0, 0, 1, 1), spec.block_k, first, end, visit, init,
+    axis = int(spec.seq_minor)  # keys and values as read: [head_dim, kv_len] when seq_minor
+    return flex_vmem.block_loop(refs, (axis, axis, 1, 1), spec.block_k, first, end, visit, init,
                                 (leads, leads, leads[:1], leads[:1]), scratch)
 
 
@@ -145,7 +167,7 @@ def _forward_kernel(spec: _Spec, streamed: int, *refs: Any) -> None:
     offset_refs, param_refs = param_refs[:spec.offset], param_refs[spec.offset:]
     first_query = spec.first_query(offset_refs, pl.program_id(2))
     block_k = spec.block_k
-    query = query_ref[...]
+    query = _rows(spec, query_ref[...])
     query_rows = (query_pos_ref[...], query_seg_ref[...])
     params = jax.tree.unflatten(spec.params_tree, [ref[...] for ref in param_refs])
 
@@ -161,7 +183,7 @@ def _forward_kernel(spec: _Spec, streamed: int, *refs: Any) -> None:
         rescale = jnp.exp(running_max - new_max)
         total = rescale * total + jnp.sum(weights, axis=1, keepdims=True)
         value = value_view[...]
-        acc = rescale * acc + _dot(spec, weights.astype(value.dtype), value)
+        acc = rescale * acc + _dot(spec, weights.astype(value.dtype), value, spec.seq_minor)
         return new_max, total, acc
 
     first, end = spec.key_blocks(first_query)
@@ -199,9 +221,7 @@ def _weights_and_score_grads(spec: _Spec, query, key, value, out_grad, lse, delt
     scores, mask = _scores(spec, query, key, rows, params, first_query, first_key, transposed)
     weights = jnp.where(mask, jnp.exp(scores - lse), 0.0)
     first, second = (value, out_grad) if transposed else (out_grad, value)
-    weight_grads = jax.lax.dot_general(first, second, (((1,), (1,)), ((), ())),
-                                       preferred_element_type=jnp.float32,
-                                       precision=spec.precision)
+    weight_grads = _dot_t(spec, first, second, spec.seq_minor and not transposed)
     return weights, weights * (weight_grads - delta)
 
 
@@ -214,7 +234,7 @@ def _query_grad_kernel(spec: _Spec, num_params: int, streamed: int, *refs: Any) 
         rest[:num_params], rest[num_params], rest[num_params + 1:])
     first_query = spec.first_query(offset_refs, pl.program_id(2))
     block_k = spec.block_k
-    query, out_grad = query_ref[...], out_grad_ref[...]
+    query, out_grad = _rows(spec, query_ref[...]), out_grad_ref[...]
     lse, delta = _transposed(lse_ref[...]), _transposed(delta_ref[...])
     params = jax.tree.unflatten(spec.params_tree, [ref[...] for ref in param_refs])
 
@@ -227,7 +247,7 @@ def _query_grad_kernel(spec: _Spec, num_params: int, streamed: int, *refs: Any) 
         _, score_grads = _weights_and_score_grads(
             spec, query, key, value_view[...], out_grad, lse, delta, rows, params,
             first_query, start)
-        query_grad = query_grad + _dot(spec, score_grads.astype(key.dtype), key)
+        query_grad = query_grad + _dot(spec, score_grads.astype(key.dtype), key, spec.seq_minor)
         if param_grads:
             _, pull = jax.vjp(lambda p: spec.function(p, rows[0], rows[1]), params)
             (grads,) = pull(score_grads)
@@ -258,7 +278,7 @@ def _key_value_grad_kernel(spec: _Spec, streamed: int, *refs: Any) -> None:
     offset = spec.first_query(offset_refs, 0)  # the row's query offset (0 without one)
     k_block = pl.program_id(2)
     block_q = spec.block_q
-    key, value = key_ref[...], value_ref[...]
+    key, value = _rows(spec, key_ref[...]), _rows(spec, value_ref[...])
     key_columns = (key_pos_ref[...], key_seg_ref[...])  # [block_k, 1]
     params = jax.tree.unflatten(spec.params_tree, [ref[...] for ref in param_refs])
 
@@ -272,7 +292,7 @@ def _key_value_grad_kernel(spec: _Spec, streamed: int, *refs: Any) -> None:
             spec, query, key, value, out_grad, lse_view[...], delta_view[...],
             rows, params, start + offset, k_block * spec.block_k, transposed=True)
         value_grad = value_grad + _dot(spec, weights.astype(out_grad.dtype), out_grad)
-        key_grad = key_grad + _dot(spec, score_grads.astype(query.dtype), query)
+        key_grad = key_grad + _dot(spec, score_grads.astype(query.dtype), query, spec.seq_minor)
         return key_grad, value_grad
 
     first, end = spec.query_blocks(k_block, offset)
@@ -280,7 +300,7 @@ def _key_value_grad_kernel(spec: _Spec, streamed: int, *refs: Any) -> None:
     head = (pl.program_id(0), pl.program_id(1))
     key_grad, value_grad = flex_vmem.block_loop(
         (query_ref, out_grad_ref, lse_ref, delta_ref, query_pos_ref, query_seg_ref),
-        (0, 0, 1, 1, 1, 1), block_q, first, end, visit, (zeros, zeros),
+        (int(spec.seq_minor), 0, 1, 1, 1, 1), block_q, first, end, visit, (zeros, zeros),
         (head, head, head, head, head[:1], head[:1]), scratch)
     key_grad_ref[...] = (key_grad * jnp.float32(spec.scale)).astype(key_grad_ref.dtype)
     value_grad_ref[...] = value_grad.astype(value_grad_ref.dtype)
@@ -324,12 +344,14 @@ def _forward(spec: _Spec, query, key, value, rows, params):
     grid = (batch, heads, q_padded // spec.block_q)
     query_spec, query_rows = (flex_blocks.query_block(spec, head_dim),
                               flex_blocks.column(spec.block_q, True))
+    query_read = flex_blocks.query_block(spec, head_dim, operand=True)
+    query, key, value = (flex_operands.as_read(spec.seq_minor, x) for x in (query, key, value))
     out, lse = _pallas(
         spec, functools.partial(_forward_kernel, spec, keys.streamed), grid,
-        [query_spec, keys.head, keys.head, query_rows, keys.row, query_rows, keys.row,
+        [query_read, keys.operand, keys.operand, query_rows, keys.row, query_rows, keys.row,
          *flex_blocks.offsets(spec, rows), *map(flex_blocks.per_head_row, param_leaves)],
         [query_spec, flex_blocks.row_stats(spec)],
-        [jax.ShapeDtypeStruct(query.shape, query.dtype),
+        [jax.ShapeDtypeStruct((batch, heads, q_padded, head_dim), query.dtype),
          jax.ShapeDtypeStruct((batch, heads, 1, q_padded), jnp.float32)],
         cost, keys.on_chip,
         query, key, value, query_pos, key_pos, query_seg, key_seg, *offsets, *param_leaves,
@@ -356,17 +378,19 @@ def _query_grads(spec: _Spec, inputs: tuple, num_params: int) -> list:
     query_spec, query_rows = (flex_blocks.query_block(spec, head_dim),
                               flex_blocks.column(spec.block_q, True))
     stats = flex_blocks.row_stats(spec)
+    read = tuple(flex_operands.as_read(spec.seq_minor, x) for x in inputs[:3])
     return _pallas(
         spec, functools.partial(_query_grad_kernel, spec, num_params, keys.streamed),
         (batch, heads, q_blocks),
-        [query_spec, keys.head, keys.head, query_spec, stats, stats, query_rows, keys.row,
+        [flex_blocks.query_block(spec, head_dim, operand=True), keys.operand, keys.operand,
+         query_spec, stats, stats, query_rows, keys.row,
          query_rows, keys.row, *flex_blocks.offsets(spec, inputs[6:10]),
          *map(flex_blocks.per_head_row, param_leaves)],
         [query_spec, *param_grad_specs],
         [jax.ShapeDtypeStruct(query.shape, query.dtype), *param_grad_shapes],
         pl.CostEstimate(flops=6 * pairs * head_dim, transcendentals=pairs,
                         bytes_accessed=_nbytes(*inputs, query) + keys.extra_bytes),
-        keys.on_chip, *inputs, scratch=keys.scratch,
+        keys.on_chip, *read, *inputs[3:], scratch=keys.scratch,
     )
 
 
@@ -382,18 +406,19 @@ def _key_value_grads(spec: _Spec, inputs: tuple, num_params: int) -> list:
     per_query_head = jax.ShapeDtypeStruct((batch, heads, kv_padded, head_dim), key.dtype)
     as_row = lambda column: column.reshape(*column.shape[:-2], 1, column.shape[-2])
     as_column = lambda row: row.reshape(*row.shape[:-2], row.shape[-1], 1)
-    transposed_inputs = (query, key, value, out_grad, lse, delta, as_row(query_pos),
+    read = (flex_operands.as_read(spec.seq_minor, x) for x in (query, key, value))
+    transposed_inputs = (*read, out_grad, lse, delta, as_row(query_pos),
                          as_column(key_pos), as_row(query_seg), as_column(key_seg), *offsets,
                          *param_leaves)
     reads = flex_vmem.query_inputs(spec, batch * heads, q_padded, head_dim, query.dtype)
-    queries, query_rows, whole_rows = reads.head, reads.row, reads.head_row
-    key_spec = flex_blocks.key_block(spec, head_dim, spec.groups)
+    query_rows, whole_rows = reads.row, reads.head_row
+    key_spec = flex_blocks.key_block(spec, head_dim, spec.groups, operand=True)
     key_columns = flex_blocks.column(spec.block_k, True)
     return _pallas(
         spec, functools.partial(_key_value_grad_kernel, spec, reads.streamed),
         (batch, heads, kv_padded // spec.block_k),
-        [queries, key_spec, key_spec, queries, whole_rows, whole_rows, query_rows, key_columns,
-         query_rows, key_columns, *flex_blocks.offsets(spec, inputs[6:10]),
+        [reads.operand, key_spec, key_spec, reads.head, whole_rows, whole_rows, query_rows,
+         key_columns, query_rows, key_columns, *flex_blocks.offsets(spec, inputs[6:10]),
          *map(flex_blocks.per_head_row, param_leaves)],
         [flex_blocks.key_block(spec, head_dim)] * 2,
         [per_query_head, per_query_head],
@@ -567,6 +592,7 @@ def _spec_of(query, key, params, *, causal: bool, window: int | None, scale: flo
             function=function, learned=learned, params_tree=params_tree,
             precision=precision, compiler=compiler, offset=offset, cost_offset=cost_offset,
             vmem_budget=flex_vmem.budget(compiler) if vmem_budget is None else vmem_budget,
+            seq_minor=flex_operands.sequence_minor(compiler, query.shape[-1]),
         )
 
     return spec

@@ -13,17 +13,27 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 
-def query_block(spec: Any, head_dim: int) -> pl.BlockSpec:
+def query_block(spec: Any, head_dim: int, operand: bool = False) -> pl.BlockSpec:
+    """A query head's block of [b, heads, q_len, head_dim] (the output, its gradient), or of
+    the query as the kernel reads it (`operand`: [.., head_dim, q_len] when spec.seq_minor)."""
+    if operand and spec.seq_minor:
+        return pl.BlockSpec((None, None, head_dim, spec.block_q), lambda b, h, i: (b, h, 0, i))
     return pl.BlockSpec((None, None, spec.block_q, head_dim), lambda b, h, i: (b, h, i, 0))
 
 
 def whole_head(length: int, head_dim: int, groups: int = 1,
-                mode: pl.Buffered | None = None) -> pl.BlockSpec:
-    return pl.BlockSpec((None, None, length, head_dim),
+                mode: pl.Buffered | None = None, seq_minor: bool = False) -> pl.BlockSpec:
+    """A head's whole [length, head_dim] ([head_dim, length] when seq_minor)."""
+    shape = (head_dim, length) if seq_minor else (length, head_dim)
+    return pl.BlockSpec((None, None, *shape),
                         lambda b, h, i: (b, jax.lax.div(h, groups), 0, 0), pipeline_mode=mode)
 
 
-def key_block(spec: Any, head_dim: int, groups: int = 1) -> pl.BlockSpec:
+def key_block(spec: Any, head_dim: int, groups: int = 1, operand: bool = False) -> pl.BlockSpec:
+    """A kv head's key block (a gradient's), or the key or value as the kernel reads it."""
+    if operand and spec.seq_minor:
+        return pl.BlockSpec((None, None, head_dim, spec.block_k),
+                            lambda b, h, j: (b, jax.lax.div(h, groups), 0, j))
     return pl.BlockSpec((None, None, spec.block_k, head_dim),
                         lambda b, h, j: (b, jax.lax.div(h, groups), j, 0))
 

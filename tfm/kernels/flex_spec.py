@@ -49,6 +49,7 @@ class KernelSpec:
     offset: bool = False  # whether a per-row query offset ([batch] int32) is passed
     cost_offset: int = 0  # the query offset the cost estimate assumes (the real one is traced)
     vmem_budget: int | None = None  # on-chip bytes a call may use (flex_vmem.budget)
+    seq_minor: bool = False  # q, k, v read as [.., head_dim, T] (flex_operands)
 
     def first_query(self, offset_refs: list, q_block: Any) -> Any:
         """The index, among the keys, of query block `q_block`'s first query: its place in
