@@ -28,6 +28,7 @@ stored.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -76,8 +77,7 @@ def attention(
     call, key, value = masks.in_model_order(call, key, value, TPU_LAYOUT)  # a chunk's copy
     query, key, value, _, _ = reference.check_inputs(query, key, value, None, None, 0.0, None)
     structure = call.structure
-    batch, q_len = query.shape[:2]
-    kv_len = key.shape[1]
+    (batch, q_len), kv_len = query.shape[:2], key.shape[1]
     scale = reference.default_scale(query.shape[-1]) if call.scale is None else call.scale
     bias = structure.bias
     segments = masks.block_segments(structure, q_len, per_device.PADDING_KEY_SEGMENT)
@@ -452,8 +452,10 @@ def _backward(spec: _Spec, query, key, value, rows, params, out, lse, out_grad):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flex(spec: _Spec, query, key, value, rows, params):
-    return _forward(spec, query, key, value, rows, params)[0]
+def _flex(spec: _Spec, query, key, value, rows, params):  # no gradient: nothing kept, so
+    # narrow heads are read as they are (a prefill's keys go to its cache [.., T, head_dim])
+    return _forward(dataclasses.replace(spec, seq_minor=False), query, key, value, rows,
+                    params)[0]
 
 
 def _flex_forward(spec: _Spec, query, key, value, rows, params):
