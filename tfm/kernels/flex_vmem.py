@@ -83,7 +83,6 @@ class Reads(NamedTuple):
     streamed: int  # arrays streamed from HBM (0: held whole on chip)
     head: pl.BlockSpec  # of each [length, head_dim] array
     operand: pl.BlockSpec  # of each query, key or value, as the kernel reads it (seq_minor)
-    axis: int  # the axis its blocks run along: 1 when read [head_dim, length], else 0
     row: pl.BlockSpec  # of each [batch, 1, length] row
     head_row: pl.BlockSpec | None  # of each [batch, heads, 1, length] row (dk/dv's)
     scratch: tuple  # the streaming buffers and semaphores
@@ -97,16 +96,15 @@ def key_inputs(spec: Any, heads: int, length: int, head_dim: int, dtype: Any) ->
     grid rows, as `residency` decides on spec.vmem_budget; streamed, each query block reads its
     visible key blocks (spec.visible_pairs)."""
     held = residency(spec.vmem_budget, length, head_dim, dtype)
-    axis = int(spec.seq_minor)
     if held != "stream":
         mode = buffering(held)
         keys = flex_blocks.whole_head(length, head_dim, spec.groups, mode, spec.seq_minor)
-        return Reads(0, keys, keys, axis, flex_blocks.row(length, False, mode), None, (),
+        return Reads(0, keys, keys, flex_blocks.row(length, False, mode), None, (),
                      per_device.resident_bytes(length, head_dim, dtype, 2, 1 if mode else 2), 0)
     blocks = [(_block(spec.block_k, head_dim, spec.seq_minor), dtype)] * 2 + [
         ((1, spec.block_k), jnp.int32)] * 2
     key_rows = heads * spec.visible_pairs() // spec.block_q
-    return Reads(4, _HBM, _HBM, axis, _HBM, None, tuple(streamed_scratch(blocks)),
+    return Reads(4, _HBM, _HBM, _HBM, None, tuple(streamed_scratch(blocks)),
                  per_device.resident_bytes(spec.block_k, head_dim, dtype, 2),
                  key_rows * (2 * head_dim * jnp.dtype(dtype).itemsize + 2 * 4))
 
@@ -116,13 +114,12 @@ def query_inputs(spec: Any, heads: int, length: int, head_dim: int, dtype: Any) 
     log-sum-exp, delta, position and segment rows; streamed, each key block reads its visible
     query blocks."""
     held = residency(spec.vmem_budget, length, head_dim, dtype)
-    axis = int(spec.seq_minor)
     if held != "stream":
         mode = buffering(held)
         head_row = pl.BlockSpec((None, None, 1, length), lambda b, h, j: (b, h, 0, 0),
                                 pipeline_mode=mode)
         return Reads(0, flex_blocks.whole_head(length, head_dim, 1, mode),
-                     flex_blocks.whole_head(length, head_dim, 1, mode, spec.seq_minor), axis,
+                     flex_blocks.whole_head(length, head_dim, 1, mode, spec.seq_minor),
                      flex_blocks.row(length, False, mode), head_row, (),
                      per_device.resident_bytes(length, head_dim, dtype, 2, 1 if mode else 2), 0)
     float32, int32 = jnp.float32, jnp.int32
@@ -130,7 +127,7 @@ def query_inputs(spec: Any, heads: int, length: int, head_dim: int, dtype: Any) 
               ((spec.block_q, head_dim), dtype)] + [((1, spec.block_q), float32)] * 2 + [
         ((1, spec.block_q), int32)] * 2
     query_rows = heads * spec.visible_pairs() // spec.block_k
-    return Reads(6, _HBM, _HBM, axis, _HBM, _HBM, tuple(streamed_scratch(blocks)),
+    return Reads(6, _HBM, _HBM, _HBM, _HBM, tuple(streamed_scratch(blocks)),
                  per_device.resident_bytes(spec.block_q, head_dim, dtype, 2),
                  query_rows * (2 * head_dim * jnp.dtype(dtype).itemsize + 4 * 4))
 
@@ -141,7 +138,8 @@ def _block(size: int, head_dim: int, seq_minor: bool) -> tuple[int, int]:
 
 
 def _window(axis: int, start: Any, size: int) -> tuple:
-    """Block `start // size` of a 2-D [length, d] (axis 0) or [d, length] (axis 1) array."""
+    """Block `start // size` of a 2-D [length, d] (axis 0), or [d, length] or [1, length]
+    (axis 1) array."""
     return (pl.ds(start, size), slice(None)) if axis == 0 else (slice(None), pl.ds(start, size))
 
 
