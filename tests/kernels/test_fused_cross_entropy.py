@@ -87,7 +87,8 @@ def test_statistics_and_gradients_equal_the_naive_maths(dtype, with_bias):
         g, e = np.asarray(g, np.float32), np.asarray(e, np.float32)
         scale = np.abs(e).max()
         assert scale > 0, name
-        # bf16: the kernel rounds each block's logit gradients to bf16 for the MXU.
+        # bf16: the kernel rounds each block's exponentials (forward) and logit gradients
+        # (d table) to bf16 for the MXU.
         np.testing.assert_allclose(g, e, atol=(1e-5 if dtype == "float32" else 1e-2) * scale,
                                    err_msg=name)
 
@@ -107,6 +108,47 @@ def test_the_largest_logit_is_the_first_one_across_and_within_blocks():
     later = table.at[260].set(table[5] * 2.0)
     stats = fce.softmax_statistics(hidden, later, None, targets, **SMALL_BLOCKS)
     np.testing.assert_array_equal(stats.argmax[1], 260)
+
+
+def test_confident_predictions_keep_the_hidden_gradient_exact():
+    """Targets of probability 1 - 1e-7 .. 1 - 1e-4 (hidden along the target's row, scaled
+    to it): d nll / d hidden = sum_{v != target} p_v (W_v - W_target) is ~1e-4 of the rows it
+    is made of at most. The kernel sums the words other than the target (and their
+    probability) in the forward pass, so in float32 each token's gradient stays within 1e-4 of
+    float64's (1.2e-5 here); p_target - 1 taken from the log-sum-exp, as autodiff of the
+    written-out logits takes it, is off by up to 67% (the kernel's earlier backward: 190%)."""
+    rng = np.random.default_rng(7)
+    _, table, _, targets = _inputs(rng, tokens=(2, 40))
+    table64, flat_targets = np.asarray(table, np.float64), np.asarray(targets).reshape(-1)
+    rows = table64[flat_targets]  # [tokens, d]
+    alignment = rows @ table64.T  # logits per unit of scale
+    wanted = np.logspace(-7, -4, flat_targets.size)  # 1 - p_target per token
+
+    def rest(scale):  # 1 - p_target at hidden = scale * the target's row
+        logits = scale[:, None] * alignment
+        exps = np.exp(logits - logits.max(-1, keepdims=True))
+        return 1 - exps[np.arange(flat_targets.size), flat_targets] / exps.sum(-1)
+
+    low, high = np.zeros(flat_targets.size), np.full(flat_targets.size, 200.0)
+    for _ in range(100):  # bisection: rest falls as the scale grows
+        middle = (low + high) / 2
+        low, high = np.where(rest(middle) > wanted, middle, low), np.where(
+            rest(middle) > wanted, high, middle)
+    np.testing.assert_allclose(rest(high), wanted, rtol=1e-3)
+    hidden = jnp.asarray((high[:, None] * rows).reshape(*targets.shape, -1), jnp.float32)
+    logits = np.asarray(hidden, np.float64) @ table64.T
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+
+    def nll(hidden):
+        stats = fce.softmax_statistics(hidden, table, None, targets, **SMALL_BLOCKS)
+        return jnp.sum(stats.lse - stats.target_logit)
+
+    got = np.asarray(jax.grad(nll)(hidden), np.float64)
+    onehot = np.eye(table.shape[0])[np.asarray(targets)]
+    want = (probs - onehot) @ table64
+    error = np.linalg.norm(got - want, axis=-1) / np.linalg.norm(want, axis=-1)  # per token
+    assert error.max() < 1e-4, error.max()
 
 
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.1])

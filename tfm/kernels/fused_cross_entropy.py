@@ -12,14 +12,18 @@ logit; label smoothing's mean log-probability = logit_sum / vocab - lse). The fi
 differentiable: d/dz_nv = d_lse * softmax(z_n)_v + d_target * [v = target_n] + d_sum.
 
 Online log-sum-exp over vocabulary blocks (Milakov & Gimelshein 2018, "Online normalizer
-calculation for softmax"); the backward recomputes each logits block from the saved
-log-sum-exp, as flash attention does for its scores (Dao et al. 2022): about 10 N V d FLOPs
-instead of the unfused 6 N V d, for traffic that no longer grows with N x V. Three calls: the
-statistics over grid (token block, vocab block); d hidden over the same grid; d table (and
-d bias) over (vocab block, token block), in the transposed orientation ([vocab block, token
-block] tiles, per-token figures as lane-dense rows) so that every matmul is one the MXU takes
-directly. On TPU (Mosaic); in interpret mode elsewhere (tests). Under a mesh each device runs
-its own rows against the whole table (shard_map; the table's gradient is summed over devices).
+calculation for softmax"). Under differentiation the same pass also sums, online as flash
+attention sums its output (Dao et al. 2022), the softmax-weighted table rows of the words other
+than the target, sum_{v != target} p_nv W_v, and their probability 1 - p_n[target]: d hidden
+then needs no second pass over the table (d lse * that sum + (d lse p_target + d target)
+W[target] + d sum * sum_v W_v), and leaving the target out keeps the nll's gradient, where
+p_target is near 1, free of cancellation. d table (and d bias) recomputes each logits block from
+the saved log-sum-exp, over (vocab block, token block) in the transposed orientation ([vocab
+block, token block] tiles, per-token figures as lane-dense rows) so that every matmul is one the
+MXU takes directly. About 8 N V d FLOPs instead of the unfused 6 N V d, for traffic that no
+longer grows with N x V. On TPU (Mosaic); in interpret mode elsewhere (tests). Under a mesh each
+device runs its own rows against the whole table (shard_map; the table's gradient is summed over
+devices).
 """
 
 from __future__ import annotations
@@ -43,9 +47,9 @@ from tfm.kernels.per_device import LANES
 @dataclasses.dataclass(frozen=True)
 class Blocks:
     """Tile sizes (multiples of 128): tokens and vocabulary rows per block of the statistics
-    and d hidden passes, which read the whole table once per token block (tall blocks); the
-    same for the d table pass, which reads all tokens once per vocabulary block (wide blocks);
-    and the on-chip memory (VMEM) the calls may take."""
+    pass, which reads the whole table once per token block (tall blocks); the same for the d
+    table pass, which reads all tokens once per vocabulary block (wide blocks); and the on-chip
+    memory (VMEM) the calls may take."""
 
     tokens: int
     vocab: int
@@ -162,7 +166,7 @@ def fit_blocks(blocks: Blocks, tokens: int, vocab_size: int, d_model: int = 0,
     so that padding stays under 128 per block (5,000 tokens in blocks of at most 4,096: two of
     2,560; 50,304 words in blocks of at most 4,096: 13 of 3,968) and no block is larger than
     the input (rounded to 128 lanes); the d table pass's token block is the largest up to its
-    size that divides the padded tokens. The token block of the first two passes and the
+    size that divides the padded tokens. The token block of the statistics pass and the
     vocabulary block of the d table pass shrink by 128 until what those calls keep in VMEM
     (`_vmem_bytes`, for d_model and the hidden dtype's `itemsize`) fits blocks.vmem_limit:
     GPT-2 medium's d_model 1,024 takes d table blocks of 3,200 words where 768 takes 3,968."""
@@ -179,11 +183,12 @@ def fit_blocks(blocks: Blocks, tokens: int, vocab_size: int, d_model: int = 0,
 
 
 def _vmem_bytes(rows: int, block: int, d_model: int, itemsize: int) -> int:
-    """VMEM that the d hidden call (rows = its tokens, block = its words) or the d table call
-    (rows = its words, block = its tokens) keeps at once, as Mosaic allocates it: the
-    [rows, d_model] input and output blocks double-buffered and their float32 accumulator, the
-    other operand's [block, d_model] double-buffered, and the [rows, block] logits tile in
-    float32 with its copy for the second matmul. (At d_model 1,024, 3,968 x 1,024 d table
+    """VMEM that the d table call (rows = its words, block = its tokens) keeps at once, as
+    Mosaic allocates it: the [rows, d_model] input and output blocks double-buffered and their
+    float32 accumulator, the other operand's [block, d_model] double-buffered, and the [rows,
+    block] logits tile in float32 with its copy for the second matmul; an upper bound for the
+    differentiated statistics call (rows = its tokens, block = its words), whose [rows,
+    d_model] float32 output is its own accumulator. (At d_model 1,024, 3,968 x 1,024 d table
     blocks: 77.3e6 here, 76.9e6 in Mosaic's CompileTimeScopedVmemOom for v5e.)"""
     return (rows * d_model * (4 * itemsize + 4) + 2 * block * d_model * itemsize
             + rows * block * (4 + itemsize))
@@ -241,60 +246,53 @@ def _logit_grads(spec: _Spec, hidden, table, bias, targets, lse, grads, first_vo
 
 
 def _statistics_kernel(spec: _Spec, hidden_ref, table_ref, bias_ref, targets_ref,
-                       max_ref, sumexp_ref, target_ref, sum_ref, argmax_ref) -> None:
+                       max_ref, sumexp_ref, target_ref, sum_ref, argmax_ref,
+                       *grad_refs) -> None:
+    """The statistics, online over the vocabulary blocks; under differentiation (grad_refs:
+    others_ref [block_t, d_model] and rest_ref [block_t, 1], float32) also sum_{v != target}
+    p_v W_v and sum_{v != target} p_v, accumulated in their output blocks."""
     vocab_block = pl.program_id(1)
 
     @pl.when(vocab_block == 0)
     def _():
         max_ref[...] = jnp.full(max_ref.shape, -jnp.inf, jnp.float32)
-        sumexp_ref[...] = jnp.zeros(sumexp_ref.shape, jnp.float32)
-        target_ref[...] = jnp.zeros(target_ref.shape, jnp.float32)
-        sum_ref[...] = jnp.zeros(sum_ref.shape, jnp.float32)
-        argmax_ref[...] = jnp.zeros(argmax_ref.shape, jnp.int32)
+        for ref in (sumexp_ref, target_ref, sum_ref, argmax_ref, *grad_refs):
+            ref[...] = jnp.zeros(ref.shape, ref.dtype)
 
     first_vocab = vocab_block * spec.blocks.vocab
     table = _real_rows(spec, table_ref[...], first_vocab)
+    targets = targets_ref[...]
     logits, column, real = _logits(spec, hidden_ref[...], table, bias_ref[...], first_vocab,
                                    transposed=False)
     logits = jnp.where(real, logits, -jnp.inf)
     block_max = jnp.max(logits, axis=1, keepdims=True)
     old_max = max_ref[...]
     new_max = jnp.maximum(old_max, block_max)  # finite: every block holds a real column
-    sumexp_ref[...] = (sumexp_ref[...] * jnp.exp(old_max - new_max)
-                       + jnp.sum(jnp.exp(logits - new_max), axis=1, keepdims=True))
+    rescale = jnp.exp(old_max - new_max)  # 0 at the first block
+    exps = jnp.exp(logits - new_max)  # 0 past the vocabulary
+    sumexp_ref[...] = sumexp_ref[...] * rescale + jnp.sum(exps, axis=1, keepdims=True)
     max_ref[...] = new_max
-    target_ref[...] += jnp.sum(jnp.where(column == targets_ref[...], logits, 0.0), axis=1,
-                               keepdims=True)
+    is_target = column == targets
+    target_ref[...] += jnp.sum(jnp.where(is_target, logits, 0.0), axis=1, keepdims=True)
     sum_ref[...] += jnp.sum(jnp.where(real, logits, 0.0), axis=1, keepdims=True)
     # The first largest: the block's first maximum, taken only when it beats earlier blocks.
     # (Indices as float32, exact below 2**24, whose lane reduction every TPU has.)
     block_argmax = jnp.min(jnp.where(logits == block_max, column.astype(jnp.float32), jnp.inf),
                            axis=1, keepdims=True).astype(jnp.int32)
     argmax_ref[...] = jnp.where(block_max > old_max, block_argmax, argmax_ref[...])
-
-
-def _hidden_grad_kernel(spec: _Spec, hidden_ref, table_ref, bias_ref, targets_ref, lse_ref,
-                        lse_grad_ref, target_grad_ref, sum_grad_ref, hidden_grad_ref,
-                        hidden_grad_sum) -> None:
-    """d hidden in hidden's dtype, summed over the vocabulary blocks in float32 (scratch)."""
-    vocab_block = pl.program_id(1)
-
-    @pl.when(vocab_block == 0)
-    def _():
-        hidden_grad_sum[...] = jnp.zeros(hidden_grad_sum.shape, jnp.float32)
-
-    first_vocab = vocab_block * spec.blocks.vocab
-    table = _real_rows(spec, table_ref[...], first_vocab)
-    grads = (lse_grad_ref[...], target_grad_ref[...], sum_grad_ref[...])
-    logit_grads = _logit_grads(spec, hidden_ref[...], table, bias_ref[...], targets_ref[...],
-                               lse_ref[...], grads, first_vocab)
-    hidden_grad_sum[...] += jnp.dot(logit_grads.astype(table.dtype), table,
-                                    preferred_element_type=jnp.float32,
-                                    precision=spec.precision)
+    if not grad_refs:
+        return
+    others_ref, rest_ref = grad_refs
+    others = jnp.where(is_target, 0.0, exps)
+    others_ref[...] = others_ref[...] * rescale + jnp.dot(
+        others.astype(table.dtype), table, preferred_element_type=jnp.float32,
+        precision=spec.precision)
+    rest_ref[...] = rest_ref[...] * rescale + jnp.sum(others, axis=1, keepdims=True)
 
     @pl.when(vocab_block == pl.num_programs(1) - 1)
     def _():
-        hidden_grad_ref[...] = hidden_grad_sum[...].astype(hidden_grad_ref.dtype)
+        others_ref[...] = others_ref[...] / sumexp_ref[...]
+        rest_ref[...] = rest_ref[...] / sumexp_ref[...]
 
 
 def _table_grad_kernel(spec: _Spec, hidden_ref, table_ref, bias_ref, targets_ref, lse_ref,
@@ -350,49 +348,59 @@ def _row(block: int, axis: int) -> pl.BlockSpec:  # [1, tokens] / [1, vocab] row
     return pl.BlockSpec((1, block), lambda *ids: (0, ids[axis]))
 
 
-def _forward(spec: _Spec, hidden, table, bias, targets):
+def _forward(spec: _Spec, hidden, table, bias, targets, differentiated: bool):
+    """(lse, target logit, logit sum, argmax), each [tokens]; differentiated: with (others
+    [tokens, d_model], rest [tokens]) float32, what d hidden needs (_statistics_kernel)."""
     tokens, d_model = hidden.shape
     bt, bv = spec.blocks.tokens, spec.blocks.vocab
     grid = (tokens // bt, pl.cdiv(spec.vocab_size, bv))
     computed = tokens * grid[1] * bv  # logits computed, the last block's overhang included
     column = jax.ShapeDtypeStruct((tokens, 1), jnp.float32)
-    cost = pl.CostEstimate(flops=2 * computed * d_model, transcendentals=computed,
-                           bytes_accessed=_nbytes(hidden, bias) + grid[0] * _nbytes(table))
-    row_max, sumexp, target_logit, logit_sum, argmax = _pallas(
+    out_specs = [_column(bt, 0)] * 5
+    out_shape = [column] * 4 + [jax.ShapeDtypeStruct((tokens, 1), jnp.int32)]
+    if differentiated:
+        out_specs += [pl.BlockSpec((bt, d_model), lambda i, j: (i, 0)), _column(bt, 0)]
+        out_shape += [jax.ShapeDtypeStruct((tokens, d_model), jnp.float32), column]
+    cost = pl.CostEstimate(
+        flops=(4 if differentiated else 2) * computed * d_model, transcendentals=computed,
+        bytes_accessed=_nbytes(hidden, bias) + grid[0] * _nbytes(table)
+        + differentiated * tokens * d_model * 4)
+    row_max, sumexp, target_logit, logit_sum, argmax, *for_grads = _pallas(
         spec, _statistics_kernel, grid,
         [pl.BlockSpec((bt, d_model), lambda i, j: (i, 0)),
          pl.BlockSpec((bv, d_model), lambda i, j: (j, 0)), _row(bv, 1), _column(bt, 0)],
-        [_column(bt, 0)] * 5,
-        [column] * 4 + [jax.ShapeDtypeStruct((tokens, 1), jnp.int32)],
-        cost, "tfm_cross_entropy_statistics",
+        out_specs, out_shape, cost, "tfm_cross_entropy_statistics",
         hidden, table, bias[None, :], targets[:, None],
     )
     lse = row_max + jnp.log(sumexp)
-    return lse[:, 0], target_logit[:, 0], logit_sum[:, 0], argmax[:, 0]
+    stats = SoftmaxStatistics(lse[:, 0], target_logit[:, 0], logit_sum[:, 0], argmax[:, 0])
+    if not differentiated:
+        return stats
+    others, rest = for_grads
+    return stats, others, rest[:, 0]
 
 
-def _backward(spec: _Spec, hidden, table, bias, targets, lse, grads):
+def _hidden_grad(spec: _Spec, hidden, table, targets, others, rest, grads):
+    """d hidden [tokens, d_model] in hidden's dtype: sum_v g_v W_v with g_v = d_lse p_v +
+    d_target [v = target] + d_sum, i.e. d_lse * others + (d_lse (1 - rest) + d_target) *
+    W[target] + d_sum * sum_v W_v, from the differentiated forward's `others` [tokens,
+    d_model] and `rest` [tokens] (a target outside the vocabulary has no row: rest = 1)."""
+    lse_grad, target_grad, sum_grad = grads
+    has_row = (targets >= 0) & (targets < spec.vocab_size)
+    target_weight = jnp.where(has_row, lse_grad + target_grad - lse_grad * rest, 0.0)
+    target_rows = jnp.take(table, targets, axis=0, mode="clip").astype(jnp.float32)
+    row_sum = jnp.sum(table, axis=0, dtype=jnp.float32)
+    grad = (lse_grad[:, None] * others + target_weight[:, None] * target_rows
+            + sum_grad[:, None] * row_sum)
+    return grad.astype(hidden.dtype)
+
+
+def _table_grad(spec: _Spec, hidden, table, bias, targets, lse, grads):
+    """d table [vocab, d_model] (table's dtype) and d bias [vocab] float32."""
     tokens, d_model = hidden.shape
-    bt, bv = spec.blocks.tokens, spec.blocks.vocab
     gbt, gbv = spec.blocks.grad_tokens, spec.blocks.grad_vocab
-    vocab_blocks, grad_vocab_blocks = pl.cdiv(spec.vocab_size, bv), pl.cdiv(spec.vocab_size, gbv)
-    computed = tokens * vocab_blocks * bv
+    grad_vocab_blocks = pl.cdiv(spec.vocab_size, gbv)
     per_token = [targets, lse, *grads]
-    columns = [value[:, None] for value in per_token]
-    hidden_grad = _pallas(
-        spec, _hidden_grad_kernel, (tokens // bt, vocab_blocks),
-        [pl.BlockSpec((bt, d_model), lambda i, j: (i, 0)),
-         pl.BlockSpec((bv, d_model), lambda i, j: (j, 0)), _row(bv, 1),
-         *[_column(bt, 0)] * 5],
-        pl.BlockSpec((bt, d_model), lambda i, j: (i, 0)),
-        jax.ShapeDtypeStruct(hidden.shape, hidden.dtype),
-        pl.CostEstimate(flops=4 * computed * d_model, transcendentals=computed,
-                        bytes_accessed=2 * _nbytes(hidden) + _nbytes(*columns)
-                        + tokens // bt * _nbytes(table)),
-        "tfm_cross_entropy_hidden_grad",
-        hidden, table, bias[None, :], *columns,
-        scratch_shapes=[pltpu.VMEM((bt, d_model), jnp.float32)],
-    )
     rows = [value[None, :] for value in per_token]
     computed = tokens * grad_vocab_blocks * gbv
     table_grad, bias_grad = _pallas(
@@ -411,24 +419,24 @@ def _backward(spec: _Spec, hidden, table, bias, targets, lse, grads):
         hidden, table, bias[:, None], *rows,
         scratch_shapes=[pltpu.VMEM((gbv, d_model), jnp.float32)],
     )
-    return hidden_grad, table_grad, bias_grad[:, 0]
+    return table_grad, bias_grad[:, 0]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _statistics(spec: _Spec, hidden, table, bias, targets) -> SoftmaxStatistics:
-    return SoftmaxStatistics(*_forward(spec, hidden, table, bias, targets))
+    return _forward(spec, hidden, table, bias, targets, differentiated=False)
 
 
 def _statistics_forward(spec: _Spec, hidden, table, bias, targets):
-    stats = SoftmaxStatistics(*_forward(spec, hidden, table, bias, targets))
-    return stats, (hidden, table, bias, targets, stats.lse)
+    stats, others, rest = _forward(spec, hidden, table, bias, targets, differentiated=True)
+    return stats, (hidden, table, bias, targets, stats.lse, others, rest)
 
 
 def _statistics_backward(spec: _Spec, residuals, stats_grad: SoftmaxStatistics):
-    hidden, table, bias, targets, lse = residuals
+    hidden, table, bias, targets, lse, others, rest = residuals
     grads = (stats_grad.lse, stats_grad.target_logit, stats_grad.logit_sum)
-    hidden_grad, table_grad, bias_grad = _backward(spec, hidden, table, bias, targets, lse,
-                                                   grads)
+    hidden_grad = _hidden_grad(spec, hidden, table, targets, others, rest, grads)
+    table_grad, bias_grad = _table_grad(spec, hidden, table, bias, targets, lse, grads)
     return hidden_grad, table_grad, bias_grad, None
 
 
