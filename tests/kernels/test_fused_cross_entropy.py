@@ -336,19 +336,24 @@ def test_fitted_blocks_cover_the_tokens_with_little_padding(tokens):
     assert blocks.tokens <= -(-tokens // 128) * 128
 
 
-@pytest.mark.parametrize("d_model,grad_vocab", [(768, 3968), (1024, 3200), (1600, 2560)])
-def test_blocks_shrink_until_their_vmem_fits(d_model, grad_vocab):
+@pytest.mark.parametrize("d_model,tokens,grad_vocab", [(768, 4096, 3968), (1024, 2048, 3200),
+                                                     (1600, 2048, 2304)])
+def test_blocks_shrink_until_their_vmem_fits(d_model, tokens, grad_vocab):
     """v5e's blocks over GPT-2's 8 x 1,024 tokens and 50,304 words: GPT-2 small (768) keeps
-    d table blocks of 3,968 words; GPT-2 medium's 1,024 needs smaller ones (at 3,968 Mosaic
-    asked 76.9e6 bytes of the 64 MiB it may take, CompileTimeScopedVmemOom), and every call
-    fits its estimate."""
+    statistics blocks of 4,096 tokens and d table blocks of 3,968 words; GPT-2 medium's 1,024
+    needs smaller ones (at 3,968 words Mosaic asked 76.9e6 bytes of the 64 MiB the d table call
+    may take; at 4,096 tokens 104.7 MiB of the statistics call's 96, CompileTimeScopedVmemOom),
+    halving the token block so that 8,192 tokens need no padding; every call fits its
+    estimate."""
     chip = fce.BLOCKS_BY_CHIP["TPU v5 lite"]
-    blocks, _ = fce.fit_blocks(chip, 8192, 50_304, d_model, 2)
-    assert blocks.grad_vocab == grad_vocab
+    blocks, padded = fce.fit_blocks(chip, 8192, 50_304, d_model, 2)
+    assert (blocks.tokens, blocks.grad_vocab, padded) == (tokens, grad_vocab, 8192)
     assert blocks.grad_vocab % 128 == 0 and blocks.tokens % 128 == 0
     assert fce._vmem_bytes(blocks.grad_vocab, blocks.grad_tokens, d_model, 2) <= chip.vmem_limit
-    assert fce._vmem_bytes(blocks.tokens, blocks.vocab, d_model, 2) <= chip.vmem_limit
+    assert (fce._statistics_vmem_bytes(blocks.tokens, blocks.vocab, d_model, 2)
+            <= chip.limit("statistics"))
     assert fce._vmem_bytes(3968, 1024, 1024, 2) > chip.vmem_limit
+    assert fce._statistics_vmem_bytes(4096, 512, 1024, 2) > chip.limit("statistics")
 
 
 def test_auto_keeps_the_reference_where_the_mesh_splits_the_vocabulary():

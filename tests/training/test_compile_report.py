@@ -244,6 +244,28 @@ def test_a_step_that_does_not_fit_is_one_line(tmp_path):
     assert failure.startswith("--target=v5e-4 does not fit")
 
 
+
+# Mosaic's verdict on a kernel whose tiles exceed VMEM, as libtpu 0.0.42.1 words it (shortened).
+VMEM_OOM = """RESOURCE_EXHAUSTED: E1001: CompileTimeScopedVmemOom:
+Ran out of memory in memory space vmem while allocating on stack for %tfm_cross_entropy_statist\
+ics.1 = (f32[8192,1]{1,0:T(8,128)S(1)}) custom-call(%bitcast.24), custom_call_target="tpu_custom\
+_call", metadata={op_name="jit(loss)/jvp()/shard_map/tfm_cross_entropy_statistics/pallas_call" \
+stack_frame_id=37}. Scoped allocation with size 66.00M and limit 64.00M exceeded scoped vmem lim\
+it by 2.00M. It should not be possible to run out of scoped vmem -
+See https://openxla.org/xla/errors/error_1001 for more details."""
+
+
+def test_out_of_memory_is_one_line_naming_the_kernel_whose_tiles_do_not_fit():
+    """HBM: the compiler's line as it is; VMEM (whose first line names nothing): which Pallas
+    kernel and how much it asked; any other error: None (raised by the caller)."""
+    line = compile_report.out_of_memory_line(RuntimeError(VMEM_OOM))
+    assert line == ("RESOURCE_EXHAUSTED: E1001: CompileTimeScopedVmemOom: the Pallas kernel "
+                    "tfm_cross_entropy_statistics needs 66.00M of on-chip memory (VMEM) where "
+                    "64.00M is allowed: its tiles are too large for this chip")
+    hbm = "XlaRuntimeError: RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm.\nmore"
+    assert compile_report.out_of_memory_line(RuntimeError(hbm)) == hbm.splitlines()[0]
+    assert compile_report.out_of_memory_line(ValueError("shapes differ")) is None
+
 SCHEMES = ("none", "sinusoidal", "learned", "rope", "relative", "t5_bias", "alibi")
 
 

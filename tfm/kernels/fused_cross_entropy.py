@@ -49,21 +49,31 @@ class Blocks:
     """Tile sizes (multiples of 128): tokens and vocabulary rows per block of the statistics
     pass, which reads the whole table once per token block (tall blocks); the same for the d
     table pass, which reads all tokens once per vocabulary block (wide blocks); and the on-chip
-    memory (VMEM) the calls may take."""
+    memory (VMEM) the calls may take (the statistics call: `statistics_vmem_limit`, when
+    given)."""
 
     tokens: int
     vocab: int
     grad_tokens: int
     grad_vocab: int
     vmem_limit: int
+    statistics_vmem_limit: int | None = None
+
+    def limit(self, call: str) -> int:
+        """The VMEM limit of `call`, "statistics" or "table_grad"."""
+        if call == "statistics" and self.statistics_vmem_limit is not None:
+            return self.statistics_vmem_limit
+        return self.vmem_limit
 
 
 # By chip (jax Device.device_kind), the largest tiles its VMEM takes (compiled for each): 128
-# MiB on v5e and v6e, 64 MiB usable on v5p, 16 MiB per core on v2-v4.
-BLOCKS = Blocks(2048, 1024, 1024, 2048, 60 * 2**20)  # v5p, and chips not listed
+# MiB on v5e and v6e (96 MiB for the differentiated statistics call, whose 4,096 tokens at
+# d_model 768 asked 67.9 MiB in GPT-2 small's fsdp=8 step), 64 MiB usable on v5p (where 2,048
+# of its tokens at d_model 1,280 took 66.5 MB: 1,024 there), 16 MiB per core on v2-v4.
+BLOCKS = Blocks(1024, 512, 1024, 2048, 60 * 2**20)  # v5p, and chips not listed
 BLOCKS_BY_CHIP = {
-    "TPU v5 lite": Blocks(4096, 512, 1024, 4096, 64 * 2**20),
-    "TPU v6 lite": Blocks(4096, 512, 1024, 4096, 64 * 2**20),
+    "TPU v5 lite": Blocks(4096, 512, 1024, 4096, 64 * 2**20, 96 * 2**20),
+    "TPU v6 lite": Blocks(4096, 512, 1024, 4096, 64 * 2**20, 96 * 2**20),
     **{f"TPU v{n}": Blocks(512, 512, 256, 512, 14 * 2**20) for n in (2, 3, 4)},
 }
 
@@ -166,19 +176,22 @@ def fit_blocks(blocks: Blocks, tokens: int, vocab_size: int, d_model: int = 0,
     so that padding stays under 128 per block (5,000 tokens in blocks of at most 4,096: two of
     2,560; 50,304 words in blocks of at most 4,096: 13 of 3,968) and no block is larger than
     the input (rounded to 128 lanes); the d table pass's token block is the largest up to its
-    size that divides the padded tokens. The token block of the statistics pass and the
-    vocabulary block of the d table pass shrink by 128 until what those calls keep in VMEM
-    (`_vmem_bytes`, for d_model and the hidden dtype's `itemsize`) fits blocks.vmem_limit:
-    GPT-2 medium's d_model 1,024 takes d table blocks of 3,200 words where 768 takes 3,968."""
-    block_tokens = _shrunk(blocks.tokens, tokens, lambda size: _vmem_bytes(
-        size, blocks.vocab, d_model, itemsize) <= blocks.vmem_limit)
+    size that divides the padded tokens. The token block of the statistics pass halves, and
+    the vocabulary block of the d table pass shrinks by 128, until what those calls keep in VMEM
+    (`_statistics_vmem_bytes` and `_vmem_bytes`, for d_model and the hidden dtype's
+    `itemsize`) fits its limit (`Blocks.limit`): on v5e, GPT-2 medium's d_model 1,024 takes d
+    table blocks of 3,200 words and statistics blocks of 2,048 tokens where 768 takes 3,968 and
+    4,096."""
+    vocab_block = _even(blocks.vocab, vocab_size)
+    block_tokens = _halved(blocks.tokens, tokens, lambda size: _statistics_vmem_bytes(
+        size, vocab_block, d_model, itemsize) <= blocks.limit("statistics"))
     padded = -(-tokens // block_tokens) * block_tokens
     grad_tokens = next(size for size in range(min(blocks.grad_tokens, padded), 0, -LANES)
                        if padded % size == 0)
     grad_vocab = _shrunk(blocks.grad_vocab, vocab_size, lambda size: _vmem_bytes(
         size, grad_tokens, d_model, itemsize) <= blocks.vmem_limit)
     fitted = dataclasses.replace(blocks, tokens=block_tokens, grad_tokens=grad_tokens,
-                                 vocab=_even(blocks.vocab, vocab_size), grad_vocab=grad_vocab)
+                                 vocab=vocab_block, grad_vocab=grad_vocab)
     return fitted, padded
 
 
@@ -186,12 +199,34 @@ def _vmem_bytes(rows: int, block: int, d_model: int, itemsize: int) -> int:
     """VMEM that the d table call (rows = its words, block = its tokens) keeps at once, as
     Mosaic allocates it: the [rows, d_model] input and output blocks double-buffered and their
     float32 accumulator, the other operand's [block, d_model] double-buffered, and the [rows,
-    block] logits tile in float32 with its copy for the second matmul; an upper bound for the
-    differentiated statistics call (rows = its tokens, block = its words), whose [rows,
-    d_model] float32 output is its own accumulator. (At d_model 1,024, 3,968 x 1,024 d table
-    blocks: 77.3e6 here, 76.9e6 in Mosaic's CompileTimeScopedVmemOom for v5e.)"""
+    block] logits tile in float32 with its copy for the second matmul. (At d_model 1,024,
+    3,968 x 1,024 d table blocks: 77.3e6 here, 76.9e6 in Mosaic's CompileTimeScopedVmemOom for
+    v5e at a 64 MiB limit.)"""
     return (rows * d_model * (4 * itemsize + 4) + 2 * block * d_model * itemsize
             + rows * block * (4 + itemsize))
+
+
+def _statistics_vmem_bytes(rows: int, block: int, d_model: int, itemsize: int) -> int:
+    """An estimate of the VMEM the differentiated statistics call (rows = its tokens, block =
+    its words) takes: the [rows, d_model] hidden block double-buffered and its float32 output
+    (its own accumulator) double-buffered, the [block, d_model] table block double-buffered,
+    and six float32 [rows, block] temporaries (logits, exponentials, their masked copy, the
+    column indices, the comparisons, the bfloat16 copy for the MXU), set by what Mosaic asked
+    on v5e (96 MiB allowed): 4,096 x 512 at d_model 768 compile in GPT-2 small's step (this:
+    85.4 MiB); at 1,024 Mosaic asked 104.7 MiB for them in the loss alone under fsdp=8 (this:
+    97.9 MiB, so they shrink)."""
+    return (rows * d_model * (2 * itemsize + 8) + 2 * block * d_model * itemsize
+            + 24 * rows * block)
+
+
+def _halved(largest: int, length: int, fits) -> int:
+    """The evened block (`_even`) of the largest size `largest` / 2**k (whole lanes) that
+    `fits` (else 128): halving keeps a power-of-two token count in whole blocks (8,192 tokens:
+    4,096 or 2,048, not 2,816 and 256 of padding)."""
+    size = largest
+    while size > LANES and not fits(_even(size, length)):
+        size = per_device.round_up(size // 2)
+    return _even(size, length)
 
 
 def _shrunk(largest: int, length: int, fits) -> int:
@@ -327,8 +362,9 @@ def _table_grad_kernel(spec: _Spec, hidden_ref, table_ref, bias_ref, targets_ref
 
 def _pallas(spec: _Spec, kernel, grid, in_specs, out_specs, out_shape, cost, name, *args,
             scratch_shapes=()):
+    call = "statistics" if kernel is _statistics_kernel else "table_grad"
     params = pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
-                                  vmem_limit_bytes=spec.blocks.vmem_limit)
+                                  vmem_limit_bytes=spec.blocks.limit(call))
     return pl.pallas_call(
         functools.partial(kernel, spec), grid=grid, in_specs=in_specs, out_specs=out_specs,
         out_shape=out_shape, interpret=spec.compiler == "interpret", cost_estimate=cost,

@@ -392,10 +392,10 @@ def run(
     try:
         report = compile_for(config, workdir, target_name, breakdown, decode=not train_only)
     except Exception as error:  # the compiler's own out-of-memory verdict, in one line
-        if "RESOURCE_EXHAUSTED" not in str(error):
+        line = out_of_memory_line(error)
+        if line is None:
             raise
-        line = next(ln for ln in str(error).splitlines() if "RESOURCE_EXHAUSTED" in ln)
-        return "", f"--target={target_name} does not fit: {line.strip()}"
+        return "", f"--target={target_name} does not fit: {line}"
     _write_json(report, json_path)
     decode = report.get("decode") or {}
     if report.get("fits") is not False and decode.get("fits") is False:
@@ -438,10 +438,27 @@ def _decode_or_refusal(experiment: Experiment, target: Target) -> dict[str, Any]
     try:
         return decode_report(experiment, target)
     except Exception as error:
-        if "RESOURCE_EXHAUSTED" not in str(error):
+        line = out_of_memory_line(error)
+        if line is None:
             raise
-        line = next(ln for ln in str(error).splitlines() if "RESOURCE_EXHAUSTED" in ln)
-        return {"fits": False, "refused": line.strip()}
+        return {"fits": False, "refused": line}
+
+
+def out_of_memory_line(error: Exception) -> str | None:
+    """The compiler's out-of-memory verdict in one line (None for any other error). Where a
+    Pallas kernel's tiles exceed the chip's on-chip memory (Mosaic's CompileTimeScopedVmemOom,
+    whose first line names neither), the line says which kernel and by how much."""
+    text = str(error)
+    lines = [line.strip() for line in text.splitlines()]
+    first = next((line for line in lines if "RESOURCE_EXHAUSTED" in line), None)
+    if first is None or "VmemOom" not in first:
+        return first
+    kernel = re.search(r'op_name="[^"]*?([\w.-]+)/pallas_call"', text)
+    size = re.search(r"Scoped allocation with size (\S+) and limit (\S+) exceeded", text)
+    where = f"the Pallas kernel {kernel.group(1)}" if kernel else "a Pallas kernel"
+    needs = (f" needs {size.group(1)} of on-chip memory (VMEM) where {size.group(2)} is "
+             f"allowed" if size else " needs more on-chip memory (VMEM) than allowed")
+    return f"{first} {where}{needs}: its tiles are too large for this chip"
 
 
 def decode_for(config: Any, workdir: Any, target_name: str) -> dict[str, Any]:
