@@ -268,13 +268,12 @@ def _logits(spec: _Spec, hidden, table, bias, first_vocab, transposed: bool):
     return jnp.where(real, logits + bias, 0.0), column, real
 
 
-def _logit_grads(spec: _Spec, hidden, table, bias, targets, lse, grads, first_vocab,
-                 transposed: bool = False):
-    """d loss / d logits of a block: d_lse * softmax + d_target * onehot + d_sum (0 outside
-    the vocabulary). targets, lse and the three cotangents: [block_t, 1] ([1, block_t] when
-    transposed)."""
+def _logit_grads(spec: _Spec, hidden, table, bias, targets, lse, grads, first_vocab):
+    """d loss / d logits of a block, [block_v, block_t] (the d table call's orientation):
+    d_lse * softmax + d_target * onehot + d_sum (0 outside the vocabulary). targets, lse and
+    the three cotangents: [1, block_t]."""
     lse_grad, target_grad, sum_grad = grads
-    logits, column, real = _logits(spec, hidden, table, bias, first_vocab, transposed)
+    logits, column, real = _logits(spec, hidden, table, bias, first_vocab, transposed=True)
     probs = jnp.exp(logits - lse)  # finite: masked entries are 0 here
     grad = lse_grad * probs + jnp.where(column == targets, target_grad, 0.0) + sum_grad
     return jnp.where(real, grad, 0.0)
@@ -346,7 +345,7 @@ def _table_grad_kernel(spec: _Spec, hidden_ref, table_ref, bias_ref, targets_ref
     grads = (lse_grad_ref[...], target_grad_ref[...], sum_grad_ref[...])
     logit_grads = _logit_grads(spec, hidden, _real_rows(spec, table_ref[...], first_vocab),
                                bias_ref[...], targets_ref[...], lse_ref[...], grads,
-                               first_vocab, transposed=True)  # [block_v, block_t]
+                               first_vocab)  # [block_v, block_t]
     table_grad_sum[...] += jnp.dot(logit_grads.astype(hidden.dtype), hidden,
                                    preferred_element_type=jnp.float32,
                                    precision=spec.precision)
