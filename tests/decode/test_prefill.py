@@ -87,7 +87,8 @@ def test_chunks_of_a_block_read_the_cache_through_flex(scheme, layout, monkeypat
     """Chunks of 128 (3 of them, the last padded) and 150 (2) run the flex kernel with each
     row's query offset (counted: every layer of every chunk), and give the logits of the whole
     prompt's flex pass and its greedy tokens; from the reference cache layout (this platform's)
-    and TPU's (tfm/kernels/tpu_cache.py, handed to the kernel in the model's order)."""
+    and TPU's (tfm/kernels/tpu_cache.py, handed to the kernel in the model's order; the whole
+    prompt reads its keys and values back from the cache it fills, the chunks do not)."""
     from tfm.kernels import flex_attention
 
     config, params = lm(scheme, attention_backend="flex", max_len=512, cache_layout=layout)
@@ -141,13 +142,12 @@ def test_tpus_cache_layout_is_pinned_in_the_lowered_step():
                for layout in ("reference", "tpu")}
     pins = [line for line in lowered["tpu"].splitlines() if "LayoutConstraint" in line]
     layers = lm("t5_bias")[0].num_decoder_layers
-    # Each layer's keys [batch 2, kv_heads 4, slots 1024, head_dim 16] and values
-    # [2, 4, 16, 1024] as written by the step, and the new token's before the write, all
-    # stored row-major (minor-to-major 3, 2, 1, 0).
+    # Each layer's keys and values [batch 2, kv_heads 4, head_dim 16, slots 1024] as written
+    # by the step, and the new token's before the write, all stored row-major (minor-to-major
+    # 3, 2, 1, 0).
     assert all("result_layouts = [dense<[3, 2, 1, 0]>" in line for line in pins)
     shapes = sorted(re.search(r"\((tensor<[0-9x]*xbf16>)\)", line).group(1) for line in pins)
-    assert shapes == sorted(["tensor<2x4x1024x16xbf16>", "tensor<2x4x16x1024xbf16>",
-                             "tensor<2x4x1x16xbf16>", "tensor<2x4x16x1xbf16>"] * layers)
+    assert shapes == sorted(["tensor<2x4x16x1024xbf16>", "tensor<2x4x16x1xbf16>"] * 2 * layers)
     assert "LayoutConstraint" not in lowered["reference"]
 
 

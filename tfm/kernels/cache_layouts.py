@@ -23,10 +23,14 @@ LayerSlots = tuple[jax.Array, ...] | jax.Array
 
 @dataclasses.dataclass(frozen=True)
 class CacheLayout:
-    """Key and value axis orders (permutations of "bsnh"), and three storage choices:
+    """Key and value axis orders (permutations of "bsnh"), three storage choices and one for
+    the prefill:
     stack_single_row: a batch-1 cache stacks its layers on axis 1 (as `scan_layers` always does);
     write_16bit_as_uint16: 16-bit floats are written through a uint16 view;
-    pin_order: every cache array is stored in its axis order, row-major (`pinned`)."""
+    pin_order: every cache array is stored in its axis order, row-major (`pinned`);
+    prefill_reads_back: a prefill that fills the cache attends to its keys and values read back
+    from it (`in_model_order`), not to its own copies, which then die at the write (tfm.nn.layers):
+    for layouts whose stored order the kernels read as it is, so the read costs no copy."""
 
     name: str
     key_axes: str = MODEL_AXES
@@ -34,6 +38,7 @@ class CacheLayout:
     stack_single_row: bool = False
     write_16bit_as_uint16: bool = False
     pin_order: bool = False
+    prefill_reads_back: bool = False
 
     def axes(self, is_key: bool) -> str:
         return self.key_axes if is_key else self.value_axes
@@ -108,6 +113,8 @@ class CacheLayout:
         """One layer's keys (or values) [batch, ...] in this layout as the model's
         [batch, slots, kv_heads, head_dim] (a transpose: a copy where XLA materialises it)."""
         axes = self.axes(is_key)
+        if axes == MODEL_AXES:
+            return array
         return jnp.transpose(array, [axes.index(axis) for axis in MODEL_AXES])
 
     def read(self, slots: LayerSlots, layer: jax.Array | int) -> jax.Array:
@@ -117,4 +124,4 @@ class CacheLayout:
         return jax.lax.dynamic_index_in_dim(slots, layer, axis=1, keepdims=False)
 
 
-REFERENCE = CacheLayout("reference")
+REFERENCE = CacheLayout("reference", prefill_reads_back=True)

@@ -28,7 +28,6 @@ stored.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -452,10 +451,10 @@ def _backward(spec: _Spec, query, key, value, rows, params, out, lse, out_grad):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flex(spec: _Spec, query, key, value, rows, params):  # no gradient: nothing kept, so
-    # narrow heads are read as they are (a prefill's keys go to its cache [.., T, head_dim])
-    return _forward(dataclasses.replace(spec, seq_minor=False), query, key, value, rows,
-                    params)[0]
+def _flex(spec: _Spec, query, key, value, rows, params):  # no gradient: narrow heads are
+    # read sequence-minor as in training, the order TPU's cache stores a prefill's keys and
+    # values in (tfm/kernels/tpu_cache.py), so the prefill writes the arrays the kernel reads
+    return _forward(spec, query, key, value, rows, params)[0]
 
 
 def _flex_forward(spec: _Spec, query, key, value, rows, params):

@@ -310,10 +310,14 @@ class MultiHeadAttention(nn.Module):
         # A fresh prefill reads its keys and values back from the slots it filled (the same
         # values, where the cache holds them as computed): its own copies die at the write,
         # not after every layer's prefill (GPT-2 medium's v5e-8 decode loop: 2.41 -> 1.93 GB
-        # of temporaries). Under a context mesh the kernels take them in the split's order.
-        reads_back = fresh and inputs.sequence is None and cache.layout.name == "reference"
-        if reads_cache or reads_back:
+        # of temporaries; TPU's layout, CacheLayout.prefill_reads_back). Under a context mesh
+        # the kernels take them in the split's order.
+        if reads_cache:
             key, value = _read_cache(cache, self.is_cross, slot.layer)
+        elif fresh and inputs.sequence is None and cache.layout.prefill_reads_back:
+            stored = _read_cache(cache, self.is_cross, slot.layer)
+            key, value = (cache.layout.in_model_order(array, is_key)
+                          for array, is_key in zip(stored, (True, False), strict=True))
         # keys and values in a kernel's own layout (the reference one reads as computed)
         in_cache_layout = reads_cache and cache.layout.name != "reference"
         out = self._attend(query, key, value, inputs, in_cache_layout, deterministic)
