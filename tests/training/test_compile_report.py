@@ -255,13 +255,32 @@ it by 2.00M. It should not be possible to run out of scoped vmem -
 See https://openxla.org/xla/errors/error_1001 for more details."""
 
 
+# The same from XLA (v5p, d_model 1,600: the register allocator's spills), shortened.
+VMEM_FULL = ("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory "
+             "space vmem. Used 65.86M of 63.94M vmem. Exceeded vmem capacity by 1.92M.\n\n"
+             "  1. Size: 16.33M\n     XLA label: register allocator spill slots in HLO :: "
+             "transpose_jvp_tfm_cross_entropy_table_grad__.1\n  2. Size: 13.00M\n     "
+             'Operator: op_name="jit(loss)/transpose(jvp(tfm_cross_entropy_table_grad))/'
+             'pallas_call"\n     Shape: f32[2048,1600]{1,0:T(8,128)}')
+
+
 def test_out_of_memory_is_one_line_naming_the_kernel_whose_tiles_do_not_fit():
     """HBM: the compiler's line as it is; VMEM (whose first line names nothing): which Pallas
-    kernel and how much it asked; any other error: None (raised by the caller)."""
+    kernel, also inside jvp(...) and transpose(...), how much it asked and, for the fused
+    loss, the way round it; any other error: None (raised by the caller)."""
+    instead = "; --config.model.loss_backend=reference computes the loss without it"
     line = compile_report.out_of_memory_line(RuntimeError(VMEM_OOM))
     assert line == ("RESOURCE_EXHAUSTED: E1001: CompileTimeScopedVmemOom: the Pallas kernel "
                     "tfm_cross_entropy_statistics needs 66.00M of on-chip memory (VMEM) where "
-                    "64.00M is allowed: its tiles are too large for this chip")
+                    "64.00M is allowed: its tiles are too large for this chip" + instead)
+    line = compile_report.out_of_memory_line(RuntimeError(VMEM_FULL))
+    assert line == (VMEM_FULL.splitlines()[0] + " the Pallas kernel "
+                    "tfm_cross_entropy_table_grad needs 65.86M of on-chip memory (VMEM) where "
+                    "63.94M is allowed: its tiles are too large for this chip" + instead)
+    flex = VMEM_OOM.replace("tfm_cross_entropy_statistics", "flex_forward")
+    assert compile_report.out_of_memory_line(RuntimeError(flex)).endswith(
+        "the Pallas kernel flex_forward needs 66.00M of on-chip memory (VMEM) where 64.00M is "
+        "allowed: its tiles are too large for this chip")
     hbm = "XlaRuntimeError: RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm.\nmore"
     assert compile_report.out_of_memory_line(RuntimeError(hbm)) == hbm.splitlines()[0]
     assert compile_report.out_of_memory_line(ValueError("shapes differ")) is None

@@ -446,19 +446,25 @@ def _decode_or_refusal(experiment: Experiment, target: Target) -> dict[str, Any]
 
 def out_of_memory_line(error: Exception) -> str | None:
     """The compiler's out-of-memory verdict in one line (None for any other error). Where a
-    Pallas kernel's tiles exceed the chip's on-chip memory (Mosaic's CompileTimeScopedVmemOom,
-    whose first line names neither), the line says which kernel and by how much."""
+    Pallas kernel's tiles exceed the chip's on-chip memory (VMEM: Mosaic's
+    CompileTimeScopedVmemOom, whose first line names neither, or XLA's "memory space vmem"),
+    the line says which kernel, by how much, and for the fused loss's kernels, how to do
+    without them."""
     text = str(error)
     lines = [line.strip() for line in text.splitlines()]
     first = next((line for line in lines if "RESOURCE_EXHAUSTED" in line), None)
-    if first is None or "VmemOom" not in first:
+    if first is None or not ("VmemOom" in first or "memory space vmem" in first):
         return first
-    kernel = re.search(r'op_name="[^"]*?([\w.-]+)/pallas_call"', text)
-    size = re.search(r"Scoped allocation with size (\S+) and limit (\S+) exceeded", text)
+    # the kernel's name, inside whatever transformations made the call: jvp(...), transpose(...)
+    kernel = re.search(r'op_name="[^"]*?([\w.-]+)\)*/pallas_call"', text)
+    size = (re.search(r"Scoped allocation with size (\S+) and limit (\S+) exceeded", text)
+            or re.search(r"Used (\S+) of (\S+) vmem", text))
     where = f"the Pallas kernel {kernel.group(1)}" if kernel else "a Pallas kernel"
     needs = (f" needs {size.group(1)} of on-chip memory (VMEM) where {size.group(2)} is "
              f"allowed" if size else " needs more on-chip memory (VMEM) than allowed")
-    return f"{first} {where}{needs}: its tiles are too large for this chip"
+    instead = ("; --config.model.loss_backend=reference computes the loss without it"
+               if kernel and kernel.group(1).startswith("tfm_cross_entropy") else "")
+    return f"{first} {where}{needs}: its tiles are too large for this chip{instead}"
 
 
 def decode_for(config: Any, workdir: Any, target_name: str) -> dict[str, Any]:
