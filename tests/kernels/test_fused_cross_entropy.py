@@ -337,23 +337,52 @@ def test_fitted_blocks_cover_the_tokens_with_little_padding(tokens):
 
 
 @pytest.mark.parametrize("d_model,tokens,grad_vocab", [(768, 4096, 3968), (1024, 2048, 3200),
-                                                     (1600, 2048, 2304)])
+                                                     (1600, 1024, 1152), (1664, 2048, 2304)])
 def test_blocks_shrink_until_their_vmem_fits(d_model, tokens, grad_vocab):
     """v5e's blocks over GPT-2's 8 x 1,024 tokens and 50,304 words: GPT-2 small (768) keeps
     statistics blocks of 4,096 tokens and d table blocks of 3,968 words; GPT-2 medium's 1,024
     needs smaller ones (at 3,968 words Mosaic asked 76.9e6 bytes of the 64 MiB the d table call
     may take; at 4,096 tokens 104.7 MiB of the statistics call's 96, CompileTimeScopedVmemOom),
-    halving the token block so that 8,192 tokens need no padding; every call fits its
-    estimate."""
+    halving the token block so that 8,192 tokens need no padding; GPT-2 XL's 1,600, whose last
+    lane tile is partial, is sized as twice 1,664 (`_vmem_width`: 2,304 words took 94.5 MB
+    there); every call fits its estimate."""
     chip = fce.BLOCKS_BY_CHIP["TPU v5 lite"]
     blocks, padded = fce.fit_blocks(chip, 8192, 50_304, d_model, 2)
     assert (blocks.tokens, blocks.grad_vocab, padded) == (tokens, grad_vocab, 8192)
     assert blocks.grad_vocab % 128 == 0 and blocks.tokens % 128 == 0
-    assert fce._vmem_bytes(blocks.grad_vocab, blocks.grad_tokens, d_model, 2) <= chip.vmem_limit
-    assert (fce._statistics_vmem_bytes(blocks.tokens, blocks.vocab, d_model, 2)
+    width = fce._vmem_width(d_model)
+    assert fce._vmem_bytes(blocks.grad_vocab, blocks.grad_tokens, width, 2) <= chip.vmem_limit
+    assert (fce._statistics_vmem_bytes(blocks.tokens, blocks.vocab, width, 2)
             <= chip.limit("statistics"))
     assert fce._vmem_bytes(3968, 1024, 1024, 2) > chip.vmem_limit
     assert fce._statistics_vmem_bytes(4096, 512, 1024, 2) > chip.limit("statistics")
+
+
+@pytest.mark.parametrize("target", ["v5e-4", "v5p-8"])
+def test_gpt2_xls_loss_compiles_for_tpu(target):
+    """Compiled for TPU (libtpu): the loss and its gradient over 8,192 tokens, 50,304 words and
+    GPT-2 XL's d_model 1,600, whose partial last lane tile took Mosaic 1.5-1.8 times the VMEM
+    of 1,664 (CompileTimeScopedVmemOom on v5e, register spills past v5p's 64 MiB, before
+    `_vmem_width`)."""
+    pytest.importorskip("libtpu")
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from tfm.training.compile_report import target_devices
+
+    _, devices = target_devices(target)
+    mesh = Mesh(np.asarray(devices[:1]), ("data",))
+    one = NamedSharding(mesh, PartitionSpec())
+    hidden = jax.ShapeDtypeStruct((8192, 1600), jnp.bfloat16, sharding=one)
+    table = jax.ShapeDtypeStruct((50_304, 1600), jnp.bfloat16, sharding=one)
+    targets = jax.ShapeDtypeStruct((8192,), jnp.int32, sharding=one)
+
+    def loss(hidden, table, targets):
+        stats = fce.softmax_statistics(hidden, table, None, targets)
+        return jnp.sum(stats.lse - stats.target_logit)
+
+    with jax.set_mesh(mesh), jax.default_matmul_precision("default"):
+        program = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(hidden, table, targets)
+        assert "tfm_cross_entropy_table_grad" in program.compile().as_text()
 
 
 def test_auto_keeps_the_reference_where_the_mesh_splits_the_vocabulary():

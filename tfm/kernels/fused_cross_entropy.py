@@ -178,10 +178,11 @@ def fit_blocks(blocks: Blocks, tokens: int, vocab_size: int, d_model: int = 0,
     the input (rounded to 128 lanes); the d table pass's token block is the largest up to its
     size that divides the padded tokens. The token block of the statistics pass halves, and
     the vocabulary block of the d table pass shrinks by 128, until what those calls keep in VMEM
-    (`_statistics_vmem_bytes` and `_vmem_bytes`, for d_model and the hidden dtype's
-    `itemsize`) fits its limit (`Blocks.limit`): on v5e, GPT-2 medium's d_model 1,024 takes d
-    table blocks of 3,200 words and statistics blocks of 2,048 tokens where 768 takes 3,968 and
-    4,096."""
+    (`_statistics_vmem_bytes` and `_vmem_bytes`, for d_model's `_vmem_width` and the hidden
+    dtype's `itemsize`) fits its limit (`Blocks.limit`): on v5e, GPT-2 medium's d_model 1,024
+    takes d table blocks of 3,200 words and statistics blocks of 2,048 tokens where 768 takes
+    3,968 and 4,096."""
+    d_model = _vmem_width(d_model)
     vocab_block = _even(blocks.vocab, vocab_size)
     block_tokens = _halved(blocks.tokens, tokens, lambda size: _statistics_vmem_bytes(
         size, vocab_block, d_model, itemsize) <= blocks.limit("statistics"))
@@ -193,6 +194,17 @@ def fit_blocks(blocks: Blocks, tokens: int, vocab_size: int, d_model: int = 0,
     fitted = dataclasses.replace(blocks, tokens=block_tokens, grad_tokens=grad_tokens,
                                  vocab=vocab_block, grad_vocab=grad_vocab)
     return fitted, padded
+
+
+def _vmem_width(d_model: int) -> int:
+    """The width the VMEM estimates size blocks for: d_model in whole 128-lane tiles, twice
+    that where the last tile is partial and d_model is over 1,280. There Mosaic took 1.5-1.8
+    times the VMEM of the next whole width (v5e, 1,024 x 1,024 blocks, both calls: 54.6 /
+    58.8 / 62.9 / 71.3 MB for the d table call at 1,472 / 1,600 / 1,728 / 1,984 against 35.8
+    / 38.4 / 40.9 / 46.1 at 1,536 / 1,664 / 1,792 / 2,048; register spills, 16.3 MB in v5p's
+    report at 1,600); at 1,088 and 1,216 it took what the next whole width takes."""
+    width = per_device.round_up(d_model)
+    return 2 * width if d_model % LANES and d_model > 1280 else width
 
 
 def _vmem_bytes(rows: int, block: int, d_model: int, itemsize: int) -> int:
