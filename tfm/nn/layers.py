@@ -315,9 +315,9 @@ class MultiHeadAttention(nn.Module):
         if reads_cache:
             key, value = _read_cache(cache, self.is_cross, slot.layer)
         elif fresh and inputs.sequence is None and cache.layout.prefill_reads_back:
-            stored = _read_cache(cache, self.is_cross, slot.layer)
-            key, value = (cache.layout.in_model_order(array, is_key)
-                          for array, is_key in zip(stored, (True, False), strict=True))
+            keys, values = _read_cache(cache, self.is_cross, slot.layer)
+            key, value = (cache.layout.in_model_order(keys, True),
+                          cache.layout.in_model_order(values, False))
         # keys and values in a kernel's own layout (the reference one reads as computed)
         in_cache_layout = reads_cache and cache.layout.name != "reference"
         out = self._attend(query, key, value, inputs, in_cache_layout, deterministic)
